@@ -1,0 +1,123 @@
+"""gpumagic: see, pick and use GPUs from a Jupyter notebook.
+
+``%load_ext gpumagic`` registers the magics; the same work is available as plain functions::
+
+    import gpumagic
+    gpumagic.pick(2, min_free="20GB")   # lease the 2 best free GPUs, set CUDA_VISIBLE_DEVICES
+    gpumagic.status()                   # table of GPUs, processes, leases and what this kernel sees
+
+Importing gpumagic is fast: it never imports torch, bokeh or pynvml, and never initializes CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gpumagic.errors import (
+    GpuLeasedError,
+    GpumagicError,
+    InvalidArgument,
+    KillRefused,
+    LeaseDirectoryError,
+    NoGpuError,
+    NotEnoughGpusError,
+)
+
+if TYPE_CHECKING:
+    from gpumagic.devices.model import Inventory
+    from gpumagic.devices.processes import KillReport
+    from gpumagic.devices.selection import Selection
+    from gpumagic.devices.visibility import Visibility
+    from gpumagic.launch.seeding import SeedReport
+    from gpumagic.widgets.status_table import StatusTable
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GpuLeasedError", "GpumagicError", "InvalidArgument", "KillRefused", "LeaseDirectoryError", "NoGpuError",
+    "NotEnoughGpusError", "gpus", "kill", "load_ipython_extension", "pick", "release", "seed", "status", "use",
+    "visible_gpus",
+]
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Called by ``%load_ext gpumagic``: registers ``%gpu``."""
+    from gpumagic.magics import GpuMagics
+
+    ipython.register_magics(GpuMagics)
+
+
+def gpus() -> Inventory:
+    """Every GPU of this machine now: memory, utilization, temperature, power, processes.
+
+    Simulated GPUs when ``GPUMAGIC_SIMULATE`` is set. With no driver the inventory is empty and its
+    ``problem`` says why. Raises InvalidArgument if ``GPUMAGIC_SIMULATE`` is malformed.
+    """
+    from gpumagic.devices.inventory import read_inventory
+
+    return read_inventory()
+
+
+def status() -> StatusTable:
+    """The ``%gpu status`` table (HTML in a notebook, text in a terminal); its ``.status`` holds the data."""
+    from gpumagic.devices.status import gather_status
+    from gpumagic.widgets.status_table import StatusTable
+
+    return StatusTable(gather_status())
+
+
+def pick(n: int = 1, **options: Any) -> Selection:
+    """Lease the ``n`` best free GPUs and make them this kernel's ``cuda:0..n-1``.
+
+    Options: ``min_free`` ("20GB", "50%"), ``max_util`` (percent), ``exclude`` ("0,1"), ``wait`` ("10m").
+    See ``gpumagic.devices.selection.pick``. Raises NotEnoughGpusError listing what each GPU lacked.
+    """
+    from gpumagic.devices.selection import pick as _pick
+
+    return _pick(n, **options)
+
+
+def use(spec: object, *, force: bool = False) -> Selection:
+    """Make the GPUs ``spec`` names (``"0,2"``, ``"GPU:*"``, ``"A100"``, a UUID, ``"none"``) this kernel's."""
+    from gpumagic.devices.selection import use as _use
+
+    return _use(spec, force=force)
+
+
+def release() -> tuple[int, ...]:
+    """Give back this kernel's leases and restore ``CUDA_VISIBLE_DEVICES``; returns the GPUs released."""
+    from gpumagic.devices.selection import release as _release
+
+    return _release()
+
+
+def visible_gpus() -> Visibility:
+    """Which GPU each ``cuda:N`` of this kernel is, given ``CUDA_VISIBLE_DEVICES`` now."""
+    from gpumagic.devices.inventory import read_inventory
+    from gpumagic.devices.visibility import current_visibility
+
+    return current_visibility(read_inventory())
+
+
+def seed(value: int, *, deterministic: bool = False) -> SeedReport:
+    """Seed python, numpy and torch (CPU and every CUDA device, lazily); see ``launch.seeding.seed``."""
+    from gpumagic.launch.seeding import seed as _seed
+
+    return _seed(value, deterministic=deterministic)
+
+
+def kill(pid: int, *, timeout: float = 5.0) -> KillReport:
+    """Stop one of your own GPU processes: SIGTERM, then SIGKILL after ``timeout`` seconds.
+
+    Raises KillRefused for processes of other users, processes not on a GPU, and this kernel itself.
+    """
+    from gpumagic.devices.inventory import read_inventory
+    from gpumagic.devices.processes import kill_own_process
+
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        raise InvalidArgument(f"a PID is a positive whole number, got {pid!r}")
+    processes = [p for g in read_inventory().gpus for p in g.processes]
+    for process in processes:
+        if process.pid == pid and process.simulated:
+            raise KillRefused(f"PID {pid} is a simulated process of {process.user}; gpumagic stops only your own processes")
+    return kill_own_process(pid, {p.pid for p in processes}, timeout)

@@ -1,0 +1,227 @@
+"""Choosing this kernel's GPUs: ``pick`` (the best free ones), ``use`` (named ones), ``release``.
+
+Each choice takes leases so that other notebooks do not pick the same GPUs, and sets
+``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and ``CUDA_VISIBLE_DEVICES`` (UUIDs) so that ``cuda:0`` is the lowest
+numbered GPU chosen, and so on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from gpumagic.devices import leases as leasing
+from gpumagic.devices import visibility
+from gpumagic.devices.inventory import read_inventory, require_gpus
+from gpumagic.devices.model import GpuInfo, Inventory
+from gpumagic.devices.policy import Requirements, assess
+from gpumagic.devices.spec import SpecError, parse_spec, resolve
+from gpumagic.errors import GpuLeasedError, InvalidArgument, NotEnoughGpusError
+from gpumagic.units import GIB, format_duration, parse_duration, parse_percent, parse_size_or_percent
+
+MAX_GPUS = 64
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The GPUs this kernel chose, why, and what it set. Its repr is the one line ``%gpu`` prints."""
+
+    gpus: tuple[GpuInfo, ...]
+    summary: str
+    environment: dict[str, str] = field(default_factory=dict)
+    too_late: str | None = None
+    simulated: bool = False
+    shared: tuple[int, ...] = ()
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        """NVML indices (the numbers ``%gpu`` and nvidia-smi show) of the chosen GPUs, in cuda order."""
+        return tuple(g.nvml_index for g in self.gpus)
+
+    @property
+    def uuids(self) -> tuple[str, ...]:
+        return tuple(g.uuid for g in self.gpus)
+
+    def __repr__(self) -> str:
+        text = self.summary + (" [simulated]" if self.simulated else "")
+        if self.too_late:
+            chosen = ", ".join(map(str, self.indices)) or "no GPU"
+            text += (
+                f"\n⚠ Too late for this kernel: {self.too_late}, so it keeps the devices it had; processes it "
+                f"starts from now on will use {chosen}. Restart the kernel and run %gpu first to move this kernel too."
+            )
+        return text
+
+    _repr_pretty_ = lambda self, printer, cycle: printer.text(repr(self))  # noqa: E731 - IPython hook
+
+
+def pick(
+    n: int = 1,
+    *,
+    min_free: str | int | None = None,
+    max_util: str | float | None = None,
+    exclude: str | Iterable[int] | None = None,
+    wait: str | float | None = None,
+    poll_interval: float = 1.0,
+    on_wait: Callable[[str], None] | None = None,
+) -> Selection:
+    """Lease the ``n`` best free GPUs and make them this kernel's ``cuda:0..n-1``.
+
+    Best means most free memory, then lowest utilization. GPUs leased by other notebooks never qualify.
+
+    Args:
+        n: how many GPUs.
+        min_free: memory each needs free: ``"20GB"``, bytes, or ``"50%"`` of the GPU.
+        max_util: highest utilization allowed, percent.
+        exclude: GPUs never to pick, as a device spec (``"0,1"``) or NVML indices.
+        wait: keep trying this long (``"10m"``, seconds) until enough qualify; ``on_wait`` hears why not.
+
+    Raises:
+        NotEnoughGpusError: too few GPUs qualify (after ``wait``); lists what each one lacked.
+        NoGpuError: no GPUs at all. InvalidArgument: malformed argument.
+
+    >>> pick(2, min_free="20GB")  # doctest: +SKIP
+    Picked GPU 1, 3 ...
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_GPUS:
+        raise InvalidArgument(f"the number of GPUs must be a whole number from 1 to {MAX_GPUS}, got {n!r}")
+    needs = _requirements(min_free, max_util)
+    timeout = parse_duration(wait) if wait is not None else 0.0
+    deadline = time.monotonic() + timeout
+    first = True
+    while True:
+        inventory = require_gpus(read_inventory())
+        resolved = Requirements(needs.min_free, needs.min_free_percent, needs.max_util, _excluded(exclude, inventory))
+        if first and n > len(inventory.gpus):
+            raise NotEnoughGpusError(n, (), {g.nvml_index: "(this machine has only "
+                                              f"{len(inventory.gpus)} GPUs)" for g in inventory.gpus})
+        first = False
+        with leasing.pick_lock():
+            held = leasing.holders([g.uuid for g in inventory.gpus], leasing.book())
+            qualifying, reasons = assess(list(inventory.gpus), resolved, held)
+            if len(qualifying) >= n:
+                chosen = qualifying[:n]
+                before = set(leasing.book().held())
+                acquired = [g for g in chosen if leasing.book().try_acquire(g.uuid)]
+                if len(acquired) == len(chosen):
+                    _keep_only(chosen)
+                    return _select(inventory, chosen, _why_picked(chosen, len(qualifying), resolved))
+                # a holder took one without the pick lock (it cannot, unless the lease directory was
+                # tampered with): give back what this attempt took and look again
+                leasing.book().release(g.uuid for g in acquired if g.uuid not in before)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            note = f" after waiting {format_duration(timeout)}" if timeout else ""
+            raise NotEnoughGpusError(n, tuple(g.nvml_index for g in qualifying), reasons, note)
+        if on_wait is not None:
+            lacking = "; ".join(f"GPU {i}: {why}" for i, why in sorted(reasons.items()))
+            on_wait(f"Waiting for {n} GPU(s), {len(qualifying)} qualify ({format_duration(remaining)} left) — {lacking}")
+        time.sleep(min(poll_interval, max(remaining, 0.01)))
+
+
+def use(spec: object, *, force: bool = False) -> Selection:
+    """Make exactly the GPUs ``spec`` names this kernel's GPUs, leasing them.
+
+    ``spec``: ``"0,2"``, ``"GPU:1"``, ``['GPU:0', 'GPU:1']``, ``"GPU:*"``, a name pattern (``"A100"``),
+    a UUID or its prefix, or ``"none"``/``"cpu"`` for no GPU at all.
+
+    Raises:
+        SpecError: malformed spec or a GPU that does not exist (lists the accepted forms).
+        GpuLeasedError: a named GPU is leased by someone else (``force=True`` shares it, unleased).
+    """
+    parsed = parse_spec(spec)
+    if parsed.none:
+        leasing.book().release_all()
+        environment = visibility.show_only([])
+        inventory = read_inventory()
+        return _finish(inventory, (), "Using no GPU: CUDA_VISIBLE_DEVICES is empty, so this kernel and what it "
+                       "starts run on the CPU", environment)
+    inventory = require_gpus(read_inventory())
+    gpus = resolve(parsed, inventory)
+    broken = [g for g in gpus if not g.healthy]
+    if broken:
+        raise SpecError("; ".join(f"GPU {g.nvml_index} cannot be used: {g.problem}" for g in broken))
+    with leasing.pick_lock():
+        held = leasing.holders([g.uuid for g in gpus], leasing.book())
+        taken = [g for g in gpus if g.uuid in held and not held[g.uuid].mine]
+        if taken and not force:
+            raise GpuLeasedError(
+                "; ".join(f"GPU {g.nvml_index} is {held[g.uuid].describe()}" for g in taken)
+                + ". Pick others (%gpu pick), or add --force to share it without a lease."
+            )
+        shared = []
+        for gpu in gpus:
+            if not leasing.book().try_acquire(gpu.uuid):
+                shared.append(gpu.nvml_index)
+        _keep_only(gpus)
+    summary = f"Using GPU {_list(g.nvml_index for g in gpus)} ({_names(gpus)}) as named"
+    if shared:
+        summary += f"; sharing GPU {_list(shared)} without a lease (--force)"
+    return _select(inventory, list(gpus), summary, tuple(shared))
+
+
+def release() -> tuple[int, ...]:
+    """Give back this kernel's leases and restore ``CUDA_VISIBLE_DEVICES`` as it was before gpumagic.
+
+    Returns the NVML indices released (where the inventory still knows them).
+    """
+    uuids = leasing.book().release_all()
+    visibility.restore()
+    if not uuids:
+        return ()
+    inventory = read_inventory()
+    return tuple(g.nvml_index for g in inventory.gpus if g.uuid in uuids)
+
+
+def _requirements(min_free: str | int | None, max_util: str | float | None) -> Requirements:
+    free_bytes, free_percent = parse_size_or_percent(min_free) if min_free is not None else (None, None)
+    util = parse_percent(max_util) if max_util is not None else None
+    return Requirements(free_bytes, free_percent, util)
+
+
+def _excluded(exclude: str | Iterable[int] | None, inventory: Inventory) -> frozenset[int]:
+    if exclude is None or exclude == "":
+        return frozenset()
+    if isinstance(exclude, str):
+        return frozenset(g.nvml_index for g in resolve(parse_spec(exclude), inventory))
+    try:
+        return frozenset(int(i) for i in exclude)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"exclude must be a device spec like '0,1' or a list of indices, got {exclude!r}") from None
+
+
+def _keep_only(chosen: Iterable[GpuInfo]) -> None:
+    keep = {g.uuid for g in chosen}
+    leasing.book().release(u for u in leasing.book().held() if u not in keep)
+
+
+def _select(inventory: Inventory, chosen: list[GpuInfo], summary: str, shared: tuple[int, ...] = ()) -> Selection:
+    ordered = tuple(sorted(chosen, key=lambda g: g.nvml_index))
+    environment = visibility.show_only(ordered)
+    mapping = ", ".join(f"cuda:{k}=GPU {g.nvml_index}" for k, g in enumerate(ordered))
+    return _finish(inventory, ordered, f"{summary} → {mapping}", environment, shared)
+
+
+def _finish(inventory: Inventory, gpus: tuple[GpuInfo, ...], summary: str, environment: dict[str, str],
+            shared: tuple[int, ...] = ()) -> Selection:
+    return Selection(gpus, summary, environment, visibility.cuda_initialized(), inventory.simulated, shared)
+
+
+def _why_picked(chosen: list[GpuInfo], qualifying: int, needs: Requirements) -> str:
+    ordered = sorted(chosen, key=lambda g: g.nvml_index)
+    free = "/".join(f"{(g.memory_free or 0) / GIB:.1f}" for g in ordered) + " GiB"
+    busy = "/".join(f"{g.utilization or 0:.0f}" for g in ordered)
+    condition = f" with {needs.describe()}" if needs.describe() else ""
+    return (
+        f"Picked GPU {_list(g.nvml_index for g in ordered)} ({_names(ordered)}): most free memory of "
+        f"{qualifying} qualifying{condition} ({free} free, {busy}% busy)"
+    )
+
+
+def _names(gpus: Iterable[GpuInfo]) -> str:
+    return ", ".join(dict.fromkeys(g.short_name for g in gpus)) or "none"
+
+
+def _list(indices: Iterable[int]) -> str:
+    return ", ".join(str(i) for i in indices)

@@ -1,0 +1,34 @@
+"""One consistent snapshot of everything ``%gpu status`` shows: GPUs, leases, this kernel's view."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpumagic.devices import leases as leasing
+from gpumagic.devices.inventory import read_inventory
+from gpumagic.devices.model import Inventory
+from gpumagic.devices.visibility import Visibility, cuda_initialized, current_visibility
+from gpumagic.errors import LeaseDirectoryError
+
+
+@dataclass(frozen=True)
+class GpuStatus:
+    inventory: Inventory
+    leases: dict[str, leasing.Lease]
+    visibility: Visibility
+    too_late: str | None
+    lease_problem: str | None = None
+
+
+def gather_status() -> GpuStatus:
+    """Read the inventory, the leases on it and this kernel's visibility, now."""
+    inventory = read_inventory()
+    held: dict[str, leasing.Lease] = {}
+    problem = None
+    if inventory.gpus:
+        try:
+            with leasing.pick_lock(exclusive=False):
+                held = leasing.holders([g.uuid for g in inventory.gpus], leasing.book())
+        except LeaseDirectoryError as err:
+            problem = str(err)
+    return GpuStatus(inventory, held, current_visibility(inventory), cuda_initialized(), problem)

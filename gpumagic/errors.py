@@ -1,0 +1,52 @@
+"""The errors gpumagic raises.
+
+Two channels, as in the style guide: ``UsageError`` (IPython's, raised by the magics) for bad input, and
+the typed errors below for work that could not be done. Each message says what to do next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+class GpumagicError(Exception):
+    """Base class of every error gpumagic raises on purpose."""
+
+
+class InvalidArgument(GpumagicError, ValueError):
+    """An argument a user typed is malformed (a size, a duration, a device spec, ...)."""
+
+
+class NoGpuError(GpumagicError):
+    """No GPU inventory can be read: no NVIDIA driver/NVML and no simulation."""
+
+
+class NotEnoughGpusError(GpumagicError):
+    """Fewer GPUs qualify than were asked for.
+
+    Attributes:
+        wanted: how many GPUs were asked for.
+        chosen: NVML indices of the GPUs that did qualify.
+        reasons: NVML index -> why that GPU did not qualify.
+    """
+
+    def __init__(self, wanted: int, chosen: tuple[int, ...], reasons: Mapping[int, str], note: str = ""):
+        self.wanted = wanted
+        self.chosen = chosen
+        self.reasons = dict(reasons)
+        lines = [f"Only {len(chosen)} of the {wanted} GPUs asked for qualify{note}:"]
+        lines += [f"  GPU {index}: {why}" for index, why in sorted(self.reasons.items())]
+        lines.append("Lower --min-free/--max-util, free a GPU, or add --wait 10m to wait for one.")
+        super().__init__("\n".join(lines))
+
+
+class GpuLeasedError(GpumagicError):
+    """A GPU named explicitly is leased by another notebook or process."""
+
+
+class LeaseDirectoryError(GpumagicError):
+    """The shared lease directory is missing, unsafe or not writable."""
+
+
+class KillRefused(GpumagicError):
+    """``kill`` was asked to signal a process gpumagic must not touch."""

@@ -1,0 +1,1 @@
+"""Running notebook code elsewhere: seeding what runs, and (next) DDP process groups and background jobs."""

@@ -1,0 +1,228 @@
+"""The IPython shell over gpumagic's API: parse a magic's arguments, call the API, return what to show.
+
+Every bad input becomes a one-line ``UsageError``; work that could not be done (too few GPUs, a GPU
+leased by someone else) too, with the API's message, so no magic ever shows a raw traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from collections.abc import Callable
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+
+import gpumagic
+from gpumagic.errors import GpumagicError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ``UsageError`` instead of exiting."""
+
+    def __init__(self, prog: str, description: str, **kwargs: Any) -> None:
+        super().__init__(prog=prog, description=description, add_help=False, allow_abbrev=False,
+                         formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+        self.add_argument("-h", "--help", action="store_true", help="show this help")
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message}. See {self.prog} --help")
+
+    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
+        raise UsageError(message or f"{self.prog}: invalid arguments")
+
+
+def _parsers() -> dict[str, _Parser]:
+    status = _Parser("%gpu status", "Table of all GPUs: memory, utilization, temperature, power, processes and "
+                     "their users, leases, and which GPUs this kernel sees (cuda:N).")
+    pick = _Parser(
+        "%gpu pick",
+        "Lease the N best free GPUs (most free memory, then lowest utilization; GPUs leased by other notebooks\n"
+        "never qualify) and set CUDA_DEVICE_ORDER=PCI_BUS_ID and CUDA_VISIBLE_DEVICES so cuda:0.. are them.\n"
+        "Example: %gpu pick 2 --min-free 20GB --max-util 30 --wait 10m",
+    )
+    pick.add_argument("n", nargs="?", default="1", help="how many GPUs (default 1)")
+    pick.add_argument("--min-free", metavar="SIZE", help="free memory each needs: 20GB, 512MB, 50%%")
+    pick.add_argument("--max-util", metavar="PCT", help="highest utilization allowed, percent")
+    pick.add_argument("--exclude", metavar="IDS", help="GPUs never to pick: 0,1 or any device spec")
+    pick.add_argument("--wait", metavar="DURATION", help="keep trying this long (30s, 10m, 2h) until enough qualify")
+    use = _Parser(
+        "%gpu use",
+        "Use exactly the GPUs SPEC names, leasing them. SPEC: 0,2 | GPU:1 | ['GPU:0','GPU:1'] | GPU:* | all |\n"
+        "a name pattern (A100, 'RTX.*') | a UUID or its prefix (GPU-5e0f) | none or cpu (no GPU).",
+    )
+    use.add_argument("spec", nargs="*", help="the GPUs to use")
+    use.add_argument("--force", action="store_true", help="use GPUs leased by someone else too (no lease taken)")
+    release = _Parser("%gpu release", "Give back this kernel's leases and restore CUDA_VISIBLE_DEVICES.")
+    seed = _Parser("%gpu seed", "Seed python, numpy and torch (CPU and all CUDA devices) in this kernel, and "
+                   "export the seed to processes it starts.")
+    seed.add_argument("value", help="the seed, 0 to 2**32-1")
+    seed.add_argument("--deterministic", action="store_true", help="deterministic torch algorithms, no cuDNN autotuning")
+    kill = _Parser("%gpu kill", "Stop one of your own GPU processes (SIGTERM, then SIGKILL). Other users' "
+                   "processes are refused.")
+    kill.add_argument("pid", help="the process id, as %gpu status shows it")
+    kill.add_argument("--timeout", default="5s", metavar="DURATION", help="how long to wait before SIGKILL (5s)")
+    helper = _Parser("%gpu help", "Help on %gpu or one subcommand.")
+    helper.add_argument("subcommand", nargs="?", help="a subcommand")
+    return {"status": status, "pick": pick, "use": use, "release": release, "seed": seed, "kill": kill,
+            "help": helper}
+
+
+_PARSERS = _parsers()
+_OVERVIEW = (
+    "%gpu [SUBCOMMAND] [OPTIONS] — see, pick and use GPUs.\n\n"
+    "  %gpu                        table of GPUs, processes, leases (same as %gpu status)\n"
+    "  %gpu pick [N] [--min-free SIZE] [--max-util PCT] [--exclude IDS] [--wait DURATION]\n"
+    "  %gpu use SPEC [--force]     0,2 | GPU:1 | ['GPU:0','GPU:1'] | GPU:* | A100 | GPU-5e0f | none\n"
+    "  %gpu release                give back this kernel's GPUs\n"
+    "  %gpu seed N [--deterministic]\n"
+    "  %gpu kill PID [--timeout DURATION]\n"
+    "  %gpu help SUBCOMMAND        or %gpu SUBCOMMAND --help\n\n"
+    "Set GPUMAGIC_SIMULATE=4xA100-80GB to try it without GPUs. Python API: gpumagic.pick(), gpumagic.use(), ..."
+)
+
+
+@magics_class
+class GpuMagics(Magics):
+    """``%gpu``: see the GPUs, pick the best free ones, or name them."""
+
+    @line_magic
+    def gpu(self, line: str) -> Any:
+        words = line.strip().split(None, 1)
+        name = words[0] if words else "status"
+        rest = words[1] if len(words) > 1 else ""
+        if name in ("-h", "--help"):
+            return _Help(_OVERVIEW)
+        handler = _HANDLERS.get(name)
+        if handler is None:
+            raise UsageError(f"%gpu has no subcommand {name!r}; use one of: {', '.join(_PARSERS)} (see %gpu help)")
+        parser = _PARSERS[name]
+        try:
+            if name == "use":
+                args = _parse_use(rest)
+            else:
+                args = parser.parse_args(_split(rest, parser.prog))
+            if args.help:
+                return _Help(parser.format_help())
+            return handler(args)
+        except GpumagicError as err:
+            raise UsageError(str(err)) from None
+        except KeyboardInterrupt:
+            raise UsageError(f"{parser.prog} interrupted; nothing was changed") from None
+
+
+GpuMagics.gpu.__doc__ = _OVERVIEW + "\n\n" + "\n".join(p.format_help() for p in _PARSERS.values())
+
+
+class _Help(str):
+    """Help text shown without quotes."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+
+def _split(rest: str, prog: str) -> list[str]:
+    try:
+        return shlex.split(rest)
+    except ValueError as err:
+        raise UsageError(f"{prog}: {err} in {rest!r}") from None
+
+
+def _parse_use(rest: str) -> argparse.Namespace:
+    """``use`` keeps its SPEC raw: quotes and spaces belong to list literals like ['GPU:0', 'GPU:1']."""
+    words = rest.split()
+    flags = {w for w in words if w in ("--force", "-h", "--help")}
+    unknown = [w for w in words if w.startswith("--") and w not in flags]
+    if unknown:
+        raise UsageError(f"%gpu use: unknown option {unknown[0]}; see %gpu use --help")
+    spec = " ".join(w for w in words if w not in flags)
+    return argparse.Namespace(spec=spec, force="--force" in flags, help=bool(flags & {"-h", "--help"}))
+
+
+def _status(args: argparse.Namespace) -> Any:
+    return gpumagic.status()
+
+
+def _pick(args: argparse.Namespace) -> Any:
+    try:
+        n = int(args.n)
+    except ValueError:
+        raise UsageError(f"%gpu pick: N must be a whole number of GPUs, got {args.n!r}") from None
+    waiting = _WaitLine()
+    try:
+        return gpumagic.pick(n, min_free=args.min_free, max_util=args.max_util, exclude=args.exclude,
+                             wait=args.wait, on_wait=waiting.update)
+    finally:
+        waiting.close()
+
+
+def _use(args: argparse.Namespace) -> Any:
+    if not args.spec:
+        raise UsageError("%gpu use: name the GPUs, e.g. %gpu use 0,2 (see %gpu use --help)")
+    return gpumagic.use(args.spec, force=args.force)
+
+
+def _release(args: argparse.Namespace) -> Any:
+    released = gpumagic.release()
+    if not released:
+        return _Help("This kernel held no GPU lease; CUDA_VISIBLE_DEVICES is as it was before gpumagic.")
+    return _Help(f"Released GPU {', '.join(map(str, released))}; CUDA_VISIBLE_DEVICES is as it was before gpumagic.")
+
+
+def _seed(args: argparse.Namespace) -> Any:
+    try:
+        value = int(args.value)
+    except ValueError:
+        raise UsageError(f"%gpu seed: the seed must be a whole number, got {args.value!r}") from None
+    return gpumagic.seed(value, deterministic=args.deterministic)
+
+
+def _kill(args: argparse.Namespace) -> Any:
+    from gpumagic.units import parse_duration
+
+    try:
+        pid = int(args.pid)
+    except ValueError:
+        raise UsageError(f"%gpu kill: PID must be a whole number, got {args.pid!r}") from None
+    return gpumagic.kill(pid, timeout=parse_duration(args.timeout))
+
+
+def _help(args: argparse.Namespace) -> Any:
+    if args.subcommand is None:
+        return _Help(_OVERVIEW)
+    parser = _PARSERS.get(args.subcommand)
+    if parser is None:
+        raise UsageError(f"%gpu has no subcommand {args.subcommand!r}; use one of: {', '.join(_PARSERS)}")
+    return _Help(parser.format_help())
+
+
+_HANDLERS: dict[str, Callable[[argparse.Namespace], Any]] = {
+    "status": _status, "pick": _pick, "use": _use, "release": _release, "seed": _seed, "kill": _kill, "help": _help,
+}
+
+
+class _WaitLine:
+    """One status line under the cell, updated in place while ``pick --wait`` waits."""
+
+    def __init__(self) -> None:
+        self._handle: Any = None
+        self._last = ""
+
+    def update(self, text: str) -> None:
+        from IPython.display import display
+
+        if text == self._last:
+            return
+        self._last = text
+        if self._handle is None:
+            self._handle = display(_Help(text), display_id=True)
+        else:
+            self._handle.update(_Help(text))
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.update(_Help(""))

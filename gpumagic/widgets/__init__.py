@@ -1,0 +1,1 @@
+"""Views over devices, telemetry and jobs: HTML/text tables now, ipywidgets + bokeh dashboards next."""

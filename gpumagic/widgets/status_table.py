@@ -1,0 +1,160 @@
+"""The ``%gpu status`` table: HTML in a notebook, text in a terminal, from one ``GpuStatus`` snapshot."""
+
+from __future__ import annotations
+
+import html
+import time
+
+from gpumagic.devices.model import GpuInfo, GpuProcess
+from gpumagic.devices.status import GpuStatus
+from gpumagic.units import GIB, format_bytes
+
+
+class StatusTable:
+    """A rendered snapshot; ``.status`` holds the data. Cheap to build, renders on display."""
+
+    def __init__(self, status: GpuStatus) -> None:
+        self.status = status
+
+    def __repr__(self) -> str:
+        return render_text(self.status)
+
+    def _repr_pretty_(self, printer, cycle) -> None:  # IPython's terminal hook
+        printer.text(render_text(self.status))
+
+    def _repr_html_(self) -> str:
+        return render_html(self.status)
+
+
+def headline(status: GpuStatus) -> str:
+    inventory = status.inventory
+    if not inventory.gpus:
+        return f"No GPUs: {inventory.problem}"
+    parts = [f"{len(inventory.gpus)} GPU{'s' if len(inventory.gpus) != 1 else ''}"]
+    if inventory.simulated:
+        parts.append(f"SIMULATED ({inventory.simulation})")
+    elif inventory.driver_version:
+        parts.append(f"driver {inventory.driver_version}")
+    parts.append(status.visibility.describe())
+    return " · ".join(parts)
+
+
+def notes(status: GpuStatus) -> list[str]:
+    result = []
+    if status.too_late:
+        result.append(f"⚠ {status.too_late}: changing CUDA_VISIBLE_DEVICES now affects only processes started later")
+    if status.lease_problem:
+        result.append(f"⚠ leases unavailable: {status.lease_problem}")
+    return result
+
+
+def render_text(status: GpuStatus) -> str:
+    lines = [headline(status)]
+    if status.inventory.gpus:
+        header = f"{'':1}{'GPU':>3} {'cuda':>4}  {'name':<18} {'memory used':<32} {'util':>5} {'temp':>5} {'power':>11}  lease, processes"
+        lines.append(header)
+        for gpu in status.inventory.gpus:
+            lines += _text_rows(status, gpu)
+    lines += notes(status)
+    return "\n".join(lines)
+
+
+def _text_rows(status: GpuStatus, gpu: GpuInfo) -> list[str]:
+    cuda = status.visibility.cuda_index(gpu.nvml_index)
+    marker = "▶" if cuda is not None else " "
+    cuda_text = str(cuda) if cuda is not None else ""
+    if not gpu.healthy:
+        return [f"{marker}{gpu.nvml_index:>3} {cuda_text:>4}  {gpu.short_name[:18]:<18} ✖ {gpu.problem}"]
+    memory = f"{_bar(gpu, 12)} {_memory(gpu)}"
+    util = f"{gpu.utilization:.0f}%" if gpu.utilization is not None else "n/a"
+    temp = f"{gpu.temperature:.0f}°C" if gpu.temperature is not None else "n/a"
+    power = _power(gpu)
+    lease = status.leases.get(gpu.uuid)
+    first = f"{marker}{gpu.nvml_index:>3} {cuda_text:>4}  {gpu.short_name[:18]:<18} {memory:<32} {util:>5} {temp:>5} {power:>11}  "
+    first += lease.describe() if lease else "free"
+    rows = [first]
+    rows += [f"{'':60}  └ {_process(p)}" for p in gpu.processes]
+    return rows
+
+
+def render_html(status: GpuStatus) -> str:
+    esc = html.escape
+    head = f"<div style='font-weight:600;margin:4px 0'>{esc(headline(status))}</div>"
+    if not status.inventory.gpus:
+        return f"<div class='gpumagic-status'>{head}</div>"
+    rows = []
+    for gpu in status.inventory.gpus:
+        cuda = status.visibility.cuda_index(gpu.nvml_index)
+        lease = status.leases.get(gpu.uuid)
+        style = "background:rgba(46,160,67,0.12);" if cuda is not None else ""
+        if not gpu.healthy:
+            rows.append(
+                f"<tr style='{style}'><td>{gpu.nvml_index}</td><td>{'' if cuda is None else f'cuda:{cuda}'}</td>"
+                f"<td>{esc(gpu.short_name)}</td><td colspan='6' style='color:#b00'>✖ {esc(gpu.problem or '')}</td></tr>"
+            )
+            continue
+        processes = "<br>".join(esc(_process(p)) for p in gpu.processes) or "<span style='color:#888'>none</span>"
+        rows.append(
+            f"<tr style='{style}'><td>{gpu.nvml_index}</td><td>{'' if cuda is None else f'cuda:{cuda}'}</td>"
+            f"<td title='{esc(gpu.uuid)} {esc(gpu.pci_bus_id or '')}'>{esc(gpu.short_name)}</td>"
+            f"<td>{_html_bar(gpu)}</td>"
+            f"<td>{'n/a' if gpu.utilization is None else f'{gpu.utilization:.0f}%'}</td>"
+            f"<td>{'n/a' if gpu.temperature is None else f'{gpu.temperature:.0f}°C'}</td>"
+            f"<td>{esc(_power(gpu))}</td>"
+            f"<td>{esc(lease.describe()) if lease else 'free'}</td>"
+            f"<td style='text-align:left'>{processes}</td></tr>"
+        )
+    header = "".join(f"<th>{h}</th>" for h in ("GPU", "cuda", "name", "memory", "util", "temp", "power", "lease", "processes"))
+    table = (
+        "<table class='gpumagic-status' style='border-collapse:collapse;font-size:12px'>"
+        f"<thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+    )
+    extra = "".join(f"<div style='color:#a60'>{esc(n)}</div>" for n in notes(status))
+    stamp = time.strftime("%H:%M:%S", time.localtime(status.inventory.taken_at))
+    foot = f"<div style='color:#888;font-size:11px'>as of {stamp}; ▶/green: GPUs this kernel sees</div>"
+    return f"<div class='gpumagic-status'>{head}{table}{extra}{foot}</div>"
+
+
+def _memory(gpu: GpuInfo) -> str:
+    if gpu.memory_total is None:
+        return "n/a"
+    if gpu.memory_total >= GIB:
+        return f"{(gpu.memory_used or 0) / GIB:.1f}/{gpu.memory_total / GIB:.1f} GiB"
+    return f"{format_bytes(gpu.memory_used)}/{format_bytes(gpu.memory_total)}"
+
+
+def _bar(gpu: GpuInfo, width: int) -> str:
+    if not gpu.memory_total:
+        return "[" + "?" * width + "]"
+    filled = round(width * (gpu.memory_used or 0) / gpu.memory_total)
+    return "[" + "#" * filled + "-" * (width - filled) + "]"
+
+
+def _html_bar(gpu: GpuInfo) -> str:
+    if not gpu.memory_total:
+        return "n/a"
+    percent = 100 * (gpu.memory_used or 0) / gpu.memory_total
+    color = "#2ea043" if percent < 50 else "#d29922" if percent < 85 else "#cf222e"
+    return (
+        "<div style='display:flex;align-items:center;gap:6px'>"
+        "<div style='width:120px;height:10px;background:#ddd;border-radius:3px;overflow:hidden'>"
+        f"<div style='width:{percent:.1f}%;height:100%;background:{color}'></div></div>"
+        f"<span>{html.escape(_memory(gpu))}</span></div>"
+    )
+
+
+def _power(gpu: GpuInfo) -> str:
+    if gpu.power is None:
+        return "n/a"
+    limit = f"/{gpu.power_limit:.0f}" if gpu.power_limit else ""
+    return f"{gpu.power:.0f}{limit} W"
+
+
+def _process(process: GpuProcess) -> str:
+    memory = format_bytes(process.gpu_memory) if process.gpu_memory is not None else "? memory"
+    if not process.alive:
+        return f"pid {process.pid} (not visible here: exited or another container) {memory}"
+    command = (process.command or "?")
+    if len(command) > 60:
+        command = command[:57] + "..."
+    return f"pid {process.pid} {process.user or '?'}: {command} ({memory})"

@@ -1,0 +1,127 @@
+"""Leases across processes: exclusive, visible to others, reclaimed when the holder dies."""
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import gpumagic
+from gpumagic.devices import leases
+from gpumagic.errors import LeaseDirectoryError, NotEnoughGpusError
+
+CONTESTANT = textwrap.dedent(
+    """
+    import sys, gpumagic
+    for line in sys.stdin:
+        command = line.strip()
+        try:
+            if command == "pick":
+                print("picked", ",".join(gpumagic.pick(2).uuids), flush=True)
+            elif command == "release":
+                gpumagic.release(); print("released", flush=True)
+        except gpumagic.NotEnoughGpusError:
+            print("picked", flush=True)
+    """
+)
+
+
+def contestant(env):
+    return subprocess.Popen([sys.executable, "-c", CONTESTANT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def test_two_processes_picking_at_once_never_share_a_gpu(simulated, no_leftover_children):
+    env = dict(os.environ, GPUMAGIC_SIMULATE="3xA100-80GB")  # 3 GPUs for 2x2 wanted: someone must lose
+    players = [contestant(env) for _ in range(2)]
+    try:
+        for _ in range(60):
+            for p in players:
+                p.stdin.write("pick\n")
+                p.stdin.flush()
+            answers = [p.stdout.readline().split()[1:] for p in players]
+            sets = [set(a[0].split(",")) if a else set() for a in answers]
+            assert not sets[0] & sets[1], f"both leased {sets[0] & sets[1]}"
+            assert sorted(len(s) for s in sets) == [0, 2]  # one gets two, the other a clear failure
+            for p in players:
+                p.stdin.write("release\n")
+                p.stdin.flush()
+                assert p.stdout.readline().strip() == "released"
+    finally:
+        for p in players:
+            p.stdin.close()
+            p.wait(10)
+
+
+def test_a_killed_holders_lease_is_reclaimed(simulated, isolated_leases, no_leftover_children):
+    holder = contestant(dict(os.environ))
+    holder.stdin.write("pick\n")
+    holder.stdin.flush()
+    taken = holder.stdout.readline().split()[1].split(",")
+    status = gpumagic.status().status
+    assert {u for u, lease in status.leases.items() if lease.pid == holder.pid} == set(taken)
+    with pytest.raises(NotEnoughGpusError, match="leased by"):
+        gpumagic.pick(3)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert set(gpumagic.pick(4).uuids) >= set(taken)
+    # the dead holder's records were cleaned up (same user); ours remain
+    records = sorted(p.name for p in isolated_leases.glob("GPU-*.json"))
+    assert len(records) == 4 and all(f".{os.getpid()}.json" in r for r in records)
+
+
+def test_release_gives_gpus_back_and_removes_records(simulated, isolated_leases):
+    gpumagic.pick(2)
+    assert len(list(isolated_leases.glob("GPU-*.json"))) == 2
+    assert len(gpumagic.release()) == 2
+    assert not list(isolated_leases.glob("GPU-*.json"))
+    assert leases.book().held() == ()
+
+
+def test_forged_records_are_ignored(simulated, isolated_leases, no_leftover_children):
+    holder = contestant(dict(os.environ))
+    holder.stdin.write("pick\n")
+    holder.stdin.flush()
+    uuid = holder.stdout.readline().split()[1].split(",")[0]
+    forged = isolated_leases / f"{uuid}.mallory.{os.getpid()}.json"
+    forged.write_text(json.dumps({"uuid": uuid, "user": "mallory", "uid": os.getuid() + 4242, "pid": os.getpid(),
+                                  "since": 0}))
+    with leases.pick_lock(exclusive=False):
+        lease = leases.holders([uuid], leases.book())[uuid]
+    assert lease.pid == holder.pid and lease.user != "mallory"
+    holder.stdin.close()
+    holder.wait(10)
+
+
+def test_files_are_readable_by_other_users_whatever_the_umask(simulated, isolated_leases):
+    old = os.umask(0o077)
+    try:
+        gpumagic.pick(1)
+    finally:
+        os.umask(old)
+    for path in isolated_leases.iterdir():
+        if path.suffix in (".lock", ".json"):
+            assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+
+
+def test_an_unsafe_shared_directory_is_refused(tmp_path, monkeypatch, simulated):
+    unsafe = tmp_path / "shared"
+    unsafe.mkdir()
+    os.chmod(unsafe, 0o777)
+    monkeypatch.setenv("GPUMAGIC_LEASE_DIR", str(unsafe))
+    with pytest.raises(LeaseDirectoryError, match="sticky"):
+        gpumagic.pick(1)
+    os.chmod(unsafe, 0o1777)
+    assert gpumagic.pick(1).indices == (0,)
+
+
+def test_the_default_directory_is_made_shared_and_sticky(tmp_path, monkeypatch):
+    target = tmp_path / "gpumagic-leases"
+    monkeypatch.delenv("GPUMAGIC_LEASE_DIR")
+    monkeypatch.setattr(leases, "DEFAULT_LEASE_DIR", str(target))
+    assert leases.lease_dir() == target
+    assert stat.S_IMODE(target.stat().st_mode) == 0o1777

@@ -61,7 +61,7 @@ def _parsers() -> dict[str, _Parser]:
     seed.add_argument("--deterministic", action="store_true", help="deterministic torch algorithms, no cuDNN autotuning")
     kill = _Parser("%gpu kill", "Stop one of your own GPU processes (SIGTERM, then SIGKILL). Other users' "
                    "processes are refused.")
-    kill.add_argument("pid", help="the process id, as %gpu status shows it")
+    kill.add_argument("pid", help="the process id, as %%gpu status shows it")
     kill.add_argument("--timeout", default="5s", metavar="DURATION", help="how long to wait before SIGKILL (5s)")
     helper = _Parser("%gpu help", "Help on %gpu or one subcommand.")
     helper.add_argument("subcommand", nargs="?", help="a subcommand")

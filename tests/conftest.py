@@ -111,6 +111,8 @@ class Kernel:
 
         reply = self.client.execute_interactive(code, timeout=timeout, output_hook=collect)
         result.status = reply["content"]["status"]
+        if result.status == "error" and result.error is None:  # UsageError goes to stderr, not as an error message
+            result.error = (reply["content"].get("ename", ""), reply["content"].get("evalue", ""))
         return result
 
     def ok(self, code: str, timeout: float = 60) -> CellResult:

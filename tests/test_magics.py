@@ -1,0 +1,144 @@
+"""%gpu on one shared IPython shell: subcommands, help, and random input that must never escape as a traceback."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+
+@pytest.fixture(scope="module")
+def shell():
+    ip = InteractiveShell.instance()
+    ip.extension_manager.load_extension("gpumagic")
+    return ip
+
+
+def gpu(shell, line):
+    return shell.run_line_magic("gpu", line)
+
+
+def test_status_is_a_table_in_text_and_html(shell, simulated):
+    table = gpu(shell, "")
+    text, html = repr(table), table._repr_html_()
+    assert text.startswith("4 GPUs · SIMULATED (4xA100-80GB)") and "free" in text
+    assert "<table" in html and "SIMULATED" in html
+    assert repr(gpu(shell, "status")).splitlines()[0] == text.splitlines()[0]
+
+
+def test_status_shows_leases_and_what_the_kernel_sees(shell, simulated):
+    gpu(shell, "pick 2")
+    text = repr(gpu(shell, "status"))
+    assert text.count("leased by this kernel") == 2 and "cuda:0=GPU 0, cuda:1=GPU 1" in text
+
+
+def test_pick_use_release_seed(shell, simulated):
+    assert "Picked GPU 0, 1" in repr(gpu(shell, "pick 2 --min-free 20GB --max-util 50"))
+    assert repr(gpu(shell, "use ['GPU:1', 'GPU:3']")).startswith("Using GPU 1, 3")
+    assert gpu(shell, "use A100").indices == (0, 1, 2, 3)
+    assert "Released GPU 0, 1, 2, 3" in repr(gpu(shell, "release"))
+    assert "held no GPU lease" in repr(gpu(shell, "release"))
+    assert "with 3" in repr(gpu(shell, "seed 3"))
+    assert os.environ["GPUMAGIC_SEED"] == "3"
+
+
+def test_variables_expand_in_the_line(shell, simulated):
+    shell.user_ns["wanted"] = "0,2"
+    assert gpu(shell, "use {wanted}").indices == (0, 2)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("frobnicate", "no subcommand 'frobnicate'"),
+        ("pick two", "N must be a whole number"),
+        ("pick 0", "from 1 to 64"),
+        ("pick 9", "only 4 GPUs"),
+        ("pick --min-free lots", "is not a size"),
+        ("pick --bogus", "unrecognized arguments"),
+        ("pick 1 --wait soon", "is not a duration"),
+        ("use", "name the GPUs"),
+        ("use 9", "there is no GPU 9"),
+        ("use [0", "not a valid list"),
+        ("use 0 --bogus", "unknown option"),
+        ("seed", "required"),
+        ("seed x", "whole number"),
+        ("kill abc", "whole number"),
+        ("kill 1", "this kernel or one of its parents"),
+        ("pick 'unclosed", "No closing quotation"),
+    ],
+)
+def test_bad_input_is_a_one_line_usage_error(shell, simulated, line, message):
+    with pytest.raises(UsageError, match=message):
+        gpu(shell, line)
+
+
+def test_help_everywhere(shell):
+    assert "%gpu pick" in gpu(shell, "help") and "%gpu use SPEC" in gpu(shell, "--help")
+    assert "--min-free SIZE" in gpu(shell, "pick --help")
+    assert "GPU:*" in gpu(shell, "help use")
+    doc = shell.find_line_magic("gpu").__doc__
+    assert "--deterministic" in doc and "--wait DURATION" in doc  # %gpu? shows every subcommand
+
+
+def test_no_gpus_says_why_and_what_to_do(shell, fake_nvml):
+    fake_nvml.configure(dict(fake_nvml.DEFAULT_SCENARIO, init_error="LIBRARY_NOT_FOUND"))
+    assert "No GPUs: no NVIDIA GPU or driver found" in repr(gpu(shell, "status"))
+    with pytest.raises(UsageError, match="GPUMAGIC_SIMULATE"):
+        gpu(shell, "pick")
+
+
+def test_kill_stops_own_gpu_process_and_refuses_others(shell, simulated, no_leftover_children):
+    uuid = gpu(shell, "pick 1").uuids[0]
+    own = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    report = gpu(shell, f"kill {own.pid}")
+    assert own.wait(5) is not None and "SIGTERM" in repr(report)
+    stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             env={k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"})
+    try:
+        with pytest.raises(UsageError, match="not a compute process on any GPU"):
+            gpu(shell, f"kill {stray.pid}")
+    finally:
+        stray.kill()
+        stray.wait()
+    if os.getuid() == 0:  # as root, run a GPU process as another user to check the refusal
+        other = subprocess.Popen(["sleep", "60"], user=65534, env={"CUDA_VISIBLE_DEVICES": uuid})
+        try:
+            with pytest.raises(UsageError, match="belongs to .*only your own processes"):
+                gpu(shell, f"kill {other.pid}")
+        finally:
+            other.kill()
+            other.wait()
+
+
+def test_kill_refuses_simulated_processes_of_others(shell, tmp_path, monkeypatch):
+    path = tmp_path / "s.json"
+    path.write_text('{"gpus": [{"processes": [{"pid": 4242, "user": "alice", "memory": "1GB"}]}]}')
+    monkeypatch.setenv("GPUMAGIC_SIMULATE", str(path))
+    with pytest.raises(UsageError, match="simulated process of alice"):
+        gpu(shell, "kill 4242")
+
+
+SUBCOMMANDS = ["", "status", "pick", "use", "release", "seed", "kill", "help", "bogus"]
+WORDS = st.one_of(
+    st.sampled_from(["2", "0", "-1", "99", "--min-free", "20GB", "50%", "--max-util", "30", "--exclude", "0,1",
+                     "--wait", "0s", "1ms", "--force", "--deterministic", "--timeout", "GPU:*", "none", "A100",
+                     "['GPU:0']", "-h", "'", '"', "[", "{", "$x", "9999999999", "4194304"]),
+    st.text(max_size=12),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(SUBCOMMANDS), st.lists(WORDS, max_size=5))
+def test_random_arguments_work_or_raise_usage_error(shell, simulated, subcommand, words):
+    line = " ".join([subcommand, *words])
+    try:
+        gpu(shell, line)
+    except UsageError as err:
+        assert str(err).strip()
+    finally:
+        gpu(shell, "release")

@@ -34,8 +34,21 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
-    "GpuLeasedError", "GpumagicError", "InvalidArgument", "KillRefused", "LeaseDirectoryError", "NoGpuError",
-    "NotEnoughGpusError", "gpus", "kill", "load_ipython_extension", "pick", "release", "seed", "status", "use",
+    "GpuLeasedError",
+    "GpumagicError",
+    "InvalidArgument",
+    "KillRefused",
+    "LeaseDirectoryError",
+    "NoGpuError",
+    "NotEnoughGpusError",
+    "gpus",
+    "kill",
+    "load_ipython_extension",
+    "pick",
+    "release",
+    "seed",
+    "status",
+    "use",
     "visible_gpus",
 ]
 
@@ -119,5 +132,7 @@ def kill(pid: int, *, timeout: float = 5.0) -> KillReport:
     processes = [p for g in read_inventory().gpus for p in g.processes]
     for process in processes:
         if process.pid == pid and process.simulated:
-            raise KillRefused(f"PID {pid} is a simulated process of {process.user}; gpumagic stops only your own processes")
+            raise KillRefused(
+                f"PID {pid} is a simulated process of {process.user}; gpumagic stops only your own processes"
+            )
     return kill_own_process(pid, {p.pid for p in processes}, timeout)

@@ -22,8 +22,14 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises ``UsageError`` instead of exiting."""
 
     def __init__(self, prog: str, description: str, **kwargs: Any) -> None:
-        super().__init__(prog=prog, description=description, add_help=False, allow_abbrev=False,
-                         formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+        super().__init__(
+            prog=prog,
+            description=description,
+            add_help=False,
+            allow_abbrev=False,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            **kwargs,
+        )
         self.add_argument("-h", "--help", action="store_true", help="show this help")
 
     def error(self, message: str) -> None:  # type: ignore[override]
@@ -34,8 +40,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parsers() -> dict[str, _Parser]:
-    status = _Parser("%gpu status", "Table of all GPUs: memory, utilization, temperature, power, processes and "
-                     "their users, leases, and which GPUs this kernel sees (cuda:N).")
+    status = _Parser(
+        "%gpu status",
+        "Table of all GPUs: memory, utilization, temperature, power, processes and "
+        "their users, leases, and which GPUs this kernel sees (cuda:N).",
+    )
     pick = _Parser(
         "%gpu pick",
         "Lease the N best free GPUs (most free memory, then lowest utilization; GPUs leased by other notebooks\n"
@@ -55,18 +64,23 @@ def _parsers() -> dict[str, _Parser]:
     use.add_argument("spec", nargs="*", help="the GPUs to use")
     use.add_argument("--force", action="store_true", help="use GPUs leased by someone else too (no lease taken)")
     release = _Parser("%gpu release", "Give back this kernel's leases and restore CUDA_VISIBLE_DEVICES.")
-    seed = _Parser("%gpu seed", "Seed python, numpy and torch (CPU and all CUDA devices) in this kernel, and "
-                   "export the seed to processes it starts.")
+    seed = _Parser(
+        "%gpu seed",
+        "Seed python, numpy and torch (CPU and all CUDA devices) in this kernel, and "
+        "export the seed to processes it starts.",
+    )
     seed.add_argument("value", help="the seed, 0 to 2**32-1")
-    seed.add_argument("--deterministic", action="store_true", help="deterministic torch algorithms, no cuDNN autotuning")
-    kill = _Parser("%gpu kill", "Stop one of your own GPU processes (SIGTERM, then SIGKILL). Other users' "
-                   "processes are refused.")
+    seed.add_argument(
+        "--deterministic", action="store_true", help="deterministic torch algorithms, no cuDNN autotuning"
+    )
+    kill = _Parser(
+        "%gpu kill", "Stop one of your own GPU processes (SIGTERM, then SIGKILL). Other users' processes are refused."
+    )
     kill.add_argument("pid", help="the process id, as %%gpu status shows it")
     kill.add_argument("--timeout", default="5s", metavar="DURATION", help="how long to wait before SIGKILL (5s)")
     helper = _Parser("%gpu help", "Help on %gpu or one subcommand.")
     helper.add_argument("subcommand", nargs="?", help="a subcommand")
-    return {"status": status, "pick": pick, "use": use, "release": release, "seed": seed, "kill": kill,
-            "help": helper}
+    return {"status": status, "pick": pick, "use": use, "release": release, "seed": seed, "kill": kill, "help": helper}
 
 
 _PARSERS = _parsers()
@@ -154,8 +168,14 @@ def _pick(args: argparse.Namespace) -> Any:
         raise UsageError(f"%gpu pick: N must be a whole number of GPUs, got {args.n!r}") from None
     waiting = _WaitLine()
     try:
-        return gpumagic.pick(n, min_free=args.min_free, max_util=args.max_util, exclude=args.exclude,
-                             wait=args.wait, on_wait=waiting.update)
+        return gpumagic.pick(
+            n,
+            min_free=args.min_free,
+            max_util=args.max_util,
+            exclude=args.exclude,
+            wait=args.wait,
+            on_wait=waiting.update,
+        )
     finally:
         waiting.close()
 
@@ -201,7 +221,13 @@ def _help(args: argparse.Namespace) -> Any:
 
 
 _HANDLERS: dict[str, Callable[[argparse.Namespace], Any]] = {
-    "status": _status, "pick": _pick, "use": _use, "release": _release, "seed": _seed, "kill": _kill, "help": _help,
+    "status": _status,
+    "pick": _pick,
+    "use": _use,
+    "release": _release,
+    "seed": _seed,
+    "kill": _kill,
+    "help": _help,
 }
 
 

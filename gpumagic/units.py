@@ -13,10 +13,18 @@ MIB = 1 << 20
 _SIZE_UNITS = {
     "": GIB,  # a bare number is GiB, the unit people mean by "20" next to an 80 GB GPU
     "b": 1,
-    "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
-    "m": MIB, "mb": MIB, "mib": MIB,
-    "g": GIB, "gb": GIB, "gib": GIB,
-    "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": MIB,
+    "mb": MIB,
+    "mib": MIB,
+    "g": GIB,
+    "gb": GIB,
+    "gib": GIB,
+    "t": 1 << 40,
+    "tb": 1 << 40,
+    "tib": 1 << 40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 _PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")

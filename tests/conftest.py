@@ -56,7 +56,7 @@ def no_leftover_children():
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     yield
     deadline_children = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    gone, alive = psutil.wait_procs(deadline_children, timeout=5)
+    _, alive = psutil.wait_procs(deadline_children, timeout=5)
     assert not alive, f"processes left behind: {[(p.pid, p.name()) for p in alive]}"
 
 

@@ -10,7 +10,6 @@ import time
 
 import psutil
 import pytest
-
 from conftest import FAKES
 
 pytestmark = pytest.mark.kernel
@@ -24,7 +23,9 @@ def loaded(kernel, names=HEAVY):
 
 def test_import_is_light_in_a_fresh_process():
     code = f"import sys, gpumagic; print([m for m in {list(HEAVY)!r} if m in sys.modules])"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    )
 
 
 def test_loading_the_extension_imports_nothing_heavy(start_kernel):
@@ -44,7 +45,9 @@ def test_status_pick_and_release_in_a_kernel(start_kernel):
     assert "4 GPUs · SIMULATED" in status.text[0]
     picked = kernel.ok("%gpu pick 2 --min-free 20GB")
     assert "Picked GPU 0, 1" in picked.text[0] and "[simulated]" in picked.text[0]
-    env = kernel.ok("import os; print(os.environ['CUDA_DEVICE_ORDER'], os.environ['CUDA_VISIBLE_DEVICES'].count('GPU-'))")
+    env = kernel.ok(
+        "import os; print(os.environ['CUDA_DEVICE_ORDER'], os.environ['CUDA_VISIBLE_DEVICES'].count('GPU-'))"
+    )
     assert env.stdout.split() == ["PCI_BUS_ID", "2"]
     assert loaded(kernel, ("torch", "bokeh", "pynvml")) == []  # status and pick on simulation need none
     bad = kernel.run("%gpu use 7")
@@ -92,7 +95,7 @@ def test_two_kernels_racing_never_share_a_gpu(start_kernel):
     for _ in range(25):
         outputs = [None, None]
 
-        def race(i):
+        def race(i, outputs=outputs):
             outputs[i] = kernels[i].ok(RACE).stdout.split()
 
         threads = [threading.Thread(target=race, args=(i,)) for i in range(2)]

@@ -31,8 +31,9 @@ CONTESTANT = textwrap.dedent(
 
 
 def contestant(env):
-    return subprocess.Popen([sys.executable, "-c", CONTESTANT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-c", CONTESTANT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
 
 
 def test_two_processes_picking_at_once_never_share_a_gpu(simulated, no_leftover_children):
@@ -88,8 +89,9 @@ def test_forged_records_are_ignored(simulated, isolated_leases, no_leftover_chil
     holder.stdin.flush()
     uuid = holder.stdout.readline().split()[1].split(",")[0]
     forged = isolated_leases / f"{uuid}.mallory.{os.getpid()}.json"
-    forged.write_text(json.dumps({"uuid": uuid, "user": "mallory", "uid": os.getuid() + 4242, "pid": os.getpid(),
-                                  "since": 0}))
+    forged.write_text(
+        json.dumps({"uuid": uuid, "user": "mallory", "uid": os.getuid() + 4242, "pid": os.getpid(), "since": 0})
+    )
     with leases.pick_lock(exclusive=False):
         lease = leases.holders([uuid], leases.book())[uuid]
     assert lease.pid == holder.pid and lease.user != "mallory"

@@ -97,8 +97,10 @@ def test_kill_stops_own_gpu_process_and_refuses_others(shell, simulated, no_left
     own = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     report = gpu(shell, f"kill {own.pid}")
     assert own.wait(5) is not None and "SIGTERM" in repr(report)
-    stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                             env={k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"})
+    stray = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        env={k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"},
+    )
     try:
         with pytest.raises(UsageError, match="not a compute process on any GPU"):
             gpu(shell, f"kill {stray.pid}")
@@ -108,7 +110,7 @@ def test_kill_stops_own_gpu_process_and_refuses_others(shell, simulated, no_left
     if os.getuid() == 0:  # as root, run a GPU process as another user to check the refusal
         other = subprocess.Popen(["sleep", "60"], user=65534, env={"CUDA_VISIBLE_DEVICES": uuid})
         try:
-            with pytest.raises(UsageError, match="belongs to .*only your own processes"):
+            with pytest.raises(UsageError, match=r"belongs to .*only your own processes"):
                 gpu(shell, f"kill {other.pid}")
         finally:
             other.kill()
@@ -125,9 +127,39 @@ def test_kill_refuses_simulated_processes_of_others(shell, tmp_path, monkeypatch
 
 SUBCOMMANDS = ["", "status", "pick", "use", "release", "seed", "kill", "help", "bogus"]
 WORDS = st.one_of(
-    st.sampled_from(["2", "0", "-1", "99", "--min-free", "20GB", "50%", "--max-util", "30", "--exclude", "0,1",
-                     "--wait", "0s", "1ms", "--force", "--deterministic", "--timeout", "GPU:*", "none", "A100",
-                     "['GPU:0']", "-h", "'", '"', "[", "{", "$x", "9999999999", "4194304"]),
+    st.sampled_from(
+        [
+            "2",
+            "0",
+            "-1",
+            "99",
+            "--min-free",
+            "20GB",
+            "50%",
+            "--max-util",
+            "30",
+            "--exclude",
+            "0,1",
+            "--wait",
+            "0s",
+            "1ms",
+            "--force",
+            "--deterministic",
+            "--timeout",
+            "GPU:*",
+            "none",
+            "A100",
+            "['GPU:0']",
+            "-h",
+            "'",
+            '"',
+            "[",
+            "{",
+            "$x",
+            "9999999999",
+            "4194304",
+        ]
+    ),
     st.text(max_size=12),
 )
 

@@ -77,8 +77,12 @@ def test_init_is_lazy_and_happens_once(fake_nvml):
 
 @pytest.mark.parametrize(
     ("error", "advice"),
-    [("LIBRARY_NOT_FOUND", "no NVIDIA GPU or driver found"), ("DRIVER_NOT_LOADED", "not running"),
-     ("NO_PERMISSION", "no permission"), ("UNKNOWN", "NVML failed to start")],
+    [
+        ("LIBRARY_NOT_FOUND", "no NVIDIA GPU or driver found"),
+        ("DRIVER_NOT_LOADED", "not running"),
+        ("NO_PERMISSION", "no permission"),
+        ("UNKNOWN", "NVML failed to start"),
+    ],
 )
 def test_driver_problems_become_a_clear_inventory_problem(fake_nvml, error, advice):
     fake_nvml.configure(dict(fake_nvml.DEFAULT_SCENARIO, init_error=error))

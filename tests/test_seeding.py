@@ -23,7 +23,8 @@ def test_seed_makes_python_numpy_and_torch_repeat():
         print(repr(report)); print(os.environ["GPUMAGIC_SEED"], os.environ["PYTHONHASHSEED"])
         print(torch.are_deterministic_algorithms_enabled())
         print(repr(gpumagic.seed(7, deterministic=True)))
-        print(torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark, os.environ["CUBLAS_WORKSPACE_CONFIG"])
+        print(torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark,
+              os.environ["CUBLAS_WORKSPACE_CONFIG"])
         print(torch.cuda.is_initialized())
         """
     )

@@ -12,20 +12,24 @@ import pytest
 import gpumagic
 from gpumagic.devices.spec import SpecError
 from gpumagic.errors import GpuLeasedError, InvalidArgument, NoGpuError, NotEnoughGpusError
-from gpumagic.units import GIB
 
 
 @pytest.fixture
 def busy_server(tmp_path, monkeypatch):
     """GPU 0: 30 GiB used, 90% busy; GPU 1: 70 GiB used; GPU 2, 3: idle; GPU 4: lost."""
-    scenario = {"gpus": [
-        {"model": "A100-80GB", "utilization": 90,
-         "processes": [{"pid": 4242, "user": "alice", "command": "python train.py", "memory": "30GB"}]},
-        {"model": "A100-80GB", "used": "70GB", "utilization": 10},
-        {"model": "A100-80GB", "used": "1GB", "utilization": 5},
-        {"model": "A100-80GB"},
-        {"model": "A100-80GB", "lost": True},
-    ]}
+    scenario = {
+        "gpus": [
+            {
+                "model": "A100-80GB",
+                "utilization": 90,
+                "processes": [{"pid": 4242, "user": "alice", "command": "python train.py", "memory": "30GB"}],
+            },
+            {"model": "A100-80GB", "used": "70GB", "utilization": 10},
+            {"model": "A100-80GB", "used": "1GB", "utilization": 5},
+            {"model": "A100-80GB"},
+            {"model": "A100-80GB", "lost": True},
+        ]
+    }
     path = tmp_path / "busy.json"
     path.write_text(json.dumps(scenario))
     monkeypatch.setenv("GPUMAGIC_SIMULATE", str(path))
@@ -60,9 +64,14 @@ def test_percent_free_and_exclude(busy_server):
 
 
 def test_bad_arguments_are_invalid_argument(busy_server):
-    for call in (lambda: gpumagic.pick(0), lambda: gpumagic.pick("2"), lambda: gpumagic.pick(1, min_free="lots"),
-                 lambda: gpumagic.pick(1, max_util=150), lambda: gpumagic.pick(1, wait="soon"),
-                 lambda: gpumagic.pick(1, exclude="9")):
+    for call in (
+        lambda: gpumagic.pick(0),
+        lambda: gpumagic.pick("2"),
+        lambda: gpumagic.pick(1, min_free="lots"),
+        lambda: gpumagic.pick(1, max_util=150),
+        lambda: gpumagic.pick(1, wait="soon"),
+        lambda: gpumagic.pick(1, exclude="9"),
+    ):
         with pytest.raises(InvalidArgument):
             call()
 
@@ -75,8 +84,12 @@ def test_more_than_the_machine_has_fails_without_waiting(busy_server):
 
 
 def test_wait_returns_once_a_gpu_is_released(busy_server):
-    holder = subprocess.Popen([sys.executable, "-c", "import gpumagic, time; gpumagic.pick(2); print('held', flush=True); time.sleep(2)"],
-                              stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import gpumagic, time; gpumagic.pick(2); print('held', flush=True); time.sleep(2)"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
+    )
     assert holder.stdout.readline().strip() == "held"
     heard = []
     chosen = gpumagic.pick(1, min_free="60GB", wait="30s", poll_interval=0.2, on_wait=heard.append)
@@ -98,8 +111,13 @@ def test_use_named_gpus_and_numbering(busy_server):
 
 
 def test_use_refuses_gpus_leased_by_others_unless_forced(busy_server):
-    holder = subprocess.Popen([sys.executable, "-c", "import gpumagic, sys; gpumagic.use('2'); print('held', flush=True); sys.stdin.read()"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import gpumagic, sys; gpumagic.use('2'); print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(GpuLeasedError, match=f"GPU 2 is leased by .*pid {holder.pid}.*--force"):
@@ -137,7 +155,10 @@ def test_release_restores_the_environment_from_before(busy_server, monkeypatch):
 def test_pick_on_fake_nvml_skips_the_lost_and_busy_gpus(fake_nvml):
     chosen = gpumagic.pick(2)
     assert chosen.indices == (0, 2) and not chosen.simulated
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == "GPU-0f4ea0c3-6ad2-1b4e-c3f1-6b2e0d9c1a01,GPU-c3d5f0aa-1234-4c56-9abc-def012345603"
+    assert (
+        os.environ["CUDA_VISIBLE_DEVICES"]
+        == "GPU-0f4ea0c3-6ad2-1b4e-c3f1-6b2e0d9c1a01,GPU-c3d5f0aa-1234-4c56-9abc-def012345603"
+    )
     with pytest.raises(NotEnoughGpusError) as caught:
         gpumagic.pick(3, min_free="30GB")
     assert "lost" in caught.value.reasons[3] and "19.5 GiB free < 30.0 GiB needed" == caught.value.reasons[1]
@@ -145,7 +166,7 @@ def test_pick_on_fake_nvml_skips_the_lost_and_busy_gpus(fake_nvml):
 
 def test_no_driver_is_a_clear_error(fake_nvml):
     fake_nvml.configure(dict(fake_nvml.DEFAULT_SCENARIO, init_error="LIBRARY_NOT_FOUND"))
-    with pytest.raises(NoGpuError, match="no NVIDIA GPU or driver found.*GPUMAGIC_SIMULATE"):
+    with pytest.raises(NoGpuError, match=r"no NVIDIA GPU or driver found.*GPUMAGIC_SIMULATE"):
         gpumagic.pick(1)
 
 

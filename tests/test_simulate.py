@@ -15,15 +15,24 @@ from gpumagic.units import GIB
 
 def test_spec_forms():
     assert [g.name for g in simulate.parse_spec("2xA100-80GB,1xV100-16GB")] == [
-        "NVIDIA A100-80GB", "NVIDIA A100-80GB", "NVIDIA V100-16GB"]
+        "NVIDIA A100-80GB",
+        "NVIDIA A100-80GB",
+        "NVIDIA V100-16GB",
+    ]
     assert simulate.parse_spec("8xH100")[0].memory_total == 80 * GIB
     assert simulate.parse_spec("T4")[0].memory_total == 16 * GIB
 
 
 @pytest.mark.parametrize(
     ("spec", "message"),
-    [("4xFOO", "give FOO's memory"), ("0xA100", "1-64 GPUs"), ("lots of gpus", "cannot read"), (",", "describes no GPU"),
-     ("65xA100", "1-64"), ("/nonexistent/x.json", "cannot read")],
+    [
+        ("4xFOO", "give FOO's memory"),
+        ("0xA100", "1-64 GPUs"),
+        ("lots of gpus", "cannot read"),
+        (",", "describes no GPU"),
+        ("65xA100", "1-64"),
+        ("/nonexistent/x.json", "cannot read"),
+    ],
 )
 def test_bad_specs_are_clear(spec, message):
     with pytest.raises(InvalidArgument, match=message):
@@ -44,12 +53,18 @@ def test_uuids_are_stable_across_processes(simulated):
 
 
 def test_scenario_file_with_load_processes_and_a_lost_gpu(tmp_path, monkeypatch):
-    scenario = {"gpus": [
-        {"model": "A100-80GB", "used": "30GB", "utilization": 90,
-         "processes": [{"pid": 4242, "user": "alice", "command": "python train.py", "memory": "30GB"}]},
-        {"model": "V100-16GB", "count": 2},
-        {"model": "A100-80GB", "lost": True},
-    ]}
+    scenario = {
+        "gpus": [
+            {
+                "model": "A100-80GB",
+                "used": "30GB",
+                "utilization": 90,
+                "processes": [{"pid": 4242, "user": "alice", "command": "python train.py", "memory": "30GB"}],
+            },
+            {"model": "V100-16GB", "count": 2},
+            {"model": "A100-80GB", "lost": True},
+        ]
+    }
     path = tmp_path / "server.json"
     path.write_text(json.dumps(scenario))
     monkeypatch.setenv("GPUMAGIC_SIMULATE", str(path))

@@ -11,7 +11,9 @@ from gpumagic.devices.spec import ACCEPTED_FORMS, SpecError, parse_spec, resolve
 def inventory():
     names = ["NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-80GB", "NVIDIA GeForce RTX 4090", "Tesla V100-SXM2-16GB"]
     uuids = ["GPU-aaaa1111-0000", "GPU-aaaa2222-0000", "GPU-bbbb0000-0000", "GPU-cccc0000-0000"]
-    return Inventory(tuple(GpuInfo(i, u, n) for i, (u, n) in enumerate(zip(uuids, names))), "nvml", time.time())
+    return Inventory(
+        tuple(GpuInfo(i, u, n) for i, (u, n) in enumerate(zip(uuids, names, strict=True))), "nvml", time.time()
+    )
 
 
 def indices(text):
@@ -21,10 +23,27 @@ def indices(text):
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("0,2", [0, 2]), ("2, 0", [0, 2]), ("0 2", [0, 2]), ("GPU:1", [1]), ("gpu:3", [3]), ("/device:GPU:1", [1]),
-        ("['GPU:0','GPU:1']", [0, 1]), ("['GPU:0', 'GPU:1']", [0, 1]), ("[0, 3]", [0, 3]), ("GPU:*", [0, 1, 2, 3]),
-        ("all", [0, 1, 2, 3]), ("*", [0, 1, 2, 3]), ("A100", [0, 1]), ("rtx.*4090", [2]), ("V100|4090", [2, 3]),
-        ("GPU-bbbb", [2]), ("GPU-aaaa2222", [1]), ("none", []), ("cpu", []), ("'0,1'", [0, 1]), ("1,1", [1]),
+        ("0,2", [0, 2]),
+        ("2, 0", [0, 2]),
+        ("0 2", [0, 2]),
+        ("GPU:1", [1]),
+        ("gpu:3", [3]),
+        ("/device:GPU:1", [1]),
+        ("['GPU:0','GPU:1']", [0, 1]),
+        ("['GPU:0', 'GPU:1']", [0, 1]),
+        ("[0, 3]", [0, 3]),
+        ("GPU:*", [0, 1, 2, 3]),
+        ("all", [0, 1, 2, 3]),
+        ("*", [0, 1, 2, 3]),
+        ("A100", [0, 1]),
+        ("rtx.*4090", [2]),
+        ("V100|4090", [2, 3]),
+        ("GPU-bbbb", [2]),
+        ("GPU-aaaa2222", [1]),
+        ("none", []),
+        ("cpu", []),
+        ("'0,1'", [0, 1]),
+        ("1,1", [1]),
     ],
 )
 def test_the_forms_users_write(text, expected):

@@ -8,8 +8,16 @@ from gpumagic.units import GIB, parse_duration, parse_percent, parse_size, parse
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("20GB", 20 * GIB), ("20 GiB", 20 * GIB), ("20g", 20 * GIB), ("512MB", 512 << 20), ("1.5TB", int(1.5 * (1 << 40))),
-     ("20", 20 * GIB), (".5G", GIB // 2), (1024, 1024)],
+    [
+        ("20GB", 20 * GIB),
+        ("20 GiB", 20 * GIB),
+        ("20g", 20 * GIB),
+        ("512MB", 512 << 20),
+        ("1.5TB", int(1.5 * (1 << 40))),
+        ("20", 20 * GIB),
+        (".5G", GIB // 2),
+        (1024, 1024),
+    ],
 )
 def test_sizes(text, expected):
     assert parse_size(text) == expected
@@ -28,7 +36,9 @@ def test_percent_of_memory():
         parse_size_or_percent("150%")
 
 
-@pytest.mark.parametrize(("text", "seconds"), [("30s", 30), ("10m", 600), ("1h30m", 5400), ("90", 90), ("250ms", 0.25), (2.5, 2.5)])
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("30s", 30), ("10m", 600), ("1h30m", 5400), ("90", 90), ("250ms", 0.25), (2.5, 2.5)]
+)
 def test_durations(text, seconds):
     assert parse_duration(text) == pytest.approx(seconds)
 

@@ -70,6 +70,9 @@ def test_a_loaded_cuda_driver_is_detected(fake_libcuda, simulated):
 
 
 def test_importing_torch_does_not_count_as_started(simulated):
-    code = "import torch, gpumagic; torch.randn(3).sum(); from gpumagic.devices.visibility import cuda_initialized; print(cuda_initialized())"
+    code = (
+        "import torch, gpumagic; torch.randn(3).sum()\n"
+        "from gpumagic.devices.visibility import cuda_initialized; print(cuda_initialized())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "None"

@@ -228,8 +228,15 @@ def holders(uuids: Iterable[str], mine: LeaseBook) -> dict[str, Lease]:
     for uuid in wanted:
         if uuid in own:
             since = mine.since(uuid) or time.time()
-            result[uuid] = Lease(uuid, current_user(), os.getpid(), since, socket.gethostname(),
-                                 os.environ.get("JPY_SESSION_NAME") or None, mine=True)
+            result[uuid] = Lease(
+                uuid,
+                current_user(),
+                os.getpid(),
+                since,
+                socket.gethostname(),
+                os.environ.get("JPY_SESSION_NAME") or None,
+                mine=True,
+            )
             continue
         if not _is_locked(directory / f"{uuid}.lock"):
             _remove_my_stale_records(directory, records.get(uuid, ()))
@@ -269,8 +276,14 @@ def _live_record(directory: Path, uuid: str, names: Iterable[str]) -> Lease | No
         recorded = data.get("process_start")
         if started is None or (recorded is not None and abs(started - float(recorded)) > 1.0):
             continue
-        return Lease(uuid, str(data.get("user", uid)), pid, float(data.get("since", 0.0)),
-                     str(data.get("host", "")), data.get("notebook"))
+        return Lease(
+            uuid,
+            str(data.get("user", uid)),
+            pid,
+            float(data.get("since", 0.0)),
+            str(data.get("host", "")),
+            data.get("notebook"),
+        )
     return None
 
 
@@ -279,7 +292,10 @@ def _remove_my_stale_records(directory: Path, names: Iterable[str]) -> None:
     for name in names:
         path = directory / name
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            if path.lstat().st_uid == os.getuid() and process_start_time(int(json.loads(path.read_text())["pid"])) is None:
+            if (
+                path.lstat().st_uid == os.getuid()
+                and process_start_time(int(json.loads(path.read_text())["pid"])) is None
+            ):
                 path.unlink()
 
 

@@ -65,7 +65,10 @@ def _initialized() -> tuple[Any, str | None]:
     try:
         import pynvml as nv
     except ImportError:
-        _init_problem = (time.monotonic(), f"the nvidia-ml-py package is missing (pip install nvidia-ml-py); {_SIMULATE_HINT}")
+        _init_problem = (
+            time.monotonic(),
+            f"the nvidia-ml-py package is missing (pip install nvidia-ml-py); {_SIMULATE_HINT}",
+        )
         return None, _init_problem[1]
     try:
         nv.nvmlInit()

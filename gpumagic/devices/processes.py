@@ -92,8 +92,7 @@ def kill_own_process(pid: int, gpu_pids: set[int], timeout: float = 5.0) -> Kill
         raise KillRefused(f"PID {pid} is this kernel or one of its parents; restart the kernel instead")
     if pid not in gpu_pids:
         raise KillRefused(
-            f"PID {pid} is not a compute process on any GPU here; %gpu kill stops only GPU processes "
-            "(see %gpu status)"
+            f"PID {pid} is not a compute process on any GPU here; %gpu kill stops only GPU processes (see %gpu status)"
         )
     try:
         proc = psutil.Process(pid)
@@ -114,7 +113,7 @@ def kill_own_process(pid: int, gpu_pids: set[int], timeout: float = 5.0) -> Kill
     except psutil.TimeoutExpired:
         proc.kill()
         proc.wait(timeout)
-        used = "SIGKILL (it ignored SIGTERM for {:.0f}s)".format(timeout)
+        used = f"SIGKILL (it ignored SIGTERM for {timeout:.0f}s)"
     except psutil.NoSuchProcess:
         used = "SIGTERM"
     return KillReport(pid, command, used, time.monotonic() - start)

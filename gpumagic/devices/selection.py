@@ -81,8 +81,7 @@ def pick(
         NotEnoughGpusError: too few GPUs qualify (after ``wait``); lists what each one lacked.
         NoGpuError: no GPUs at all. InvalidArgument: malformed argument.
 
-    >>> pick(2, min_free="20GB")  # doctest: +SKIP
-    Picked GPU 1, 3 ...
+    Example: ``pick(2, min_free="20GB", wait="10m")``.
     """
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_GPUS:
         raise InvalidArgument(f"the number of GPUs must be a whole number from 1 to {MAX_GPUS}, got {n!r}")
@@ -94,8 +93,9 @@ def pick(
         inventory = require_gpus(read_inventory())
         resolved = Requirements(needs.min_free, needs.min_free_percent, needs.max_util, _excluded(exclude, inventory))
         if first and n > len(inventory.gpus):
-            raise NotEnoughGpusError(n, (), {g.nvml_index: "(this machine has only "
-                                              f"{len(inventory.gpus)} GPUs)" for g in inventory.gpus})
+            raise NotEnoughGpusError(
+                n, (), {g.nvml_index: f"(this machine has only {len(inventory.gpus)} GPUs)" for g in inventory.gpus}
+            )
         first = False
         with leasing.pick_lock():
             held = leasing.holders([g.uuid for g in inventory.gpus], leasing.book())
@@ -116,7 +116,9 @@ def pick(
             raise NotEnoughGpusError(n, tuple(g.nvml_index for g in qualifying), reasons, note)
         if on_wait is not None:
             lacking = "; ".join(f"GPU {i}: {why}" for i, why in sorted(reasons.items()))
-            on_wait(f"Waiting for {n} GPU(s), {len(qualifying)} qualify ({format_duration(remaining)} left) — {lacking}")
+            on_wait(
+                f"Waiting for {n} GPU(s), {len(qualifying)} qualify ({format_duration(remaining)} left) — {lacking}"
+            )
         time.sleep(min(poll_interval, max(remaining, 0.01)))
 
 
@@ -135,8 +137,12 @@ def use(spec: object, *, force: bool = False) -> Selection:
         leasing.book().release_all()
         environment = visibility.show_only([])
         inventory = read_inventory()
-        return _finish(inventory, (), "Using no GPU: CUDA_VISIBLE_DEVICES is empty, so this kernel and what it "
-                       "starts run on the CPU", environment)
+        return _finish(
+            inventory,
+            (),
+            "Using no GPU: CUDA_VISIBLE_DEVICES is empty, so this kernel and what it starts run on the CPU",
+            environment,
+        )
     inventory = require_gpus(read_inventory())
     gpus = resolve(parsed, inventory)
     broken = [g for g in gpus if not g.healthy]
@@ -188,7 +194,9 @@ def _excluded(exclude: str | Iterable[int] | None, inventory: Inventory) -> froz
     try:
         return frozenset(int(i) for i in exclude)
     except (TypeError, ValueError):
-        raise InvalidArgument(f"exclude must be a device spec like '0,1' or a list of indices, got {exclude!r}") from None
+        raise InvalidArgument(
+            f"exclude must be a device spec like '0,1' or a list of indices, got {exclude!r}"
+        ) from None
 
 
 def _keep_only(chosen: Iterable[GpuInfo]) -> None:
@@ -203,8 +211,13 @@ def _select(inventory: Inventory, chosen: list[GpuInfo], summary: str, shared: t
     return _finish(inventory, ordered, f"{summary} → {mapping}", environment, shared)
 
 
-def _finish(inventory: Inventory, gpus: tuple[GpuInfo, ...], summary: str, environment: dict[str, str],
-            shared: tuple[int, ...] = ()) -> Selection:
+def _finish(
+    inventory: Inventory,
+    gpus: tuple[GpuInfo, ...],
+    summary: str,
+    environment: dict[str, str],
+    shared: tuple[int, ...] = (),
+) -> Selection:
     return Selection(gpus, summary, environment, visibility.cuda_initialized(), inventory.simulated, shared)
 
 

@@ -27,12 +27,25 @@ from gpumagic.units import GIB, parse_percent, parse_size
 
 # Memory (GiB) and board power (W) of the models people name without a size.
 KNOWN_MODELS: dict[str, tuple[int, int]] = {
-    "A100": (80, 400), "H100": (80, 700), "H200": (141, 700), "B200": (180, 1000), "V100": (32, 300),
-    "A10": (24, 150), "A30": (24, 165), "A40": (48, 300), "L4": (24, 72), "L40S": (48, 350), "T4": (16, 70),
-    "A6000": (48, 300), "RTX4090": (24, 450), "RTX3090": (24, 350),
+    "A100": (80, 400),
+    "H100": (80, 700),
+    "H200": (141, 700),
+    "B200": (180, 1000),
+    "V100": (32, 300),
+    "A10": (24, 150),
+    "A30": (24, 165),
+    "A40": (48, 300),
+    "L4": (24, 72),
+    "L40S": (48, 350),
+    "T4": (16, 70),
+    "A6000": (48, 300),
+    "RTX4090": (24, 450),
+    "RTX3090": (24, 350),
 }
 SPEC_FORMS = "4xA100-80GB, 2xA100-80GB,2xV100-16GB, 8xH100, or the path of a JSON file"
-_GROUP_RE = re.compile(r"^(?:(\d+)\s*[x×*]\s*)?([A-Za-z][A-Za-z0-9]*)(?:-(\d+(?:\.\d+)?)\s*(?:GB|GiB|G))?$", re.IGNORECASE)
+_GROUP_RE = re.compile(
+    r"^(?:(\d+)\s*[x×*]\s*)?([A-Za-z][A-Za-z0-9]*)(?:-(\d+(?:\.\d+)?)\s*(?:GB|GiB|G))?$", re.IGNORECASE
+)
 _UUID_NAMESPACE = uuidlib.UUID("6f1c6c4e-3d1e-4a55-9d2c-8a4f5e0b7a10")
 
 
@@ -67,7 +80,8 @@ def read_inventory(spec: str) -> Inventory:
             continue
         own = usage.get(index, ())
         used = min(sim.memory_total, sim.memory_used + sum(p.gpu_memory or 0 for p in own))
-        busy = min(100.0, sim.utilization + sum(_scan.cpu_percent(p.pid) for p in own))
+        extra = sum(_scan.cpu_percent(p.pid) for p in own)  # what gpumagic's own processes add
+        busy = min(100.0, sim.utilization + extra)
         result.append(
             GpuInfo(
                 nvml_index=index,
@@ -80,8 +94,8 @@ def read_inventory(spec: str) -> Inventory:
                 memory_reserved=0,
                 utilization=round(busy, 1),
                 memory_utilization=round(100 * used / sim.memory_total, 1) if sim.memory_total else 0.0,
-                temperature=sim.temperature + busy / 4,
-                power=min(sim.power_limit, sim.power + sim.power_limit * busy / 150),
+                temperature=sim.temperature + min(extra, 100.0) / 4,
+                power=min(sim.power_limit, sim.power + sim.power_limit * min(extra, 100.0) / 150),
                 power_limit=sim.power_limit,
                 mig_enabled=False,
                 processes=sim.processes + tuple(own),
@@ -147,7 +161,7 @@ def _parse_file(path: Path) -> tuple[SimulatedGpu, ...]:
     if isinstance(entries, str):
         return parse_spec(entries)
     if not isinstance(entries, list) or not entries:
-        raise InvalidArgument(f"GPUMAGIC_SIMULATE: {path} needs a non-empty list under \"gpus\" (docs/simulation.md)")
+        raise InvalidArgument(f'GPUMAGIC_SIMULATE: {path} needs a non-empty list under "gpus" (docs/simulation.md)')
     gpus: list[SimulatedGpu] = []
     for number, entry in enumerate(entries):
         try:

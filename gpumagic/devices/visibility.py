@@ -56,7 +56,9 @@ def current_visibility(inventory: Inventory) -> Visibility:
     if variable is None:
         homogeneous = len({g.name for g in inventory.gpus}) <= 1
         return Visibility(
-            tuple(g.nvml_index for g in inventory.gpus), None, pci_order or homogeneous,
+            tuple(g.nvml_index for g in inventory.gpus),
+            None,
+            pci_order or homogeneous,
             None if pci_order or homogeneous else order_note,
         )
     indices: list[int] = []
@@ -125,7 +127,10 @@ def cuda_initialized() -> str | None:
     try:
         with open("/proc/self/maps", "rb") as maps:
             if b"libcuda.so" in maps.read():
-                return "the CUDA driver is loaded in this kernel (torch.cuda.is_available() or another CUDA call started it)"
+                return (
+                    "the CUDA driver is loaded in this kernel "
+                    "(torch.cuda.is_available() or another CUDA call started it)"
+                )
     except OSError:
         pass
     return None

@@ -51,7 +51,10 @@ def notes(status: GpuStatus) -> list[str]:
 def render_text(status: GpuStatus) -> str:
     lines = [headline(status)]
     if status.inventory.gpus:
-        header = f"{'':1}{'GPU':>3} {'cuda':>4}  {'name':<18} {'memory used':<32} {'util':>5} {'temp':>5} {'power':>11}  lease, processes"
+        header = (
+            f" {'GPU':>3} {'cuda':>4}  {'name':<18} {'memory used':<32} {'util':>5} {'temp':>5} {'power':>11}"
+            "  lease, processes"
+        )
         lines.append(header)
         for gpu in status.inventory.gpus:
             lines += _text_rows(status, gpu)
@@ -70,7 +73,8 @@ def _text_rows(status: GpuStatus, gpu: GpuInfo) -> list[str]:
     temp = f"{gpu.temperature:.0f}°C" if gpu.temperature is not None else "n/a"
     power = _power(gpu)
     lease = status.leases.get(gpu.uuid)
-    first = f"{marker}{gpu.nvml_index:>3} {cuda_text:>4}  {gpu.short_name[:18]:<18} {memory:<32} {util:>5} {temp:>5} {power:>11}  "
+    first = f"{marker}{gpu.nvml_index:>3} {cuda_text:>4}  {gpu.short_name[:18]:<18} {memory:<32} "
+    first += f"{util:>5} {temp:>5} {power:>11}  "
     first += lease.describe() if lease else "free"
     rows = [first]
     rows += [f"{'':60}  └ {_process(p)}" for p in gpu.processes]
@@ -104,7 +108,9 @@ def render_html(status: GpuStatus) -> str:
             f"<td>{esc(lease.describe()) if lease else 'free'}</td>"
             f"<td style='text-align:left'>{processes}</td></tr>"
         )
-    header = "".join(f"<th>{h}</th>" for h in ("GPU", "cuda", "name", "memory", "util", "temp", "power", "lease", "processes"))
+    header = "".join(
+        f"<th>{h}</th>" for h in ("GPU", "cuda", "name", "memory", "util", "temp", "power", "lease", "processes")
+    )
     table = (
         "<table class='gpumagic-status' style='border-collapse:collapse;font-size:12px'>"
         f"<thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
@@ -154,7 +160,7 @@ def _process(process: GpuProcess) -> str:
     memory = format_bytes(process.gpu_memory) if process.gpu_memory is not None else "? memory"
     if not process.alive:
         return f"pid {process.pid} (not visible here: exited or another container) {memory}"
-    command = (process.command or "?")
+    command = process.command or "?"
     if len(command) > 60:
         command = command[:57] + "..."
     return f"pid {process.pid} {process.user or '?'}: {command} ({memory})"

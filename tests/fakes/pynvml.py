@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import string
+import typing
 from types import SimpleNamespace
 
 NVML_SUCCESS = 0
@@ -31,7 +32,8 @@ nvmlMemory_v2 = 0x02000028
 
 
 class NVMLError(Exception):
-    _valClassMapping: dict[int, type] = {}
+    _valClassMapping: typing.ClassVar[dict[int, type]] = {}
+    _errcode_to_string: typing.ClassVar[dict[int, str]] = {}
 
     def __new__(cls, value):
         if cls is NVMLError:
@@ -62,24 +64,68 @@ def _make_error_classes():
 
 
 _make_error_classes()
+NVMLError._errcode_to_string.update({v: k for k, v in globals().items() if k.startswith("NVML_ERROR_")})
+
+
+def nvmlExceptionClass(code):
+    return NVMLError._valClassMapping[code]
+
+
+def nvmlErrorString(code):
+    return NVMLError._errcode_to_string.get(code, "Unknown Error")
+
 
 GIB = 1 << 30
 # Shapes recorded from nvidia-smi -q / NVML on an 8-GPU A100 server and a V100 box (values rounded).
 DEFAULT_SCENARIO = {
     "driver": "550.54.15",
     "gpus": [
-        {"name": "NVIDIA A100-SXM4-80GB", "uuid": "GPU-0f4ea0c3-6ad2-1b4e-c3f1-6b2e0d9c1a01",
-         "busId": b"00000000:07:00.0", "total": 80 * GIB, "used": 2 * GIB, "reserved": 512 << 20,
-         "gpu_util": 3, "mem_util": 1, "temperature": 33, "power": 61234, "power_limit": 400000, "mig": [0, 0],
-         "processes": [{"pid": 999991, "usedGpuMemory": 1536 << 20}]},
-        {"name": "NVIDIA A100-SXM4-80GB", "uuid": "GPU-7b21c6de-91a0-44f3-8e0b-2c94f1d0aa02",
-         "busId": b"00000000:0F:00.0", "total": 80 * GIB, "used": 60 * GIB, "reserved": 512 << 20,
-         "gpu_util": 97, "mem_util": 60, "temperature": 71, "power": 382000, "power_limit": 400000, "mig": [0, 0],
-         "processes": [{"pid": 999992, "usedGpuMemory": None}]},
-        {"name": "NVIDIA A100-SXM4-80GB", "uuid": "GPU-c3d5f0aa-1234-4c56-9abc-def012345603",
-         "busId": b"00000000:47:00.0", "total": 80 * GIB, "used": 0, "reserved": 512 << 20,
-         "gpu_util": 0, "mem_util": 0, "temperature": 30, "power": 55000, "power_limit": 400000, "mig": [0, 0],
-         "processes": [], "unsupported": ["temperature", "power"]},
+        {
+            "name": "NVIDIA A100-SXM4-80GB",
+            "uuid": "GPU-0f4ea0c3-6ad2-1b4e-c3f1-6b2e0d9c1a01",
+            "busId": b"00000000:07:00.0",
+            "total": 80 * GIB,
+            "used": 2 * GIB,
+            "reserved": 512 << 20,
+            "gpu_util": 3,
+            "mem_util": 1,
+            "temperature": 33,
+            "power": 61234,
+            "power_limit": 400000,
+            "mig": [0, 0],
+            "processes": [{"pid": 999991, "usedGpuMemory": 1536 << 20}],
+        },
+        {
+            "name": "NVIDIA A100-SXM4-80GB",
+            "uuid": "GPU-7b21c6de-91a0-44f3-8e0b-2c94f1d0aa02",
+            "busId": b"00000000:0F:00.0",
+            "total": 80 * GIB,
+            "used": 60 * GIB,
+            "reserved": 512 << 20,
+            "gpu_util": 97,
+            "mem_util": 60,
+            "temperature": 71,
+            "power": 382000,
+            "power_limit": 400000,
+            "mig": [0, 0],
+            "processes": [{"pid": 999992, "usedGpuMemory": None}],
+        },
+        {
+            "name": "NVIDIA A100-SXM4-80GB",
+            "uuid": "GPU-c3d5f0aa-1234-4c56-9abc-def012345603",
+            "busId": b"00000000:47:00.0",
+            "total": 80 * GIB,
+            "used": 0,
+            "reserved": 512 << 20,
+            "gpu_util": 0,
+            "mem_util": 0,
+            "temperature": 30,
+            "power": 55000,
+            "power_limit": 400000,
+            "mig": [0, 0],
+            "processes": [],
+            "unsupported": ["temperature", "power"],
+        },
         {"name": "NVIDIA A100-SXM4-80GB", "uuid": "GPU-lost0000-0000-0000-0000-000000000004", "lost": True},
     ],
 }
@@ -121,6 +167,10 @@ def _gpu(handle, field=None):
     if field and field in gpu.get("unsupported", ()):
         raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
     return gpu
+
+
+def nvmlInitWithFlags(flags):
+    nvmlInit()
 
 
 def nvmlInit():
@@ -214,8 +264,12 @@ def _processes(handle, api):
     if api == "_v3" and _scenario.get("process_api") == "v2":
         raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)
     gpu = _gpu(handle, "processes")
-    return [SimpleNamespace(pid=p["pid"], usedGpuMemory=p.get("usedGpuMemory"), gpuInstanceId=0xFFFFFFFF,
-                            computeInstanceId=0xFFFFFFFF) for p in gpu.get("processes", [])]
+    return [
+        SimpleNamespace(
+            pid=p["pid"], usedGpuMemory=p.get("usedGpuMemory"), gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF
+        )
+        for p in gpu.get("processes", [])
+    ]
 
 
 def nvmlDeviceGetComputeRunningProcesses_v3(handle):

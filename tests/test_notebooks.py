@@ -1,0 +1,58 @@
+"""The notebooks run end to end in a real kernel, with the environment binder/start gives them."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from conftest import ROOT
+from nbclient import NotebookClient
+
+pytestmark = pytest.mark.kernel
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def binder_environment(lease_dir: Path) -> dict[str, str]:
+    """Run binder/start itself and keep the environment it hands to the notebook server."""
+    dump = "import json, os; print(json.dumps(dict(os.environ)))"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("GPUMAGIC_", "CUDA_"))}
+    out = subprocess.run(
+        [str(ROOT / "binder" / "start"), sys.executable, "-c", dump],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=clean,
+    ).stdout
+    env = json.loads(out)
+    env["GPUMAGIC_LEASE_DIR"] = str(lease_dir)
+    return env
+
+
+def test_binder_start_simulates_the_shared_server(isolated_leases):
+    env = binder_environment(isolated_leases)
+    assert env["GPUMAGIC_SIMULATE"] == str(ROOT / "binder" / "shared-server.json")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs(path, isolated_leases, monkeypatch):
+    for name, value in binder_environment(isolated_leases).items():
+        monkeypatch.setenv(name, value)
+    notebook = nbformat.read(path, as_version=4)
+    NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    ).execute()
+    outputs = json.dumps([cell.get("outputs", []) for cell in notebook.cells])
+    assert "Traceback" not in outputs
+    if path.name == "01_pick_gpus.ipynb":
+        assert "SIMULATED (shared-server.json)" in outputs
+        assert "Picked GPU 2, 3" in outputs  # GPUs 0 and 1 are busy with alice's and bob's work
+        assert "GPU 0: 19.0 GiB free < 40.0 GiB needed" in outputs
+        assert "there is no GPU 9" in outputs
+        assert "Released GPU" in outputs
+
+
+def test_there_are_notebooks():
+    assert any(p.name == "01_pick_gpus.ipynb" for p in NOTEBOOKS)

@@ -1,0 +1,72 @@
+"""The project's promises about itself: one test command, binder files, metadata in one place."""
+
+import tomllib
+from conftest import ROOT
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    command = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert command.endswith(".venv/bin/python -m pytest") and "torch==2.13.0" in command
+    readme = (ROOT / "README.md").read_text()
+    assert f"```bash\n{command}\n```" in readme
+
+
+def test_binder_has_what_repo2docker_reads():
+    binder = ROOT / "binder"
+    assert (binder / "runtime.txt").read_text().strip() == "python-3.11"
+    requirements = (binder / "requirements.txt").read_text()
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in requirements
+    assert "ipykernel>=7.1" in requirements and "\n.\n" in requirements
+    start = (binder / "start").read_text()
+    assert "GPUMAGIC_SIMULATE" in start and start.rstrip().endswith('exec "$@"')
+    assert (binder / "start").stat().st_mode & 0o111
+
+
+def test_dependencies_are_the_design_cards():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {d.split(">")[0].split("<")[0].split("=")[0].strip().lower() for d in project["dependencies"]}
+    assert {
+        "ipython",
+        "ipywidgets",
+        "bokeh",
+        "jupyter_bokeh",
+        "torch",
+        "nvidia-ml-py",
+        "cloudpickle",
+        "psutil",
+        "filelock",
+        "platformdirs",
+    } <= names
+    assert "pynvml" not in names  # the deprecated distribution; nvidia-ml-py provides the module
+    torch = next(d for d in project["dependencies"] if d.startswith("torch"))
+    assert torch == "torch>=2.2,<3"
+
+
+def test_code_is_lint_clean_and_formatted():
+    import subprocess
+    import sys
+
+    for command in (["check"], ["format", "--check"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "ruff", *command, "gpumagic", "tests", "benchmarks"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_device_benchmark_runs_and_prints_its_table():
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "benchmarks/devices.py", "--repeat", "3", "--load-runs", "1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "%gpu pick 2 --min-free 20GB, 8 simulated GPUs" in result.stdout
+    assert "pick own work / 20 ms target" in result.stdout

@@ -43,9 +43,16 @@ class Visibility:
             seen = "no GPU (CPU only)"
         else:
             seen = ", ".join(f"cuda:{k}=GPU {i}" for k, i in enumerate(self.nvml_indices))
-        where = f"{VISIBLE}={self.variable}" if self.variable is not None else f"{VISIBLE} unset"
+        where = f"{VISIBLE}={_abbreviate(self.variable)}" if self.variable is not None else f"{VISIBLE} unset"
         text = f"this kernel sees {seen} ({where})"
         return text + (f"; {self.note}" if self.note else "")
+
+
+def _abbreviate(variable: str) -> str:
+    """``GPU-75e34fc8-de96-...,GPU-2d42...`` -> ``GPU-75e34fc8…,GPU-2d42b636…`` for one-line messages."""
+    return ",".join(
+        v[:12] + "…" if len(v) > 13 and v.upper().startswith(("GPU-", "MIG-")) else v for v in variable.split(",")
+    )
 
 
 def current_visibility(inventory: Inventory) -> Visibility:

@@ -106,18 +106,20 @@ def render_html(status: GpuStatus) -> str:
             f"<td>{'n/a' if gpu.temperature is None else f'{gpu.temperature:.0f}°C'}</td>"
             f"<td>{esc(_power(gpu))}</td>"
             f"<td>{esc(lease.describe()) if lease else 'free'}</td>"
-            f"<td style='text-align:left'>{processes}</td></tr>"
+            f"<td style='white-space:normal'>{processes}</td></tr>"
         )
     header = "".join(
         f"<th>{h}</th>" for h in ("GPU", "cuda", "name", "memory", "util", "temp", "power", "lease", "processes")
     )
     table = (
+        "<style>.gpumagic-status td, .gpumagic-status th "
+        "{padding: 2px 8px; text-align: left; white-space: nowrap}</style>"
         "<table class='gpumagic-status' style='border-collapse:collapse;font-size:12px'>"
         f"<thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
     )
     extra = "".join(f"<div style='color:#a60'>{esc(n)}</div>" for n in notes(status))
     stamp = time.strftime("%H:%M:%S", time.localtime(status.inventory.taken_at))
-    foot = f"<div style='color:#888;font-size:11px'>as of {stamp}; ▶/green: GPUs this kernel sees</div>"
+    foot = f"<div style='color:#888;font-size:11px'>as of {stamp}; green rows: the GPUs this kernel sees</div>"
     return f"<div class='gpumagic-status'>{head}{table}{extra}{foot}</div>"
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import re
+import warnings
 from dataclasses import dataclass
 
 from gpumagic.devices.model import GpuInfo, Inventory
@@ -113,10 +114,16 @@ def _token(token: str) -> tuple[str, str | int] | None:
 
 def _pattern(raw: str) -> str:
     try:
-        re.compile(raw, re.IGNORECASE)
+        _compile(raw)
     except (re.error, RecursionError, OverflowError) as err:
         raise SpecError(f"{raw!r} is neither a GPU list nor a valid name pattern ({err}); {ACCEPTED_FORMS}") from None
     return raw
+
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    with warnings.catch_warnings():  # FutureWarnings about odd patterns would only confuse here
+        warnings.simplefilter("ignore")
+        return re.compile(pattern, re.IGNORECASE)
 
 
 def resolve(spec: DeviceSpec, inventory: Inventory) -> tuple[GpuInfo, ...]:
@@ -156,7 +163,7 @@ def _match(kind: str, value: str | int, inventory: Inventory) -> list[GpuInfo]:
             indices = ", ".join(str(g.nvml_index) for g in found)
             raise SpecError(f"{value} is the start of several GPUs' UUIDs (GPUs {indices}); give more of it")
         return found
-    pattern = re.compile(str(value), re.IGNORECASE)
+    pattern = _compile(str(value))
     found = [g for g in inventory.gpus if pattern.search(g.name)]
     if not found:
         names = sorted({g.name for g in inventory.gpus}) or ["none"]

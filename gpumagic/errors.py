@@ -34,9 +34,10 @@ class NotEnoughGpusError(GpumagicError):
         self.wanted = wanted
         self.chosen = chosen
         self.reasons = dict(reasons)
-        lines = [f"Only {len(chosen)} of the {wanted} GPUs asked for qualify{note}:"]
+        lines = [f"Only {len(chosen)} of the {wanted} GPUs asked for qualify{note}" + (":" if self.reasons else ".")]
         lines += [f"  GPU {index}: {why}" for index, why in sorted(self.reasons.items())]
-        lines.append("Lower --min-free/--max-util, free a GPU, or add --wait 10m to wait for one.")
+        if self.reasons:
+            lines.append("Lower --min-free/--max-util, free a GPU, or add --wait 10m to wait for one.")
         super().__init__("\n".join(lines))
 
 

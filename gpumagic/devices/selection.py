@@ -93,9 +93,7 @@ def pick(
         inventory = require_gpus(read_inventory())
         resolved = Requirements(needs.min_free, needs.min_free_percent, needs.max_util, _excluded(exclude, inventory))
         if first and n > len(inventory.gpus):
-            raise NotEnoughGpusError(
-                n, (), {g.nvml_index: f"(this machine has only {len(inventory.gpus)} GPUs)" for g in inventory.gpus}
-            )
+            raise NotEnoughGpusError(n, (), {}, f" (this machine has only {len(inventory.gpus)} GPUs)")
         first = False
         with leasing.pick_lock():
             held = leasing.holders([g.uuid for g in inventory.gpus], leasing.book())

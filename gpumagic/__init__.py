@@ -22,6 +22,7 @@ from gpumagic.errors import (
     NoGpuError,
     NotEnoughGpusError,
 )
+from gpumagic.telemetry.log import log
 
 if TYPE_CHECKING:
     from gpumagic.devices.model import Inventory
@@ -43,10 +44,13 @@ __all__ = [
     "NotEnoughGpusError",
     "gpus",
     "kill",
+    "launch_ddp",
     "load_ipython_extension",
+    "log",
     "pick",
     "release",
     "seed",
+    "spawn",
     "status",
     "use",
     "visible_gpus",
@@ -55,9 +59,10 @@ __all__ = [
 
 def load_ipython_extension(ipython: Any) -> None:
     """Called by ``%load_ext gpumagic``: registers ``%gpu``."""
-    from gpumagic.magics import GpuMagics
+    from gpumagic.magics import GpuMagics, LaunchMagics
 
     ipython.register_magics(GpuMagics)
+    ipython.register_magics(LaunchMagics)
 
 
 def gpus() -> Inventory:
@@ -136,3 +141,23 @@ def kill(pid: int, *, timeout: float = 5.0) -> KillReport:
                 f"PID {pid} is a simulated process of {process.user}; gpumagic stops only your own processes"
             )
     return kill_own_process(pid, {p.pid for p in processes}, timeout)
+
+
+def launch_ddp(
+    fn: Any, nprocs: int | None = None, args: tuple = (), kwargs: dict | None = None, **options: Any
+) -> dict:
+    """Call ``fn(*args, **kwargs)`` on ``nprocs`` DDP ranks (process group ready); returns ``{rank: value}``.
+
+    ``fn`` may be defined in the notebook. See ``gpumagic.launch.ddp.launch_ddp`` for the options.
+    Raises LaunchError naming the failing rank, with its traceback and the other ranks' fates.
+    """
+    from gpumagic.launch.ddp import launch_ddp as _launch_ddp
+
+    return _launch_ddp(fn, nprocs, args, kwargs, **options)
+
+
+def spawn(fn: Any, args: tuple = (), nprocs: int = 1, join: bool = True, **options: Any) -> Any:
+    """``torch.multiprocessing.spawn`` that works on notebook-defined functions: ``fn(rank, *args)``."""
+    from gpumagic.launch.ddp import spawn as _spawn
+
+    return _spawn(fn, args, nprocs, join, **options)

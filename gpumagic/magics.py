@@ -12,10 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 import gpumagic
 from gpumagic.errors import GpumagicError
+from gpumagic.launch.failures import LaunchError, LaunchInterrupted
 
 
 class _Parser(argparse.ArgumentParser):
@@ -252,3 +253,71 @@ class _WaitLine:
     def close(self) -> None:
         if self._handle is not None:
             self._handle.update(_Help(""))
+
+
+def _launch_parser() -> _Parser:
+    parser = _Parser(
+        "%%launch_ddp",
+        "Run the cell on N processes with DistributedDataParallel ready: rank, local_rank, world_size and\n"
+        "device are defined and the process group is initialized (nccl with GPUs, gloo on CPU). Functions,\n"
+        "classes and data the cell uses from the notebook are shipped by value. Each rank's output streams\n"
+        "in, prefixed with its rank; a failing rank raises one error with its own traceback.\n"
+        "Example: %%launch_ddp -n 2 -o results",
+    )
+    parser.add_argument("-n", "--nprocs", type=int, help="number of ranks (default: one per visible GPU, or 2)")
+    parser.add_argument(
+        "--gpus", metavar="SPEC", help="GPUs for the ranks: a %%gpu use spec, or auto to pick free ones"
+    )
+    parser.add_argument("--gpus-per-rank", type=int, default=1, metavar="K", help="GPUs per rank (model parallel)")
+    parser.add_argument("--backend", help="process group backend: nccl, gloo, mpi, ucc")
+    parser.add_argument("--port", type=int, help="rendezvous port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--timeout", default="30m", metavar="DURATION", help="process group timeout (30m)")
+    parser.add_argument("--start-method", default="forkserver", choices=("forkserver", "spawn"))
+    parser.add_argument("--output", default="all", choices=("all", "rank0", "none"), help="whose output to show")
+    parser.add_argument("-o", metavar="VAR", help="store {rank: value of the cell's last expression} in VAR")
+    return parser
+
+
+_LAUNCH_PARSER = _launch_parser()
+
+
+@magics_class
+class LaunchMagics(Magics):
+    """``%%launch_ddp``: run a cell on N DDP ranks."""
+
+    @cell_magic
+    def launch_ddp(self, line: str, cell: str) -> Any:
+        from gpumagic.launch.ddp import launch_cell
+
+        args = _LAUNCH_PARSER.parse_args(_split(line, _LAUNCH_PARSER.prog))
+        if args.help:
+            return _Help(_LAUNCH_PARSER.format_help())
+        if args.o is not None and not args.o.isidentifier():
+            raise UsageError(f"%%launch_ddp: -o needs a variable name, got {args.o!r}")
+        source = self.shell.transform_cell(cell)
+        filename = f"<%%launch_ddp cell In[{self.shell.execution_count}]>"
+        try:
+            results = launch_cell(
+                source,
+                self.shell.user_ns,
+                filename=filename,
+                hidden=set(self.shell.user_ns_hidden),
+                nprocs=args.nprocs,
+                gpus=args.gpus,
+                gpus_per_rank=args.gpus_per_rank,
+                backend=args.backend,
+                port=args.port,
+                timeout=args.timeout,
+                start_method=args.start_method,
+                output=args.output,
+            )
+        except (LaunchError, LaunchInterrupted):
+            raise  # they render as the failing rank's traceback and the ranks' fates
+        except GpumagicError as err:
+            raise UsageError(str(err)) from None
+        if args.o is not None:
+            self.shell.user_ns[args.o] = results
+        return None
+
+
+LaunchMagics.launch_ddp.__doc__ = _LAUNCH_PARSER.format_help()

@@ -1,0 +1,212 @@
+"""The launch API: ``launch_ddp`` (a function on N ranks with the process group ready), ``spawn``
+(``torch.multiprocessing.spawn``'s signature, for notebook-defined functions) and ``launch_cell``
+(what ``%%launch_ddp`` runs)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from gpumagic.errors import InvalidArgument
+from gpumagic.launch.output import OUTPUT_MODES, RankOutput
+from gpumagic.launch.plan import LaunchPlan, assign_gpus, check_backend, threads_per_rank
+from gpumagic.launch.shipping import ship_cell, ship_function
+from gpumagic.units import parse_duration
+
+DEFAULT_CPU_RANKS = 2
+MAX_RANKS = 256
+
+
+def launch_ddp(
+    fn: Callable[..., Any],
+    nprocs: int | None = None,
+    args: tuple = (),
+    kwargs: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> dict[int, Any]:
+    """Call ``fn(*args, **kwargs)`` on ``nprocs`` ranks with the process group initialized; ``{rank: value}``.
+
+    ``fn`` may be defined in the notebook: it is shipped by value. Options: ``gpus`` (a device spec or
+    ``"auto"``), ``gpus_per_rank``, ``backend`` (default nccl with GPUs, gloo without), ``port``,
+    ``timeout`` (of the process group, default ``"30m"``), ``start_method`` (``forkserver``/``spawn``),
+    ``output`` (``all``/``rank0``/``none``).
+
+    Raises:
+        LaunchError: a rank failed; it names the root cause with that rank's traceback.
+        LaunchInterrupted: interrupted; every rank was stopped. ShippingError, InvalidArgument.
+    """
+    payload = ship_function(fn, tuple(args), dict(kwargs or {}), rank_first=False)
+    return _launch(payload, nprocs, process_group=True, **options)
+
+
+def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 1, join: bool = True, **options: Any) -> Any:
+    """``torch.multiprocessing.spawn`` for notebooks: ``fn(rank, *args)`` on ``nprocs`` processes.
+
+    Works with functions defined in the notebook. As with ``mp.spawn`` the code creates its own process
+    group; ``MASTER_ADDR``/``MASTER_PORT`` (a free port) and the other torchrun variables are set. Returns
+    ``{rank: value}``. ``join=False`` starts the ranks in a background thread and returns a handle whose
+    ``join()`` gives that dict.
+    """
+    payload = ship_function(fn, tuple(args), {}, rank_first=True)
+    if join:
+        return _launch(payload, nprocs, process_group=False, **options)
+    return SpawnHandle(lambda: _launch(payload, nprocs, process_group=False, **options))
+
+
+class SpawnHandle:
+    """Ranks running in the background (``spawn(..., join=False)``)."""
+
+    def __init__(self, run: Callable[[], dict[int, Any]]) -> None:
+        import threading
+
+        self._result: dict[int, Any] | None = None
+        self._error: BaseException | None = None
+
+        def target() -> None:
+            try:
+                self._result = run()
+            except BaseException as err:  # noqa: BLE001 - handed to join()
+                self._error = err
+
+        self._thread = threading.Thread(target=target, name="gpumagic-spawn", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> dict[int, Any] | None:
+        """Wait for the ranks; ``None`` if ``timeout`` passed first. Raises the launch's error, if any."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return None
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def launch_cell(
+    source: str,
+    namespace: Mapping[str, Any],
+    *,
+    filename: str,
+    hidden: Collection[str] = (),
+    nprocs: int | None = None,
+    **options: Any,
+) -> dict[int, Any]:
+    """Run a cell's Python ``source`` on every rank, with ``rank``, ``local_rank``, ``world_size`` and
+    ``device`` defined and the process group initialized; ``{rank: value of the last expression}``."""
+    payload = ship_cell(source, namespace, filename, hidden)
+    return _launch(payload, nprocs, process_group=True, **options)
+
+
+def _launch(
+    payload: Any,
+    nprocs: int | None,
+    *,
+    process_group: bool,
+    gpus: str | None = None,
+    gpus_per_rank: int = 1,
+    backend: str | None = None,
+    port: int | None = None,
+    timeout: str | float = "30m",
+    start_method: str = "forkserver",
+    output: str = "all",
+    write: Callable[[str], None] | None = None,
+) -> dict[int, Any]:
+    from gpumagic.launch.local import START_METHODS, run_local
+
+    if start_method not in START_METHODS:
+        raise InvalidArgument(f"start method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
+    if output not in OUTPUT_MODES:
+        raise InvalidArgument(f"output must be one of {', '.join(OUTPUT_MODES)}, got {output!r}")
+    if isinstance(gpus_per_rank, bool) or not isinstance(gpus_per_rank, int) or gpus_per_rank < 1:
+        raise InvalidArgument(f"gpus_per_rank must be a whole number of at least 1, got {gpus_per_rank!r}")
+    check_backend(backend)
+    timeout_s = parse_duration(timeout)
+    if timeout_s <= 0:
+        raise InvalidArgument("timeout must be more than 0 seconds")
+    available, simulated = _rank_gpus(gpus, nprocs, gpus_per_rank)
+    if nprocs is None:
+        nprocs = len(available) // gpus_per_rank if available else DEFAULT_CPU_RANKS
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or not 1 <= nprocs <= MAX_RANKS:
+        raise InvalidArgument(f"the number of ranks must be a whole number from 1 to {MAX_RANKS}, got {nprocs!r}")
+    rank_gpus = assign_gpus(available, nprocs, gpus_per_rank)
+    use_cuda = bool(available) and not simulated
+    if process_group and backend is None:
+        backend = "nccl" if use_cuda else "gloo"
+    listener, chosen_port = _loopback_port(port, keep=process_group)
+    job_dir = tempfile.mkdtemp(prefix="gpumagic-launch-")
+    plan = LaunchPlan(
+        job_dir=job_dir,
+        nprocs=nprocs,
+        master_port=chosen_port,
+        backend=backend if process_group else None,
+        rank_gpus=rank_gpus,
+        use_cuda=use_cuda,
+        threads_per_rank=threads_per_rank(nprocs),
+        timeout_s=timeout_s,
+        launcher_pid=os.getpid(),
+    )
+    sink = RankOutput(write or _stdout_writer(), output, nprocs)
+    try:
+        return run_local(plan, payload, start_method=start_method, listener=listener, on_output=sink.feed)
+    finally:
+        sink.flush()
+        shutil.rmtree(job_dir, ignore_errors=True)
+
+
+def _rank_gpus(spec: str | None, nprocs: int | None, per_rank: int) -> tuple[list[str], bool]:
+    """The GPU UUIDs available to the ranks (cuda order) and whether they are simulated."""
+    import gpumagic
+
+    if spec is None:
+        inventory = gpumagic.gpus()
+        if not inventory.gpus:
+            return [], False
+        from gpumagic.devices.visibility import current_visibility
+
+        visible = current_visibility(inventory).nvml_indices
+        return [inventory[i].uuid for i in visible], inventory.simulated
+    if spec == "auto":
+        if nprocs is None:
+            raise InvalidArgument("with --gpus auto, say how many ranks with -n")
+        chosen = gpumagic.pick(nprocs * per_rank)
+    else:
+        chosen = gpumagic.use(spec)
+    return list(chosen.uuids), chosen.simulated
+
+
+def _loopback_port(port: int | None, keep: bool) -> tuple[socket.socket | None, int]:
+    """A listening socket on 127.0.0.1 (``keep``: handed to rank 0, so nobody can take the port meanwhile),
+    or just a free port number for code that makes its own process group."""
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+        raise InvalidArgument(f"port must be a whole number from 1 to 65535, got {port!r}")
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", port or 0))
+    except OSError as err:
+        listener.close()
+        raise InvalidArgument(
+            f"port {port} is taken on 127.0.0.1 ({err.strerror}); leave out --port to use a free one"
+        ) from None
+    chosen = listener.getsockname()[1]
+    if not keep:
+        listener.close()
+        return None, chosen
+    listener.listen(256)
+    listener.set_inheritable(False)
+    return listener, chosen
+
+
+def _stdout_writer() -> Callable[[str], None]:
+    stream = sys.stdout
+
+    def write(text: str) -> None:
+        with contextlib.suppress(ValueError):
+            stream.write(text)
+            stream.flush()
+
+    return write

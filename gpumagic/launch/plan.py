@@ -1,0 +1,100 @@
+"""The launch plan: ranks, their environment (what torchrun gives), their GPUs and CPU threads.
+
+Pure values, independent of how processes start, so a local forkserver, an elastic agent or Slurm can
+carry out the same plan.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from gpumagic.errors import InvalidArgument
+
+BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything a rank needs to know before it starts.
+
+    ``rank_gpus[i]`` are the ``CUDA_VISIBLE_DEVICES`` entries (UUIDs) of local rank ``i``; empty tuples mean
+    CPU ranks. ``backend`` ``None`` means no process group is created (``spawn``: the code makes its own).
+    """
+
+    job_dir: str
+    nprocs: int
+    master_port: int
+    backend: str | None
+    rank_gpus: tuple[tuple[str, ...], ...]
+    use_cuda: bool
+    threads_per_rank: int
+    timeout_s: float
+    launcher_pid: int
+    master_addr: str = "127.0.0.1"
+    node_rank: int = 0
+    nnodes: int = 1
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.nprocs * self.nnodes
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.nprocs + local_rank
+
+    def environment(self, local_rank: int) -> dict[str, str]:
+        """The variables torchrun sets, plus the rank's GPUs and thread count."""
+        env = {
+            "RANK": str(self.global_rank(local_rank)),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.nprocs),
+            "GROUP_RANK": str(self.node_rank),
+            "NODE_RANK": str(self.node_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "OMP_NUM_THREADS": str(self.threads_per_rank),
+            "TORCHELASTIC_RUN_ID": os.path.basename(self.job_dir),
+            "GPUMAGIC_JOB_DIR": self.job_dir,
+        }
+        if self.nnodes == 1:  # keep gloo/NCCL bootstrap sockets on loopback for single-node runs
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+            env["NCCL_SOCKET_IFNAME"] = "lo"
+        gpus = self.rank_gpus[local_rank] if self.rank_gpus else ()
+        if gpus:
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        env.update(self.extra_env)
+        return env
+
+
+def threads_per_rank(nprocs: int, cpus: int | None = None) -> int:
+    """Divide this machine's CPUs among ranks so they do not oversubscribe it (at least 1 each)."""
+    available = cpus or len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, available // max(1, nprocs))
+
+
+def assign_gpus(gpus: list[str], nprocs: int, per_rank: int) -> tuple[tuple[str, ...], ...]:
+    """Give each rank ``per_rank`` consecutive GPUs from ``gpus`` (UUIDs in cuda order).
+
+    Raises:
+        InvalidArgument: fewer GPUs than ``nprocs * per_rank``.
+    """
+    if not gpus:
+        return tuple(() for _ in range(nprocs))
+    if per_rank < 1:
+        raise InvalidArgument(f"--gpus-per-rank must be at least 1, got {per_rank}")
+    needed = nprocs * per_rank
+    if len(gpus) < needed:
+        raise InvalidArgument(
+            f"{nprocs} ranks × {per_rank} GPU(s) need {needed} GPUs but {len(gpus)} are available to this kernel; "
+            "lower -n, or pick more with %gpu pick / --gpus auto"
+        )
+    return tuple(tuple(gpus[r * per_rank : (r + 1) * per_rank]) for r in range(nprocs))
+
+
+def check_backend(backend: str | None) -> str | None:
+    if backend is not None and backend not in BACKENDS:
+        raise InvalidArgument(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    return backend

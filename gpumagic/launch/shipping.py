@@ -1,0 +1,177 @@
+"""Shipping notebook code to other processes by value.
+
+A notebook's functions and classes live in ``__main__``, which a fresh process does not have: that is why
+plain ``mp.spawn`` fails with "Can't get attribute 'train' on <module '__main__'>". gpumagic pickles the
+names a cell uses with cloudpickle (functions and classes by value), imports modules by name, and carries
+the source of notebook cells so that tracebacks in the workers show the user's lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import linecache
+import os
+import types
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpumagic.errors import GpumagicError
+
+PROVIDED_NAMES = ("rank", "local_rank", "world_size", "device")
+
+
+class ShippingError(GpumagicError):
+    """A name the code uses cannot be sent to the worker processes."""
+
+
+@dataclass
+class CellPayload:
+    """A cell to run on every rank: its source, the notebook names it uses, and their modules."""
+
+    source: str
+    filename: str
+    names: dict[str, Any] = field(default_factory=dict)
+    modules: dict[str, str] = field(default_factory=dict)
+    sources: dict[str, list[str]] = field(default_factory=dict)
+
+    def prepare(self) -> None:
+        """Import the cell's modules and register its source (before the user's code: a failure here is setup's)."""
+        import importlib
+
+        _register_sources({self.filename: self.source.splitlines(True), **self.sources})
+        self._imported = {alias: importlib.import_module(module) for alias, module in self.modules.items()}
+
+    def run(self, context: Mapping[str, Any]) -> Any:
+        """Execute the cell in a fresh ``__main__``-like namespace; return its last expression's value."""
+        if not hasattr(self, "_imported"):
+            self.prepare()
+        namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+        namespace.update(self._imported)
+        namespace.update(self.names)
+        namespace.update(context)
+        tree = ast.parse(self.source, self.filename)
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        exec(compile(tree, self.filename, "exec"), namespace)
+        if last is None:
+            return None
+        return eval(compile(ast.Expression(last.value), self.filename, "eval"), namespace)
+
+
+@dataclass
+class FunctionPayload:
+    """A function to call on every rank: ``fn(*args, **kwargs)``, or ``fn(rank, *args)`` in spawn style."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    rank_first: bool = False
+    sources: dict[str, list[str]] = field(default_factory=dict)
+
+    def prepare(self) -> None:
+        _register_sources(self.sources)
+
+    def run(self, context: Mapping[str, Any]) -> Any:
+        if self.rank_first:
+            return self.fn(context["local_rank"], *self.args, **self.kwargs)
+        return self.fn(*self.args, **self.kwargs)
+
+
+def ship_cell(source: str, namespace: Mapping[str, Any], filename: str, hidden: Collection[str] = ()) -> CellPayload:
+    """The payload for running ``source`` (plain Python) with the names it uses from ``namespace``.
+
+    ``hidden`` names (IPython's ``In``, ``Out``, ``_``, ``get_ipython``, ...) are never shipped.
+
+    Raises:
+        ShippingError: the cell is not valid Python, uses IPython magics, or uses a name that cannot be
+            pickled (the message names the variable and says why).
+    """
+    try:
+        tree = ast.parse(source, filename)
+    except SyntaxError as err:
+        raise ShippingError(f"the cell is not valid Python: {err.msg} (line {err.lineno})") from None
+    used = _loaded_names(tree)
+    if "get_ipython" in used:
+        raise ShippingError("magics and !shell commands do not run inside %%launch_ddp; use plain Python there")
+    payload = CellPayload(source, filename)
+    for name in sorted(used - set(PROVIDED_NAMES) - set(hidden)):
+        if name not in namespace:
+            continue
+        value = namespace[name]
+        if isinstance(value, types.ModuleType):
+            payload.modules[name] = value.__name__
+        else:
+            payload.names[name] = value
+    check_picklable(payload.names)
+    payload.sources = notebook_sources(payload.names.values())
+    return payload
+
+
+def ship_function(fn: Callable[..., Any], args: tuple, kwargs: dict, rank_first: bool) -> FunctionPayload:
+    """The payload for calling ``fn`` on every rank.
+
+    Raises:
+        ShippingError: ``fn`` or an argument cannot be pickled.
+    """
+    if not callable(fn):
+        raise ShippingError(f"fn must be callable, got {type(fn).__name__}")
+    check_picklable(
+        {
+            getattr(fn, "__name__", "fn"): fn,
+            **{f"args[{i}]": a for i, a in enumerate(args)},
+            **{f"kwargs[{k!r}]": v for k, v in kwargs.items()},
+        }
+    )
+    return FunctionPayload(fn, tuple(args), dict(kwargs), rank_first, notebook_sources([fn]))
+
+
+def check_picklable(values: Mapping[str, Any]) -> None:
+    """Pickle each value alone, so a failure names the variable that cannot travel."""
+    import cloudpickle
+
+    for name, value in values.items():
+        try:
+            cloudpickle.dumps(value)
+        except Exception as err:  # noqa: BLE001 - pickling fails with many exception types
+            kind = type(value).__name__
+            raise ShippingError(
+                f"cannot send {name!r} (a {kind}) to the ranks: {type(err).__name__}: {err}. Create it inside "
+                "the cell (or the function) instead, or pass something picklable."
+            ) from None
+
+
+def notebook_sources(values: Any) -> dict[str, list[str]]:
+    """Source lines of the notebook cells that defined these functions/classes, for readable tracebacks.
+
+    Cells exist only in the kernel's ``linecache`` (their file names do not exist on disk).
+    """
+    files: dict[str, list[str]] = {}
+    for value in values:
+        for code in _code_objects(value):
+            filename = code.co_filename
+            entry = linecache.cache.get(filename)
+            if entry and filename not in files and not os.path.exists(filename):
+                files[filename] = list(entry[2])
+    return files
+
+
+def _code_objects(value: Any) -> list[types.CodeType]:
+    if isinstance(value, types.FunctionType):
+        return [value.__code__]
+    if isinstance(value, type) and value.__module__ == "__main__":
+        return [m.__code__ for m in vars(value).values() if isinstance(m, types.FunctionType)]
+    return []
+
+
+def _register_sources(sources: Mapping[str, list[str]]) -> None:
+    for filename, lines in sources.items():
+        linecache.cache[filename] = (sum(map(len, lines)), None, list(lines), filename)
+
+
+def _loaded_names(tree: ast.AST) -> set[str]:
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+
+
+def _assigned_names(tree: ast.AST) -> set[str]:
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)}

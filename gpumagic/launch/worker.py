@@ -1,0 +1,203 @@
+"""What runs inside each rank: die with the launcher, route output, set the environment, join the process
+group, run the shipped code, and report a value or a structured failure.
+
+Imported by the forkserver (with torch preloaded) and, for pickling by reference, by the kernel: so it
+imports nothing heavy at module level.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from gpumagic.launch.plan import LaunchPlan
+
+PR_SET_PDEATHSIG = 1
+
+
+def run_rank(local_rank: int, plan: LaunchPlan, outputs: list[Any], listener: Any) -> None:
+    """The target of every rank process (called as ``fn(i, *args)`` by torch.multiprocessing)."""
+    _die_with(plan.launcher_pid)
+    _route_output(local_rank, outputs)
+    rank = plan.global_rank(local_rank)
+    os.environ.update(plan.environment(local_rank))
+    if rank != 0 and listener is not None:
+        listener.close()
+        listener = None
+    phase = "setup"
+    try:
+        import cloudpickle
+        import torch
+
+        torch.set_num_threads(plan.threads_per_rank)
+        payload = cloudpickle.loads(Path(plan.job_dir, "payload.pkl").read_bytes())
+        payload.prepare()
+        device = torch.device("cuda", 0) if plan.use_cuda else torch.device("cpu")
+        if plan.use_cuda:
+            torch.cuda.set_device(0)
+        if plan.backend is not None:
+            phase = "rendezvous"
+            _join_process_group(plan, rank, listener)
+        phase = "user code"
+        value = payload.run({"rank": rank, "local_rank": local_rank, "world_size": plan.world_size, "device": device})
+        _write(plan, f"rank-{rank}.result.pkl", cloudpickle.dumps(value))
+        if plan.backend is not None:
+            _leave_process_group()
+    except BaseException as err:  # noqa: BLE001 - every way a rank ends must be reported
+        code = _report(plan, rank, phase, err)
+        _flush()
+        os._exit(code)
+    _flush()
+    os._exit(0)  # skip interpreter teardown: a finished rank must not hang in a library's destructor
+
+
+def _join_process_group(plan: LaunchPlan, rank: int, listener: Any) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=plan.timeout_s)
+    if listener is not None:  # rank 0 serves the rendezvous on the loopback socket the launcher bound
+        store = dist.TCPStore(
+            plan.master_addr,
+            plan.master_port,
+            plan.world_size,
+            True,
+            timeout=timeout,
+            master_listen_fd=listener.detach(),
+        )
+    else:
+        store = dist.TCPStore(plan.master_addr, plan.master_port, plan.world_size, False, timeout=timeout)
+    dist.init_process_group(plan.backend, store=store, rank=rank, world_size=plan.world_size, timeout=timeout)
+
+
+def _leave_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _report(plan: LaunchPlan, rank: int, phase: str, err: BaseException) -> int:
+    if isinstance(err, SystemExit):
+        code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
+        if code == 0:
+            return 0
+        message = str(err.code)
+    elif isinstance(err, KeyboardInterrupt):
+        return 128 + signal.SIGINT
+    else:
+        code = 1
+        message = str(err)
+    report = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "phase": phase,
+        "type": type(err).__name__,
+        "message": message,
+        "traceback": None if isinstance(err, SystemExit) else _user_traceback(err),
+        "timestamp": time.time(),
+        "exitcode": code,
+    }
+    _write(plan, f"rank-{rank}.error.json", json.dumps(report).encode())
+    sys.stderr.write(f"rank {rank} failed: {type(err).__name__}: {message}\n")
+    return code
+
+
+def _user_traceback(err: BaseException) -> str:
+    """The traceback from the user's first frame on: gpumagic's own frames are noise to the user."""
+    own = os.path.dirname(os.path.abspath(__file__))
+    tb = err.__traceback__
+    while tb is not None and os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == own:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(err), err, tb or err.__traceback__))
+
+
+def _write(plan: LaunchPlan, name: str, data: bytes) -> None:
+    final = Path(plan.job_dir, name)
+    temporary = final.with_suffix(final.suffix + ".tmp")
+    temporary.write_bytes(data)
+    os.replace(temporary, final)
+
+
+def _die_with(launcher_pid: int) -> None:
+    """End this rank if the kernel that launched it dies: a parent-death signal (the forkserver's death,
+    which follows the kernel's) and a watchdog on the kernel itself."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+    _release_forkserver()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if not _running(launcher_pid):
+                os._exit(1)
+
+    threading.Thread(target=watch, name="gpumagic-watchdog", daemon=True).start()
+
+
+def _release_forkserver() -> None:
+    """Drop the forkserver's keep-alive pipe that multiprocessing hands every child: held by the ranks, it
+    would keep the forkserver (and so the ranks, through their parent-death signal) alive after the kernel."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
+        server._forkserver_address = None
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (dead, not yet reaped by its parent) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+
+def _route_output(local_rank: int, outputs: list[Any]) -> None:
+    """Send this rank's stdout and stderr (file descriptors 1 and 2, so C libraries too) to the launcher."""
+    own = outputs[local_rank]
+    _flush()
+    os.dup2(own.fileno(), 1)
+    os.dup2(own.fileno(), 2)
+    for connection in outputs:
+        connection.close()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True)
+        except (AttributeError, ValueError):
+            pass
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass

@@ -1,0 +1,93 @@
+"""The launcher's process-free parts: the plan's environment, GPU assignment, output routing, failures."""
+
+import pytest
+
+from gpumagic.errors import InvalidArgument
+from gpumagic.launch.failures import LaunchError, RankOutcome, root_cause
+from gpumagic.launch.output import RankOutput
+from gpumagic.launch.plan import LaunchPlan, assign_gpus, threads_per_rank
+
+
+def plan(**changes):
+    values = dict(
+        job_dir="/tmp/gpumagic-launch-x",
+        nprocs=2,
+        master_port=4242,
+        backend="gloo",
+        rank_gpus=(("GPU-a",), ("GPU-b",)),
+        use_cuda=True,
+        threads_per_rank=4,
+        timeout_s=60,
+        launcher_pid=1,
+    )
+    values.update(changes)
+    return LaunchPlan(**values)
+
+
+def test_the_environment_is_torchruns():
+    env = plan().environment(1)
+    assert {
+        k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    } == {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "4242",
+    }
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-b" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert env["OMP_NUM_THREADS"] == "4" and env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert "CUDA_VISIBLE_DEVICES" not in plan(rank_gpus=((), ())).environment(0)
+    assert plan(node_rank=1, nnodes=2).environment(1)["RANK"] == "3"
+
+
+def test_gpu_assignment_and_threads():
+    assert assign_gpus(["a", "b", "c", "d"], 2, 2) == (("a", "b"), ("c", "d"))
+    assert assign_gpus([], 3, 1) == ((), (), ())
+    with pytest.raises(InvalidArgument, match="need 4 GPUs but 3 are available"):
+        assign_gpus(["a", "b", "c"], 2, 2)
+    assert threads_per_rank(2, cpus=2) == 1 and threads_per_rank(4, cpus=2) == 1 and threads_per_rank(2, cpus=16) == 8
+
+
+def test_output_lines_are_prefixed_and_partial_lines_wait():
+    written = []
+    out = RankOutput(written.append, "all", nprocs=12)
+    out.feed(3, b"hel")
+    out.feed(3, b"lo\nwor")
+    out.feed(10, "é\n".encode()[:1])  # a character split across reads
+    out.feed(10, "é\n".encode()[1:])
+    out.feed(3, b"ld\n")
+    assert written == ["[rank  3] hello\n", "[rank 10] é\n", "[rank  3] world\n"]
+
+
+def test_progress_bars_show_their_latest_state():
+    written = []
+    out = RankOutput(written.append, "all", nprocs=2)
+    out.feed(0, b"\r 10%|#   |\r 20%|##  |")
+    out.feed(0, b"\r100%|####|\n")
+    assert written == ["\r[rank 0]  20%|##  |", "[rank 0] 100%|####|\n"]
+
+
+def test_output_modes():
+    written = []
+    rank0 = RankOutput(written.append, "rank0", nprocs=2)
+    rank0.feed(1, b"no\n")
+    rank0.feed(0, b"yes\n")
+    RankOutput(written.append, "none", nprocs=2).feed(0, b"never\n")
+    assert written == ["[rank 0] yes\n"]
+
+
+def test_the_root_cause_is_the_earliest_own_failure():
+    outcomes = [
+        RankOutcome(0, 10, -15, stopped_by_launcher=True, timestamp=5.0),
+        RankOutcome(1, 11, 1, "user code", "RuntimeError", "gloo connection reset", "tb1", timestamp=3.0),
+        RankOutcome(2, 12, 1, "user code", "ValueError", "bad batch", "tb2", timestamp=2.0),
+        RankOutcome(3, 13, 0),
+    ]
+    cause = root_cause(outcomes)
+    assert cause.rank == 2
+    report = str(LaunchError(outcomes, cause))
+    assert report.startswith("rank 2 failed: raised ValueError: bad batch (in user code)")
+    assert "rank 0: stopped by gpumagic after the failure (SIGTERM)" in report and "rank 3: finished" in report
+    assert root_cause([RankOutcome(0, 1, 0)]) is None

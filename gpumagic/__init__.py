@@ -22,6 +22,7 @@ from gpumagic.errors import (
     NoGpuError,
     NotEnoughGpusError,
 )
+from gpumagic.launch.failures import LaunchError, LaunchInterrupted
 from gpumagic.telemetry.log import log
 
 if TYPE_CHECKING:
@@ -39,6 +40,8 @@ __all__ = [
     "GpumagicError",
     "InvalidArgument",
     "KillRefused",
+    "LaunchError",
+    "LaunchInterrupted",
     "LeaseDirectoryError",
     "NoGpuError",
     "NotEnoughGpusError",

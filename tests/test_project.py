@@ -70,3 +70,31 @@ def test_device_benchmark_runs_and_prints_its_table():
     assert result.returncode == 0, result.stderr
     assert "%gpu pick 2 --min-free 20GB, 8 simulated GPUs" in result.stdout
     assert "pick own work / 20 ms target" in result.stdout
+
+
+def test_launch_benchmark_runs_and_prints_its_table():
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/launch.py",
+            "--repeat",
+            "2",
+            "--steps",
+            "20",
+            "--cold-runs",
+            "1",
+            "--throughput-runs",
+            "1",
+            "--skip-accelerate",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "gpumagic warm relaunch (forkserver)" in result.stdout
+    assert "throughput gpumagic / torchrun" in result.stdout

@@ -1,0 +1,69 @@
+"""Workloads shared by benchmarks/launch.py: importable, so plain mp.spawn and torchrun can run them too."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def join_group_and_leave(rank: int | None = None, world_size: int | None = None) -> int:
+    """The smallest DDP job: a barrier in an initialized process group. Joins one itself if needed."""
+    import torch.distributed as dist
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.barrier()
+    result = dist.get_rank()
+    if own:
+        dist.destroy_process_group()
+    return result
+
+
+def train(steps: int = 300, width: int = 256, batch: int = 64) -> float:
+    """A DDP training loop of a 3-layer MLP on random data; returns steps per second after warm-up."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(
+        nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(batch, width), torch.randn(batch, 1)
+    for _ in range(20):  # warm-up
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    dist.barrier()
+    return steps / (time.perf_counter() - start)
+
+
+def accelerate_job() -> None:
+    """The same barrier through accelerate (what notebook_launcher expects to run)."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":  # under torchrun
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    rate = train(int(sys.argv[1]))
+    if dist.get_rank() == 0:
+        print(f"steps_per_s {rate}")
+    dist.destroy_process_group()

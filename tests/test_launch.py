@@ -346,6 +346,12 @@ def test_ranks_use_their_simulated_gpus(start_kernel):
         "print(seen[0][0] == visible[0], seen[1][0] == visible[1], seen[0][1], seen[0][2])"
     ).stdout
     assert out.split() == ["True", "True", "cpu", "2"]
+    k.ok("%gpu release")
+    k.ok("%%launch_ddp -n 2 --gpus auto --gpus-per-rank 2 -o pairs\nos.environ['CUDA_VISIBLE_DEVICES'].split(',')")
+    out = k.ok("print(len(pairs[0]), len(pairs[1]), len(set(pairs[0]) | set(pairs[1])))").stdout
+    assert out.split() == ["2", "2", "4"]  # four leased GPUs, two per rank, none shared
+    error = k.run("%%launch_ddp -n 3 --gpus-per-rank 2\npass").error
+    assert error[0] == "UsageError" and "need 6 GPUs but 4 are available" in error[1]
 
 
 def test_launching_from_a_script_with_spawn_start_method():

@@ -91,3 +91,21 @@ def test_the_root_cause_is_the_earliest_own_failure():
     assert report.startswith("rank 2 failed: raised ValueError: bad batch (in user code)")
     assert "rank 0: stopped by gpumagic after the failure (SIGTERM)" in report and "rank 3: finished" in report
     assert root_cause([RankOutcome(0, 1, 0)]) is None
+
+
+def test_only_names_the_cell_reads_before_binding_them_are_shipped():
+    from gpumagic.launch.shipping import ship_cell
+
+    namespace = {
+        "Net": dict,
+        "STEPS": 3,
+        "model": __import__("threading").Lock(),
+        "np": __import__("math"),
+        "total": 1,
+        "unused": object(),
+        "z": __import__("threading").Lock(),
+    }
+    source = "import os\nmodel = Net()\nfor step in range(STEPS):\n    total += step\nys = [z for z in range(3)]\nnp.pi"
+    payload = ship_cell(source, namespace, "<cell>")
+    assert sorted(payload.names) == ["Net", "STEPS", "total"]  # not the cell's own model/z (both unpicklable)
+    assert payload.modules == {"np": "math"}

@@ -91,7 +91,7 @@ def ship_cell(source: str, namespace: Mapping[str, Any], filename: str, hidden: 
         tree = ast.parse(source, filename)
     except SyntaxError as err:
         raise ShippingError(f"the cell is not valid Python: {err.msg} (line {err.lineno})") from None
-    used = _loaded_names(tree)
+    used = _needed_names(tree)
     if "get_ipython" in used:
         raise ShippingError("magics and !shell commands do not run inside %%launch_ddp; use plain Python there")
     payload = CellPayload(source, filename)
@@ -169,9 +169,33 @@ def _register_sources(sources: Mapping[str, list[str]]) -> None:
         linecache.cache[filename] = (sum(map(len, lines)), None, list(lines), filename)
 
 
-def _loaded_names(tree: ast.AST) -> set[str]:
-    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+def _needed_names(tree: ast.AST) -> set[str]:
+    """Names the cell reads before (in source order) it binds them: those must come from the notebook.
 
+    A name the cell binds first (``model = ...``, ``def train``, ``import torch``, a loop or comprehension
+    variable) is the cell's own, even if the notebook also has one: shipping that would be wasted, or fail.
+    """
+    events: list[tuple[int, int, int, str]] = []  # (line, column, 0 = binds / 1 = reads, name)
 
-def _assigned_names(tree: ast.AST) -> set[str]:
-    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)}
+    def at(node: ast.AST, kind: int, name: str, anchor: ast.AST | None = None) -> None:
+        where = anchor or node
+        events.append((getattr(where, "lineno", 0), getattr(where, "col_offset", 0), kind, name))
+
+    augmented = {id(n.target) for n in ast.walk(tree) if isinstance(n, ast.AugAssign)}  # x += 1 reads x first
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            at(node, 1 if isinstance(node.ctx, ast.Load) or id(node) in augmented else 0, node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            at(node, 0, node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                at(node, 0, (alias.asname or alias.name).split(".")[0])
+        elif isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            for generator in node.generators:
+                for target in ast.walk(generator.target):
+                    if isinstance(target, ast.Name):
+                        at(target, 0, target.id, anchor=node)
+    first: dict[str, int] = {}
+    for _, _, kind, name in sorted(events):
+        first.setdefault(name, kind)
+    return {name for name, kind in first.items() if kind == 1}

@@ -1,5 +1,6 @@
 """The project's promises about itself: one test command, binder files, metadata in one place."""
 
+import pytest
 import tomllib
 from conftest import ROOT
 
@@ -56,45 +57,28 @@ def test_code_is_lint_clean_and_formatted():
         assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_device_benchmark_runs_and_prints_its_table():
+@pytest.mark.parametrize(
+    ("script", "arguments", "expected"),
+    [
+        (
+            "devices.py",
+            ["--repeat", "3", "--load-runs", "1"],
+            ["%gpu pick 2 --min-free 20GB, 8 simulated GPUs", "pick own work / 20 ms target"],
+        ),
+        (
+            "launch.py",
+            ["--repeat", "2", "--steps", "20", "--cold-runs", "1", "--throughput-runs", "1", "--skip-accelerate"],
+            ["gpumagic warm relaunch (forkserver)", "throughput gpumagic / torchrun"],
+        ),
+    ],
+)
+def test_benchmark_runs_and_prints_its_table(script, arguments, expected):
     import subprocess
     import sys
 
     result = subprocess.run(
-        [sys.executable, "benchmarks/devices.py", "--repeat", "3", "--load-runs", "1"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
+        [sys.executable, f"benchmarks/{script}", *arguments], capture_output=True, text=True, cwd=ROOT, timeout=300
     )
     assert result.returncode == 0, result.stderr
-    assert "%gpu pick 2 --min-free 20GB, 8 simulated GPUs" in result.stdout
-    assert "pick own work / 20 ms target" in result.stdout
-
-
-def test_launch_benchmark_runs_and_prints_its_table():
-    import subprocess
-    import sys
-
-    result = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/launch.py",
-            "--repeat",
-            "2",
-            "--steps",
-            "20",
-            "--cold-runs",
-            "1",
-            "--throughput-runs",
-            "1",
-            "--skip-accelerate",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "gpumagic warm relaunch (forkserver)" in result.stdout
-    assert "throughput gpumagic / torchrun" in result.stdout
+    for line in expected:
+        assert line in result.stdout

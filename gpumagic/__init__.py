@@ -22,15 +22,15 @@ from gpumagic.errors import (
     NoGpuError,
     NotEnoughGpusError,
 )
-from gpumagic.launch.failures import LaunchError, LaunchInterrupted
-from gpumagic.telemetry.log import log
 
 if TYPE_CHECKING:
     from gpumagic.devices.model import Inventory
     from gpumagic.devices.processes import KillReport
     from gpumagic.devices.selection import Selection
     from gpumagic.devices.visibility import Visibility
+    from gpumagic.launch.failures import LaunchError, LaunchInterrupted
     from gpumagic.launch.seeding import SeedReport
+    from gpumagic.telemetry.log import log
     from gpumagic.widgets.status_table import StatusTable
 
 __version__ = "0.1.0"
@@ -49,15 +49,36 @@ __all__ = [
     "kill",
     "launch_ddp",
     "load_ipython_extension",
+    "load_run",
     "log",
     "pick",
     "release",
+    "runs",
     "seed",
     "spawn",
     "status",
     "use",
     "visible_gpus",
 ]
+
+
+_LAZY = {
+    "log": ("gpumagic.telemetry.log", "log"),
+    "LaunchError": ("gpumagic.launch.failures", "LaunchError"),
+    "LaunchInterrupted": ("gpumagic.launch.failures", "LaunchInterrupted"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import ``log`` and the launch errors on first use, keeping ``import gpumagic`` light."""
+    if name in _LAZY:
+        import importlib
+
+        module, attribute = _LAZY[name]
+        value = getattr(importlib.import_module(module), attribute)
+        globals()[name] = value  # later lookups skip this function: log() costs nothing extra
+        return value
+    raise AttributeError(f"module 'gpumagic' has no attribute {name!r}")
 
 
 def load_ipython_extension(ipython: Any) -> None:
@@ -164,3 +185,17 @@ def spawn(fn: Any, args: tuple = (), nprocs: int = 1, join: bool = True, **optio
     from gpumagic.launch.ddp import spawn as _spawn
 
     return _spawn(fn, args, nprocs, join, **options)
+
+
+def runs() -> list:
+    """Every run of this user (launches and kernels that logged), oldest first; see ``load_run``."""
+    from gpumagic.telemetry.store import list_runs
+
+    return list_runs()
+
+
+def load_run(run_id: str) -> Any:
+    """Reopen a run by id (or a unique prefix): ``.metrics()`` gives ``{rank: {name: Series}}``."""
+    from gpumagic.telemetry.store import load_run as _load_run
+
+    return _load_run(run_id)

@@ -20,7 +20,8 @@ def isolated_leases(tmp_path_factory, monkeypatch):
     """Every test gets its own lease directory and a clean CUDA environment; no leases leak out."""
     directory = tmp_path_factory.mktemp("leases")
     monkeypatch.setenv("GPUMAGIC_LEASE_DIR", str(directory))
-    for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPUMAGIC_SIMULATE", "GPUMAGIC_SEED"):
+    monkeypatch.setenv("GPUMAGIC_RUNS_DIR", str(tmp_path_factory.mktemp("runs")))
+    for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPUMAGIC_SIMULATE", "GPUMAGIC_SEED", "GPUMAGIC_RUN_DIR"):
         monkeypatch.delenv(name, raising=False)
     yield directory
     from gpumagic.devices import leases, visibility
@@ -128,6 +129,7 @@ class Kernel:
 def kernel_env(lease_dir: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "GPUMAGIC_", "FAKE_NVML", "JPY_"))}
     env["GPUMAGIC_LEASE_DIR"] = str(lease_dir)
+    env["GPUMAGIC_RUNS_DIR"] = os.environ.get("GPUMAGIC_RUNS_DIR") or str(lease_dir.parent / "runs")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     env.update(extra)
     return env

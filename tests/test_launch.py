@@ -93,6 +93,11 @@ def test_a_model_defined_across_cells_trains_and_ranks_agree(kernel):
         " torch.equal(result[0][1], result[1][1]), torch.allclose(result[0][1], TRUE_W, atol=0.05))"
     )
     assert check.stdout.split() == ["[0,", "1]", "2", "1", "True", "True", "True"]
+    logged = kernel.ok(
+        "run = gpumagic.runs()[-1]\nm = run.metrics()\n"
+        "print(run.status, sorted(m), len(m[0]['loss']), len(m[1]['loss']))"
+    ).stdout
+    assert logged.split() == ["finished", "[0,", "1]", "150", "150"]
 
 
 def test_rank_lines_stay_in_order_and_are_prefixed(kernel):

@@ -28,6 +28,7 @@ def binder_environment(lease_dir: Path) -> dict[str, str]:
     ).stdout
     env = json.loads(out)
     env["GPUMAGIC_LEASE_DIR"] = str(lease_dir)
+    env["GPUMAGIC_RUNS_DIR"] = os.environ["GPUMAGIC_RUNS_DIR"]
     return env
 
 

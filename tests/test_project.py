@@ -70,6 +70,7 @@ def test_code_is_lint_clean_and_formatted():
             ["--repeat", "2", "--steps", "20", "--cold-runs", "1", "--throughput-runs", "1", "--skip-accelerate"],
             ["gpumagic warm relaunch (forkserver)", "throughput gpumagic / torchrun"],
         ),
+        ("telemetry.py", ["--calls", "2000", "--seconds", "0.2"], ["gpumagic.log(loss=x)", "per call / 2 µs target"]),
     ],
 )
 def test_benchmark_runs_and_prints_its_table(script, arguments, expected):

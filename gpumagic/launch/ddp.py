@@ -9,14 +9,15 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from gpumagic.errors import InvalidArgument
+from gpumagic.launch.failures import LaunchInterrupted
 from gpumagic.launch.output import OUTPUT_MODES, RankOutput
 from gpumagic.launch.plan import LaunchPlan, assign_gpus, check_backend, threads_per_rank
 from gpumagic.launch.shipping import ship_cell, ship_function
+from gpumagic.telemetry import store
 from gpumagic.units import parse_duration
 
 DEFAULT_CPU_RANKS = 2
@@ -138,9 +139,11 @@ def _launch(
     if process_group and backend is None:
         backend = "nccl" if use_cuda else "gloo"
     listener, chosen_port = _loopback_port(port, keep=process_group)
-    job_dir = tempfile.mkdtemp(prefix="gpumagic-launch-")
+    run_dir = store.new_run("ddp", ranks=nprocs, backend=backend, gpus=[list(g) for g in rank_gpus])
+    job_dir = run_dir / "launch"
+    job_dir.mkdir()
     plan = LaunchPlan(
-        job_dir=job_dir,
+        job_dir=str(job_dir),
         nprocs=nprocs,
         master_port=chosen_port,
         backend=backend if process_group else None,
@@ -149,13 +152,21 @@ def _launch(
         threads_per_rank=threads_per_rank(nprocs),
         timeout_s=timeout_s,
         launcher_pid=os.getpid(),
+        extra_env={store.RUN_DIR_VARIABLE: str(run_dir)},
     )
     sink = RankOutput(write or _stdout_writer(), output, nprocs)
+    status = "failed"
     try:
-        return run_local(plan, payload, start_method=start_method, listener=listener, on_output=sink.feed)
+        results = run_local(plan, payload, start_method=start_method, listener=listener, on_output=sink.feed)
+        status = "finished"
+        return results
+    except LaunchInterrupted:
+        status = "interrupted"
+        raise
     finally:
         sink.flush()
-        shutil.rmtree(job_dir, ignore_errors=True)
+        shutil.rmtree(job_dir, ignore_errors=True)  # payload and results; the metrics stay
+        store.finish_run(run_dir, status)
 
 
 def _rank_gpus(spec: str | None, nprocs: int | None, per_rank: int) -> tuple[list[str], bool]:

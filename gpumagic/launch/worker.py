@@ -196,6 +196,12 @@ def _route_output(local_rank: int, outputs: list[Any]) -> None:
 
 
 def _flush() -> None:
+    telemetry = sys.modules.get("gpumagic.telemetry.log")
+    if telemetry is not None:  # the points logged since the last periodic write
+        try:
+            telemetry.flush()
+        except (OSError, ValueError):
+            pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -79,9 +79,25 @@ def _parsers() -> dict[str, _Parser]:
     )
     kill.add_argument("pid", help="the process id, as %%gpu status shows it")
     kill.add_argument("--timeout", default="5s", metavar="DURATION", help="how long to wait before SIGKILL (5s)")
+    watch = _Parser(
+        "%gpu watch",
+        "Live dashboard of every GPU: memory (this kernel's share apart from other users'),\n"
+        "utilization; with pause and stop. Sampling runs on a background thread: the kernel stays free.",
+    )
+    watch.add_argument("--interval", default="1s", metavar="DURATION", help="time between samples (1s)")
+    watch.add_argument("--history", type=int, default=600, metavar="N", help="samples kept per GPU (600)")
     helper = _Parser("%gpu help", "Help on %gpu or one subcommand.")
     helper.add_argument("subcommand", nargs="?", help="a subcommand")
-    return {"status": status, "pick": pick, "use": use, "release": release, "seed": seed, "kill": kill, "help": helper}
+    return {
+        "status": status,
+        "pick": pick,
+        "use": use,
+        "release": release,
+        "seed": seed,
+        "kill": kill,
+        "watch": watch,
+        "help": helper,
+    }
 
 
 _PARSERS = _parsers()
@@ -93,6 +109,7 @@ _OVERVIEW = (
     "  %gpu release                give back this kernel's GPUs\n"
     "  %gpu seed N [--deterministic]\n"
     "  %gpu kill PID [--timeout DURATION]\n"
+    "  %gpu watch [--interval 1s] [--history 600]   live dashboard of all GPUs\n"
     "  %gpu help SUBCOMMAND        or %gpu SUBCOMMAND --help\n\n"
     "Set GPUMAGIC_SIMULATE=4xA100-80GB to try it without GPUs. Python API: gpumagic.pick(), gpumagic.use(), ..."
 )
@@ -212,6 +229,60 @@ def _kill(args: argparse.Namespace) -> Any:
     return gpumagic.kill(pid, timeout=parse_duration(args.timeout))
 
 
+def _watch(args: argparse.Namespace) -> Any:
+    from gpumagic.units import parse_duration
+
+    interval = parse_duration(args.interval)
+    if interval < 0.05:
+        raise UsageError("%gpu watch: --interval must be at least 50ms")
+    if not 2 <= args.history <= 100_000:
+        raise UsageError("%gpu watch: --history must be from 2 to 100000 samples")
+    inventory = gpumagic.gpus()
+    if not inventory.gpus:
+        raise UsageError(f"No GPUs to watch: {inventory.problem}")
+    if not _in_kernel():
+        return _watch_in_terminal(interval)
+    from gpumagic.widgets.gpu_watch import GpuWatch
+
+    _close_previous_watch()
+    watch = GpuWatch(interval=interval, history=args.history)
+    _WATCHES.append(watch)
+    return watch
+
+
+_WATCHES: list[Any] = []
+
+
+def _close_previous_watch() -> None:
+    """Re-running %gpu watch replaces the dashboard: the old one's threads stop."""
+    while _WATCHES:
+        _WATCHES.pop().close()
+
+
+def _in_kernel() -> bool:
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return shell is not None and shell.__class__.__name__ == "ZMQInteractiveShell"
+
+
+def _watch_in_terminal(interval: float) -> Any:
+    """In a terminal: one compact line per sample until Ctrl-C."""
+    import time
+
+    from gpumagic.telemetry.samplers import GpuSampler
+    from gpumagic.widgets.gpu_watch import text_view
+
+    sampler = GpuSampler()
+    try:
+        while True:
+            inventory, samples = sampler.sample()
+            print(text_view(samples, inventory.simulated), flush=True)
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return _Help("stopped watching")
+
+
 def _help(args: argparse.Namespace) -> Any:
     if args.subcommand is None:
         return _Help(_OVERVIEW)
@@ -223,6 +294,7 @@ def _help(args: argparse.Namespace) -> Any:
 
 _HANDLERS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "status": _status,
+    "watch": _watch,
     "pick": _pick,
     "use": _use,
     "release": _release,

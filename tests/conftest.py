@@ -70,6 +70,7 @@ class CellResult:
     stderr: str = ""
     text: list[str] = field(default_factory=list)  # text/plain of execute_result and display_data
     html: list[str] = field(default_factory=list)
+    mimetypes: list[str] = field(default_factory=list)  # of every display in order
     error: tuple[str, str] | None = None  # (ename, evalue)
 
     @property
@@ -104,6 +105,7 @@ class Kernel:
                 else:
                     result.stderr += content["text"]
             elif kind in ("execute_result", "display_data", "update_display_data"):
+                result.mimetypes += list(content["data"])
                 result.text.append(content["data"].get("text/plain", ""))
                 if "text/html" in content["data"]:
                     result.html.append(content["data"]["text/html"])

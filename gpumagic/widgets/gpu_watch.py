@@ -1,0 +1,202 @@
+"""``%gpu watch``: a live dashboard of every GPU (memory, with this kernel's share apart from other users',
+utilization, temperature), sampled on a background thread and pushed to the browser at a bounded rate.
+
+Only the pusher thread touches the bokeh document after the dashboard is shown (the document is not
+thread-safe; comm sends from a thread are, in ipykernel 7.1+). Samples are buffered and each source gets
+one ``stream(batch, rollover=history)`` per push, whatever the sampling rate, so the browser receives a
+bounded number of messages and the memory used stays bounded however long it runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from gpumagic.telemetry.samplers import GpuSample, GpuSampler
+
+GIB = float(1 << 30)
+COLUMNS = ("time", "used", "mine", "others", "total", "utilization", "temperature")
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+_bokehjs_loaded = False
+
+
+class GpuWatch:
+    """A live GPU dashboard. ``widget`` is what a notebook displays; ``close()`` stops its threads."""
+
+    def __init__(
+        self, interval: float = 1.0, history: int = 600, push_interval: float = 0.5, sampler: GpuSampler | None = None
+    ) -> None:
+        from bokeh.layouts import column
+        from bokeh.models import ColumnDataSource
+        from bokeh.plotting import figure
+
+        if interval <= 0 or push_interval <= 0 or history < 2:
+            raise ValueError("interval and push_interval must be > 0 and history >= 2")
+        self.interval = interval
+        self.history = int(history)
+        self.push_interval = push_interval
+        self.sampler = sampler or GpuSampler()
+        inventory, first = self.sampler.sample()
+        self.simulated = inventory.simulated
+        self.indices = [s.nvml_index for s in first]
+        self.sources = {i: ColumnDataSource({c: [] for c in COLUMNS}) for i in self.indices}
+        self._pending: dict[int, deque[GpuSample]] = {i: deque(maxlen=self.history) for i in self.indices}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._paused = threading.Event()
+        self.pushes = 0
+        title = "GPUs" + (" (SIMULATED)" if self.simulated else "")
+        memory = figure(
+            title=f"{title}: memory used, GiB (solid: all, dashed: this kernel)",
+            height=220,
+            sizing_mode="stretch_width",
+            x_axis_type="datetime",
+            tools="pan,wheel_zoom,reset",
+        )
+        busy = figure(
+            title="utilization, %",
+            height=180,
+            sizing_mode="stretch_width",
+            x_axis_type="datetime",
+            x_range=memory.x_range,
+            y_range=(0, 100),
+            tools="pan,wheel_zoom,reset",
+        )
+        for position, index in enumerate(self.indices):
+            color = PALETTE[position % len(PALETTE)]
+            source = self.sources[index]
+            memory.line("time", "used", source=source, color=color, line_width=2, legend_label=f"GPU {index}")
+            memory.line("time", "mine", source=source, color=color, line_dash="dashed", line_width=2)
+            busy.line("time", "utilization", source=source, color=color, line_width=2, legend_label=f"GPU {index}")
+        for plot in (memory, busy):
+            plot.legend.location = "top_left"
+            plot.legend.click_policy = "hide"
+        self.layout = column(memory, busy, sizing_mode="stretch_width")
+        self._record(first)
+        self.widget = self._build_widget()
+        self._sampler_thread = threading.Thread(target=self._sample_loop, name="gpumagic-gpu-sampler", daemon=True)
+        self._pusher_thread = threading.Thread(target=self._push_loop, name="gpumagic-gpu-pusher", daemon=True)
+        self._sampler_thread.start()
+        self._pusher_thread.start()
+
+    def _build_widget(self) -> Any:
+        import ipywidgets
+        from jupyter_bokeh.widgets import BokehModel
+
+        self.header = ipywidgets.HTML(self._header_text())
+        self.pause_button = ipywidgets.ToggleButton(description="Pause", icon="pause", tooltip="pause sampling")
+        self.stop_button = ipywidgets.Button(description="Stop", icon="stop", tooltip="stop and close")
+        self.pause_button.observe(lambda change: self.pause(change["new"]), names="value")
+        self.stop_button.on_click(lambda _: self.close())
+        self.plots = BokehModel(self.layout)
+        controls = ipywidgets.HBox([self.pause_button, self.stop_button, self.header])
+        return ipywidgets.VBox([controls, self.plots])
+
+    def _header_text(self) -> str:
+        state = "paused" if self._paused.is_set() else "stopped" if self._stop.is_set() else "live"
+        label = " · SIMULATED" if self.simulated else ""
+        return (
+            f"<b>{len(self.indices)} GPUs{label}</b> · {state} · sampling every {self.interval:g}s, "
+            f"keeping {self.history} points"
+        )
+
+    def pause(self, paused: bool = True) -> None:
+        """Stop (or resume) sampling; what was drawn stays."""
+        if paused:
+            self._paused.set()
+        else:
+            self._paused.clear()
+        self.header.value = self._header_text()
+
+    def close(self) -> None:
+        """Stop both threads (within one sampling interval) and close the widgets. Safe to call twice."""
+        from ipywidgets import DOMWidget
+
+        self._stop.set()
+        for thread in (self._sampler_thread, self._pusher_thread):
+            if thread is not threading.current_thread():
+                thread.join(timeout=max(5.0, 2 * self.interval))
+        self.header.value = self._header_text()
+        # DOMWidget.close, not BokehModel.close: jupyter_bokeh's close unhooks the document and raises when
+        # ipywidgets' __del__ calls it a second time; leaving that to __del__ makes it happen exactly once.
+        DOMWidget.close(self.plots)
+
+    @property
+    def running(self) -> bool:
+        return self._sampler_thread.is_alive() or self._pusher_thread.is_alive()
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        load_bokehjs()
+        display(self.widget)
+
+    def _record(self, samples: list[GpuSample]) -> None:
+        with self._lock:
+            for sample in samples:
+                if sample.nvml_index in self._pending:
+                    self._pending[sample.nvml_index].append(sample)
+
+    def _sample_loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            if self._paused.is_set():
+                continue
+            try:
+                _, samples = self.sampler.sample()
+            except Exception:  # noqa: BLE001 - a failed read (driver hiccup) skips one sample
+                continue
+            self._record(samples)
+
+    def _push_loop(self) -> None:
+        while True:
+            stopping = self._stop.wait(self.push_interval)
+            self.push()
+            if stopping:
+                return
+
+    def push(self) -> None:
+        """Send what was sampled since the last push: one ``stream`` per GPU source."""
+        with self._lock:
+            batches = {i: list(q) for i, q in self._pending.items() if q}
+            for queue in self._pending.values():
+                queue.clear()
+        for index, samples in batches.items():
+            self.sources[index].stream(_columns(samples), rollover=self.history)
+        if batches:
+            self.pushes += 1
+
+
+def _columns(samples: list[GpuSample]) -> dict[str, list[float]]:
+    return {
+        "time": [s.time * 1000 for s in samples],  # bokeh datetime axes take milliseconds
+        "used": [s.memory_used / GIB for s in samples],
+        "mine": [s.memory_mine / GIB for s in samples],
+        "others": [s.memory_others / GIB for s in samples],
+        "total": [s.memory_total / GIB for s in samples],
+        "utilization": [s.utilization for s in samples],
+        "temperature": [s.temperature for s in samples],
+    }
+
+
+def load_bokehjs() -> None:
+    """Put BokehJS into the page once per kernel, from bokeh's inline resources (no CDN: works offline)."""
+    global _bokehjs_loaded
+    if _bokehjs_loaded:
+        return
+    from bokeh.io.notebook import load_notebook
+    from bokeh.resources import INLINE
+
+    load_notebook(resources=INLINE, hide_banner=True)
+    _bokehjs_loaded = True
+
+
+def text_view(samples: list[GpuSample], simulated: bool) -> str:
+    """The compact line a terminal shows per refresh."""
+    parts = [
+        f"GPU {s.nvml_index}: {s.memory_used / GIB:5.1f}/{s.memory_total / GIB:.0f} GiB"
+        f" (mine {s.memory_mine / GIB:.1f}) {s.utilization:3.0f}%"
+        for s in samples
+    ]
+    return time.strftime("%H:%M:%S ") + (" [simulated] " if simulated else "") + " | ".join(parts)

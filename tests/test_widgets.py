@@ -1,0 +1,137 @@
+"""The GPU dashboard: what its bokeh sources receive, how often, within what bounds, and its threads' end."""
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import gpumagic
+from gpumagic.telemetry.samplers import GpuSampler
+from gpumagic.widgets.gpu_watch import GpuWatch, text_view
+
+GIB = 1 << 30
+
+
+@pytest.fixture
+def watch_factory():
+    made = []
+
+    def make(**options):
+        watch = GpuWatch(**options)
+        made.append(watch)
+        return watch
+
+    yield make
+    for watch in made:
+        watch.close()
+
+
+def wait_for(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_sources_receive_samples_within_the_history_bound(simulated, watch_factory):
+    watch = watch_factory(interval=0.02, history=15, push_interval=0.1)
+    assert watch.indices == [0, 1, 2, 3] and watch.simulated
+    assert wait_for(lambda: all(len(s.data["time"]) == 15 for s in watch.sources.values()))
+    time.sleep(0.5)
+    data = watch.sources[2].data
+    assert len(data["time"]) == 15  # rollover keeps it bounded however long it runs
+    assert data["total"][-1] == 80.0 and data["used"][-1] == 0.0 and data["time"] == sorted(data["time"])
+
+
+def test_one_stream_per_source_per_push_whatever_the_sampling_rate(simulated, watch_factory):
+    from bokeh.document.events import ColumnsStreamedEvent
+
+    events = []
+    watch = watch_factory(interval=0.01, history=1000, push_interval=0.25)
+    watch.layout.document.on_change(
+        lambda event: events.append(event) if isinstance(event, ColumnsStreamedEvent) else None
+    )
+    started = time.monotonic()
+    time.sleep(1.6)
+    elapsed = time.monotonic() - started
+    per_source = len(events) / len(watch.sources)
+    assert per_source <= elapsed / 0.25 + 1, f"{per_source} streams per source in {elapsed:.1f}s"
+    assert len(watch.sources[0].data["time"]) > 2 * per_source  # each stream carried a batch of samples
+
+
+def test_this_kernels_share_is_told_apart_from_other_users(simulated, watch_factory):
+    gpumagic.pick(1)  # GPU 0: children of this process now count against it
+    child = subprocess.Popen([sys.executable, "-c", "b = bytearray(300 * 2**20)\nimport time\ntime.sleep(30)"])
+    try:
+        watch = watch_factory(interval=0.05, history=100, push_interval=0.1)
+        assert wait_for(lambda: watch.sources[0].data["mine"] and watch.sources[0].data["mine"][-1] > 0.25)
+        data = watch.sources[0].data
+        assert data["others"][-1] == pytest.approx(0.0, abs=0.01) and data["used"][-1] >= data["mine"][-1]
+        assert watch.sources[1].data["mine"][-1] == 0.0
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_pause_stops_sampling_and_close_ends_the_threads(simulated, watch_factory):
+    baseline = threading.active_count()
+    watch = watch_factory(interval=0.02, history=10_000, push_interval=0.05)
+    assert threading.active_count() == baseline + 2
+    assert wait_for(lambda: len(watch.sources[0].data["time"]) > 5)
+    watch.pause(True)
+    time.sleep(0.2)  # let an in-flight sample land
+    before = len(watch.sources[0].data["time"])
+    time.sleep(0.5)
+    assert len(watch.sources[0].data["time"]) == before
+    assert "paused" in watch.header.value
+    watch.pause(False)
+    assert wait_for(lambda: len(watch.sources[0].data["time"]) > before)
+    watch.close()
+    watch.close()
+    assert not watch.running and threading.active_count() == baseline
+    assert "stopped" in watch.header.value
+
+
+def test_the_stop_button_closes_it(simulated, watch_factory):
+    watch = watch_factory(interval=0.05, history=10, push_interval=0.05)
+    watch.stop_button.click()
+    assert not watch.running
+
+
+def test_lost_gpus_are_left_out(fake_nvml, watch_factory):
+    watch = watch_factory(interval=0.05, history=10, push_interval=0.05)
+    assert watch.indices == [0, 1, 2] and not watch.simulated
+    assert wait_for(lambda: watch.sources[1].data["used"] and watch.sources[1].data["used"][-1] == 60.0)
+
+
+def test_text_view_for_terminals(simulated):
+    _, samples = GpuSampler().sample()
+    line = text_view(samples, True)
+    assert "[simulated]" in line and "GPU 3:   0.0/80 GiB (mine 0.0)   0%" in line
+
+
+def test_bad_options(simulated):
+    with pytest.raises(ValueError):
+        GpuWatch(interval=0)
+    with pytest.raises(ValueError):
+        GpuWatch(history=1)
+
+
+@pytest.mark.kernel
+def test_gpu_watch_in_a_kernel_shows_a_widget_and_replaces_the_previous_one(start_kernel):
+    kernel = start_kernel(GPUMAGIC_SIMULATE="4xA100-80GB")
+    kernel.ok("%load_ext gpumagic\nimport threading")
+    first = kernel.run("%gpu watch --interval 0.2 --history 50")
+    assert first.error is None
+    assert "application/vnd.jupyter.widget-view+json" in first.mimetypes
+    assert "application/javascript" in first.mimetypes  # BokehJS, inline, the first time
+    count = kernel.ok("print(threading.active_count())").stdout
+    second = kernel.ok("%gpu watch --interval 0.2")
+    assert "application/javascript" not in second.mimetypes  # loaded once per kernel
+    assert "application/vnd.jupyter.widget-view+json" in second.mimetypes
+    assert kernel.ok("print(threading.active_count())").stdout == count  # the first dashboard's threads ended
+    error = kernel.run("%gpu watch --interval 0s").error
+    assert error[0] == "UsageError" and "at least 50ms" in error[1]
+    kernel.ok("from gpumagic.magics import _close_previous_watch\n_close_previous_watch()")

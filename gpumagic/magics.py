@@ -347,15 +347,30 @@ def _launch_parser() -> _Parser:
     parser.add_argument("--start-method", default="forkserver", choices=("forkserver", "spawn"))
     parser.add_argument("--output", default="all", choices=("all", "rank0", "none"), help="whose output to show")
     parser.add_argument("-o", metavar="VAR", help="store {rank: value of the cell's last expression} in VAR")
+    parser.add_argument("--no-dashboard", action="store_true", help="no live status, metric and resource plots")
+    parser.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="return at once; the dashboard (with Stop) stays live and -o VAR is set when done",
+    )
     return parser
 
 
 _LAUNCH_PARSER = _launch_parser()
+_BACKGROUND_LAUNCHES: list[Any] = []
+
+
+def _first_line(err: BaseException) -> str:
+    import html
+
+    return html.escape(str(err).splitlines()[0] if str(err) else "")
 
 
 @magics_class
 class LaunchMagics(Magics):
     """``%%launch_ddp``: run a cell on N DDP ranks."""
+
+    last_dashboard: Any = None
 
     @cell_magic
     def launch_ddp(self, line: str, cell: str) -> Any:
@@ -368,27 +383,68 @@ class LaunchMagics(Magics):
             raise UsageError(f"%%launch_ddp: -o needs a variable name, got {args.o!r}")
         source = self.shell.transform_cell(cell)
         filename = f"<%%launch_ddp cell In[{self.shell.execution_count}]>"
+        dashboard = None
+        if not args.no_dashboard and _in_kernel():
+            from gpumagic.widgets.launch_dashboard import LaunchDashboard
+
+            dashboard = LaunchDashboard()
+            LaunchMagics.last_dashboard = dashboard
+        options = dict(
+            filename=filename,
+            hidden=set(self.shell.user_ns_hidden),
+            nprocs=args.nprocs,
+            gpus=args.gpus,
+            gpus_per_rank=args.gpus_per_rank,
+            backend=args.backend,
+            port=args.port,
+            timeout=args.timeout,
+            start_method=args.start_method,
+            output=args.output,
+            dashboard=dashboard,
+            cancel=dashboard.cancel if dashboard is not None else None,
+        )
         try:
-            results = launch_cell(
-                source,
-                self.shell.user_ns,
-                filename=filename,
-                hidden=set(self.shell.user_ns_hidden),
-                nprocs=args.nprocs,
-                gpus=args.gpus,
-                gpus_per_rank=args.gpus_per_rank,
-                backend=args.backend,
-                port=args.port,
-                timeout=args.timeout,
-                start_method=args.start_method,
-                output=args.output,
-            )
+            if args.no_wait:
+                return self._launch_in_background(source, args.o, dashboard, options)
+            if dashboard is not None:
+                dashboard.show()
+            results = launch_cell(source, self.shell.user_ns, **options)
         except (LaunchError, LaunchInterrupted):
             raise  # they render as the failing rank's traceback and the ranks' fates
         except GpumagicError as err:
             raise UsageError(str(err)) from None
         if args.o is not None:
             self.shell.user_ns[args.o] = results
+        return None
+
+    def _launch_in_background(self, source: str, variable: str | None, dashboard: Any, options: dict) -> Any:
+        """--no-wait: check what can be checked now, then launch on a thread; ``variable`` gets the results
+        (or the LaunchError) when the ranks end."""
+        import threading
+
+        from gpumagic.launch.ddp import launch_cell
+        from gpumagic.launch.shipping import ship_cell
+
+        ship_cell(source, self.shell.user_ns, options["filename"], options["hidden"])  # errors now, not later
+        if dashboard is not None:
+            dashboard.show()
+        namespace = self.shell.user_ns
+
+        def run() -> None:
+            try:
+                outcome: Any = launch_cell(source, namespace, **options)
+            except Exception as err:  # noqa: BLE001 - handed to the user through the variable
+                outcome = err
+                if dashboard is not None:
+                    dashboard.status.value += (
+                        f"<br><span style='color:#b00'>{type(err).__name__}: {_first_line(err)}</span>"
+                    )
+            if variable is not None:
+                namespace[variable] = outcome
+
+        thread = threading.Thread(target=run, name="gpumagic-launch", daemon=True)
+        thread.start()
+        _BACKGROUND_LAUNCHES.append(thread)
         return None
 
 

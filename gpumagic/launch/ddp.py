@@ -116,6 +116,8 @@ def _launch(
     start_method: str = "forkserver",
     output: str = "all",
     write: Callable[[str], None] | None = None,
+    dashboard: Any = None,
+    cancel: Any = None,
 ) -> dict[int, Any]:
     from gpumagic.launch.local import START_METHODS, run_local
 
@@ -157,7 +159,22 @@ def _launch(
     sink = RankOutput(write or _stdout_writer(), output, nprocs)
     status = "failed"
     try:
-        results = run_local(plan, payload, start_method=start_method, listener=listener, on_output=sink.feed)
+        on_start = None
+        if dashboard is not None:
+            gpu_uuids = [gpus[0] if gpus else "" for gpus in rank_gpus]
+
+            def on_start(plan: LaunchPlan, pids: list[int]) -> None:
+                dashboard.attach(run_dir, pids, use_cuda, gpu_uuids)
+
+        results = run_local(
+            plan,
+            payload,
+            start_method=start_method,
+            listener=listener,
+            on_output=sink.feed,
+            on_start=on_start,
+            cancel=cancel,
+        )
         status = "finished"
         return results
     except LaunchInterrupted:
@@ -167,6 +184,8 @@ def _launch(
         sink.flush()
         shutil.rmtree(job_dir, ignore_errors=True)  # payload and results; the metrics stay
         store.finish_run(run_dir, status)
+        if dashboard is not None:
+            dashboard.finish(status)
 
 
 def _rank_gpus(spec: str | None, nprocs: int | None, per_rank: int) -> tuple[list[str], bool]:

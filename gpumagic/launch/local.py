@@ -15,6 +15,7 @@ import multiprocessing.forkserver
 import os
 import select
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,8 @@ def run_local(
     start_method: str = "forkserver",
     listener: Any = None,
     on_output: Callable[[int, bytes], None] | None = None,
+    on_start: Callable[[LaunchPlan, list[int]], None] | None = None,
+    cancel: threading.Event | None = None,
     poll_s: float = 0.1,
 ) -> dict[int, Any]:
     """Run ``payload`` on ``plan.nprocs`` local ranks; return ``{rank: value}``.
@@ -67,14 +70,17 @@ def run_local(
             writer.close()
         if listener is not None:
             listener.close()
-    watcher = _Watcher(plan, group.processes, readers, on_output or (lambda rank, data: None), poll_s)
+    watcher = _Watcher(plan, group.processes, readers, on_output or (lambda rank, data: None), poll_s, cancel)
     try:
+        if on_start is not None:
+            on_start(plan, [p.pid for p in group.processes])
         outcomes = watcher.watch()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Cancelled) as reason:
         started = time.monotonic()
         watcher.stop_all(signal.SIGINT)
+        why = "stopped from the dashboard" if isinstance(reason, _Cancelled) else "interrupted"
         raise LaunchInterrupted(
-            f"interrupted; stopped ranks {', '.join(map(str, range(plan.nprocs)))} in "
+            f"{why}; stopped ranks {', '.join(map(str, range(plan.nprocs)))} in "
             f"{time.monotonic() - started:.1f}s. The next launch starts fresh."
         ) from None
     finally:
@@ -92,6 +98,10 @@ def _result(plan: LaunchPlan, rank: int) -> Any:
     return cloudpickle.loads(path.read_bytes()) if path.exists() else None
 
 
+class _Cancelled(Exception):
+    """The launch's cancel event was set (the dashboard's Stop button)."""
+
+
 class _Watcher:
     """Multiplexes the ranks' output pipes and exit sentinels in one ``select`` loop."""
 
@@ -102,12 +112,14 @@ class _Watcher:
         readers: dict[int, tuple[int, Any]],
         on_output: Callable[[int, bytes], None],
         poll_s: float,
+        cancel: threading.Event | None = None,
     ) -> None:
         self.plan = plan
         self.processes = processes
         self.readers = dict(readers)
         self.on_output = on_output
         self.poll_s = poll_s
+        self.cancel = cancel
         self.outcomes: dict[int, RankOutcome] = {}
         self.stopping_since: float | None = None
         self.stopped: set[int] = set()
@@ -123,6 +135,8 @@ class _Watcher:
                 elif fd in sentinels:
                     self._ended(sentinels[fd])
             self._escalate()
+            if self.cancel is not None and self.cancel.is_set() and self.stopping_since is None:
+                raise _Cancelled()
         self.drain(timeout=2.0)
         return [self.outcomes[r] for r in range(len(self.processes))]
 

@@ -1,0 +1,206 @@
+"""The dashboard under a ``%%launch_ddp`` cell: a status line (ranks alive, step rate, elapsed), a curve per
+rank for every metric the ranks ``gpumagic.log``, and each rank's resources: its GPU's memory and utilization,
+or on a CPU-only machine its process's resident memory and CPU use.
+
+It updates from its own thread while the cell blocks (the kernel's event loop cannot run then): one sampler
+thread tails the run's metric files and samples the rank processes, and is the only writer of the bokeh
+document; each source gets at most one ``stream(batch, rollover)`` per push.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from gpumagic.widgets.gpu_watch import PALETTE, load_bokehjs
+
+MIB = float(1 << 20)
+
+
+class LaunchDashboard:
+    """Create it before the launch, ``attach`` the run when the ranks start, ``finish`` when they end."""
+
+    def __init__(self, history: int = 2000, push_interval: float = 0.5) -> None:
+        import ipywidgets
+        from bokeh.layouts import column
+        from bokeh.models import ColumnDataSource
+        from bokeh.plotting import figure
+        from jupyter_bokeh.widgets import BokehModel
+
+        self.nprocs = 0
+        self.history = history
+        self.push_interval = push_interval
+        self.started = time.monotonic()
+        self.run_dir: Path | None = None
+        self.pids: list[int] = []
+        self.use_gpus = False
+        self.state = "starting"
+        self.points = 0
+        self._readers: list[Any] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.metric_sources: dict[tuple[str, int], ColumnDataSource] = {}
+        self.metric_figures: dict[str, Any] = {}
+        self.resource_sources: dict[int, Any] = {}
+        self._figure = figure
+        self._column_data_source = ColumnDataSource
+        memory = figure(
+            title="memory per rank, MiB",
+            height=180,
+            sizing_mode="stretch_width",
+            x_axis_type="datetime",
+            tools="pan,wheel_zoom,reset",
+        )
+        busy = figure(
+            title="utilization per rank, %",
+            height=160,
+            sizing_mode="stretch_width",
+            x_axis_type="datetime",
+            x_range=memory.x_range,
+            tools="pan,wheel_zoom,reset",
+        )
+        self.resource_figures = (memory, busy)
+        self.layout = column(memory, busy, sizing_mode="stretch_width")
+        self.cancel = threading.Event()
+        self.status = ipywidgets.HTML(self._status_text())
+        self.stop_button = ipywidgets.Button(
+            description="Stop",
+            icon="stop",
+            tooltip="stop every rank (with --no-wait; a blocking cell stops with the kernel's interrupt)",
+        )
+        self.stop_button.on_click(lambda _: self.cancel.set())
+        self.plots = BokehModel(self.layout)
+        self.widget = ipywidgets.VBox([ipywidgets.HBox([self.stop_button, self.status]), self.plots])
+
+    def show(self) -> None:
+        from IPython.display import display
+
+        load_bokehjs()
+        display(self.widget)
+
+    def attach(self, run_dir: Path, pids: list[int], use_gpus: bool, gpu_uuids: list[str]) -> None:
+        """The ranks started: follow their metrics and processes until ``finish``."""
+        from gpumagic.telemetry.store import RankReader
+
+        self.run_dir = Path(run_dir)
+        self.pids = list(pids)
+        self.nprocs = len(pids)
+        memory, busy = self.resource_figures
+        for rank in range(self.nprocs):
+            source = self.resource_sources[rank] = self._column_data_source({"time": [], "memory": [], "busy": []})
+            color = PALETTE[rank % len(PALETTE)]
+            memory.line("time", "memory", source=source, color=color, line_width=2, legend_label=f"rank {rank}")
+            busy.line("time", "busy", source=source, color=color, line_width=2, legend_label=f"rank {rank}")
+        self.use_gpus = use_gpus
+        self.gpu_uuids = gpu_uuids
+        self.state = "running"
+        self._readers = [RankReader(self.run_dir / "metrics", rank) for rank in range(self.nprocs)]
+        self.resource_figures[0].title.text = (
+            "GPU memory per rank, MiB" if use_gpus else "resident memory per rank (CPU ranks), MiB"
+        )
+        self.resource_figures[1].title.text = "GPU utilization per rank, %" if use_gpus else "CPU use per rank, %"
+        self._thread = threading.Thread(target=self._loop, name="gpumagic-launch-dashboard", daemon=True)
+        self._thread.start()
+
+    def finish(self, state: str) -> None:
+        """The launch ended (``finished``, ``failed``, ``interrupted``): a last update, then the thread stops."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+        self.state = state
+        self.status.value = self._status_text()
+        self.stop_button.disabled = True
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        import psutil
+
+        processes = {}
+        for rank, pid in enumerate(self.pids):
+            try:
+                processes[rank] = psutil.Process(pid)
+                processes[rank].cpu_percent(None)
+            except psutil.Error:
+                pass
+        while True:
+            stopping = self._stop.wait(self.push_interval)
+            try:
+                self._push_metrics()
+                self._push_resources(processes)
+            except Exception:  # noqa: BLE001 - a dashboard hiccup must never break the launch
+                pass
+            self.status.value = self._status_text()
+            if stopping:
+                return
+
+    def _push_metrics(self) -> None:
+        for rank, reader in enumerate(self._readers):
+            for name, series in reader.read().items():
+                source = self.metric_sources.get((name, rank)) or self._add_metric(name, rank)
+                source.stream({"step": series.steps, "value": series.values}, rollover=self.history)
+                self.points += len(series)
+
+    def _add_metric(self, name: str, rank: int) -> Any:
+        plot = self.metric_figures.get(name)
+        if plot is None:
+            plot = self._figure(
+                title=name, height=200, sizing_mode="stretch_width", x_axis_label="step", tools="pan,wheel_zoom,reset"
+            )
+            self.metric_figures[name] = plot
+            self.layout.children.insert(len(self.metric_figures) - 1, plot)
+        source = self._column_data_source({"step": [], "value": []})
+        plot.line(
+            "step",
+            "value",
+            source=source,
+            color=PALETTE[rank % len(PALETTE)],
+            line_width=2,
+            legend_label=f"rank {rank}",
+        )
+        self.metric_sources[(name, rank)] = source
+        return source
+
+    def _push_resources(self, processes: dict[int, Any]) -> None:
+        import psutil
+
+        now = time.time() * 1000
+        gpus = {}
+        if self.use_gpus:
+            import gpumagic
+
+            gpus = {g.uuid: g for g in gpumagic.gpus().gpus}
+        for rank, process in processes.items():
+            try:
+                if self.use_gpus and rank < len(self.gpu_uuids) and self.gpu_uuids[rank] in gpus:
+                    gpu = gpus[self.gpu_uuids[rank]]
+                    memory, busy = (gpu.memory_used or 0) / MIB, gpu.utilization or 0.0
+                else:
+                    memory, busy = process.memory_info().rss / MIB, process.cpu_percent(None)
+            except psutil.Error:
+                continue
+            self.resource_sources[rank].stream(
+                {"time": [now], "memory": [memory], "busy": [busy]}, rollover=self.history
+            )
+
+    def _status_text(self) -> str:
+        elapsed = time.monotonic() - self.started
+        alive = sum(1 for pid in self.pids if _alive(pid)) if self.state == "running" else 0
+        rate = self.points / elapsed if elapsed > 0 else 0.0
+        return (
+            f"<b>%%launch_ddp</b> · {self.state} · {alive}/{self.nprocs} ranks alive · "
+            f"{rate:,.0f} points/s logged · {elapsed:,.1f}s"
+        )
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

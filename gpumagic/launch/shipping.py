@@ -19,7 +19,7 @@ from typing import Any
 
 from gpumagic.errors import GpumagicError
 
-PROVIDED_NAMES = ("rank", "local_rank", "world_size", "device")
+PROVIDED_NAMES = ("rank", "local_rank", "world_size", "device", "gpumagic")
 
 
 class ShippingError(GpumagicError):

@@ -47,7 +47,16 @@ def run_rank(local_rank: int, plan: LaunchPlan, outputs: list[Any], listener: An
             phase = "rendezvous"
             _join_process_group(plan, rank, listener)
         phase = "user code"
-        value = payload.run({"rank": rank, "local_rank": local_rank, "world_size": plan.world_size, "device": device})
+        import gpumagic
+
+        context = {
+            "rank": rank,
+            "local_rank": local_rank,
+            "world_size": plan.world_size,
+            "device": device,
+            "gpumagic": gpumagic,
+        }  # gpumagic.log() works in a cell even if the notebook never imported it
+        value = payload.run(context)
         _write(plan, f"rank-{rank}.result.pkl", cloudpickle.dumps(value))
         if plan.backend is not None:
             _leave_process_group()

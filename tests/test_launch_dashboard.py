@@ -43,6 +43,8 @@ def test_the_dashboard_shows_each_ranks_metrics_and_resources(kernel):
     rss = inspect(kernel, "min(min(d.resource_sources[r].data['memory']) for r in (0, 1)) > 10")
     assert rss == "True"  # resident memory of each rank, MiB
     assert inspect(kernel, "d.running, d.state, d.stop_button.disabled") == "False finished True"
+    kernel.ok("import json")
+    assert int(inspect(kernel, "json.dumps(d.plots.render_bundle).count('\"loss\"')")) >= 1  # reload-proof
     assert "2/2 ranks" not in inspect(kernel, "d.status.value")  # finished: no rank alive any more
 
 

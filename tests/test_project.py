@@ -71,7 +71,11 @@ def test_code_is_lint_clean_and_formatted():
             ["--repeat", "2", "--steps", "20", "--cold-runs", "1", "--throughput-runs", "1", "--skip-accelerate"],
             ["gpumagic warm relaunch (forkserver)", "throughput gpumagic / torchrun"],
         ),
-        ("telemetry.py", ["--calls", "2000", "--seconds", "0.2"], ["gpumagic.log(loss=x)", "per call / 2 µs target"]),
+        (
+            "telemetry.py",
+            ["--calls", "2000", "--seconds", "0.2", "--watch-seconds", "2"],
+            ["gpumagic.log(loss=x)", "per call / 2 µs target", "while %gpu watch streams 8 simulated GPUs"],
+        ),
     ],
 )
 def test_benchmark_runs_and_prints_its_table(script, arguments, expected):

@@ -38,14 +38,14 @@ def wait_for(condition, timeout=10.0):
 def test_sources_receive_samples_within_the_history_bound(simulated, watch_factory):
     watch = watch_factory(interval=0.02, history=15, push_interval=0.1)
     assert watch.indices == [0, 1, 2, 3] and watch.simulated
-    assert wait_for(lambda: all(len(s.data["time"]) == 15 for s in watch.sources.values()))
+    assert wait_for(lambda: len(watch.series(2, "time")) == 15)
     time.sleep(0.5)
-    data = watch.sources[2].data
-    assert len(data["time"]) == 15  # rollover keeps it bounded however long it runs
-    assert data["total"][-1] == 80.0 and data["used"][-1] == 0.0 and data["time"] == sorted(data["time"])
+    assert len(watch.series(2, "time")) == 15 and len(watch.series(2, "used")) == 15  # rollover bounds it
+    assert watch.series(2, "total")[-1] == 80.0 and watch.series(2, "used")[-1] == 0.0
+    assert watch.series(0, "time") == sorted(watch.series(0, "time"))
 
 
-def test_one_stream_per_source_per_push_whatever_the_sampling_rate(simulated, watch_factory):
+def test_one_stream_per_push_for_all_gpus_whatever_the_sampling_rate(simulated, watch_factory):
     from bokeh.document.events import ColumnsStreamedEvent
 
     events = []
@@ -56,9 +56,8 @@ def test_one_stream_per_source_per_push_whatever_the_sampling_rate(simulated, wa
     started = time.monotonic()
     time.sleep(1.6)
     elapsed = time.monotonic() - started
-    per_source = len(events) / len(watch.sources)
-    assert per_source <= elapsed / 0.25 + 1, f"{per_source} streams per source in {elapsed:.1f}s"
-    assert len(watch.sources[0].data["time"]) > 2 * per_source  # each stream carried a batch of samples
+    assert len(events) <= elapsed / 0.25 + 1, f"{len(events)} streams in {elapsed:.1f}s"
+    assert len(watch.series(0, "time")) > 2 * len(events)  # each stream carried a batch of samples
 
 
 def test_this_kernels_share_is_told_apart_from_other_users(simulated, watch_factory):
@@ -66,10 +65,10 @@ def test_this_kernels_share_is_told_apart_from_other_users(simulated, watch_fact
     child = subprocess.Popen([sys.executable, "-c", "b = bytearray(300 * 2**20)\nimport time\ntime.sleep(30)"])
     try:
         watch = watch_factory(interval=0.05, history=100, push_interval=0.1)
-        assert wait_for(lambda: watch.sources[0].data["mine"] and watch.sources[0].data["mine"][-1] > 0.25)
-        data = watch.sources[0].data
-        assert data["others"][-1] == pytest.approx(0.0, abs=0.01) and data["used"][-1] >= data["mine"][-1]
-        assert watch.sources[1].data["mine"][-1] == 0.0
+        assert wait_for(lambda: watch.series(0, "mine") and watch.series(0, "mine")[-1] > 0.25)
+        assert watch.series(0, "others")[-1] == pytest.approx(0.0, abs=0.01)
+        assert watch.series(0, "used")[-1] >= watch.series(0, "mine")[-1]
+        assert watch.series(1, "mine")[-1] == 0.0
     finally:
         child.kill()
         child.wait()
@@ -79,15 +78,15 @@ def test_pause_stops_sampling_and_close_ends_the_threads(simulated, watch_factor
     baseline = threading.active_count()
     watch = watch_factory(interval=0.02, history=10_000, push_interval=0.05)
     assert threading.active_count() == baseline + 2
-    assert wait_for(lambda: len(watch.sources[0].data["time"]) > 5)
+    assert wait_for(lambda: len(watch.series(0, "time")) > 5)
     watch.pause(True)
     time.sleep(0.2)  # let an in-flight sample land
-    before = len(watch.sources[0].data["time"])
+    before = len(watch.series(0, "time"))
     time.sleep(0.5)
-    assert len(watch.sources[0].data["time"]) == before
+    assert len(watch.series(0, "time")) == before
     assert "paused" in watch.header.value
     watch.pause(False)
-    assert wait_for(lambda: len(watch.sources[0].data["time"]) > before)
+    assert wait_for(lambda: len(watch.series(0, "time")) > before)
     watch.close()
     watch.close()
     assert not watch.running and threading.active_count() == baseline
@@ -103,7 +102,7 @@ def test_the_stop_button_closes_it(simulated, watch_factory):
 def test_lost_gpus_are_left_out(fake_nvml, watch_factory):
     watch = watch_factory(interval=0.05, history=10, push_interval=0.05)
     assert watch.indices == [0, 1, 2] and not watch.simulated
-    assert wait_for(lambda: watch.sources[1].data["used"] and watch.sources[1].data["used"][-1] == 60.0)
+    assert wait_for(lambda: watch.series(1, "used") and watch.series(1, "used")[-1] == 60.0)
 
 
 def test_text_view_for_terminals(simulated):
@@ -135,3 +134,12 @@ def test_gpu_watch_in_a_kernel_shows_a_widget_and_replaces_the_previous_one(star
     error = kernel.run("%gpu watch --interval 0s").error
     assert error[0] == "UsageError" and "at least 50ms" in error[1]
     kernel.ok("from gpumagic.magics import _close_previous_watch\n_close_previous_watch()")
+
+
+def test_the_saved_state_catches_up_so_a_browser_reload_shows_the_history(simulated, watch_factory):
+    import json
+
+    watch = watch_factory(interval=0.02, history=500, push_interval=0.05, refresh_every=0.3)
+    empty = len(json.dumps(watch.plots.render_bundle))
+    assert wait_for(lambda: watch.refreshes >= 2)
+    assert len(json.dumps(watch.plots.render_bundle)) > empty + 1000  # the samples are in the saved state

@@ -3,7 +3,7 @@ utilization, temperature), sampled on a background thread and pushed to the brow
 
 Only the pusher thread touches the bokeh document after the dashboard is shown (the document is not
 thread-safe; comm sends from a thread are, in ipykernel 7.1+). Samples are buffered and each source gets
-one ``stream(batch, rollover=history)`` per push, whatever the sampling rate, so the browser receives a
+one ``stream(batch, rollover=history)`` per push for all GPUs, whatever the sampling rate, so the browser receives a
 bounded number of messages and the memory used stays bounded however long it runs.
 """
 
@@ -19,6 +19,7 @@ from gpumagic.telemetry.samplers import GpuSample, GpuSampler
 GIB = float(1 << 30)
 COLUMNS = ("time", "used", "mine", "others", "total", "utilization", "temperature")
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+REFRESH_EVERY_S = 30.0  # how often the widget's saved state catches up with the plots (browser reloads)
 _bokehjs_loaded = False
 
 
@@ -26,7 +27,12 @@ class GpuWatch:
     """A live GPU dashboard. ``widget`` is what a notebook displays; ``close()`` stops its threads."""
 
     def __init__(
-        self, interval: float = 1.0, history: int = 600, push_interval: float = 0.5, sampler: GpuSampler | None = None
+        self,
+        interval: float = 1.0,
+        history: int = 600,
+        push_interval: float = 0.5,
+        sampler: GpuSampler | None = None,
+        refresh_every: float = REFRESH_EVERY_S,
     ) -> None:
         from bokeh.layouts import column
         from bokeh.models import ColumnDataSource
@@ -41,12 +47,16 @@ class GpuWatch:
         inventory, first = self.sampler.sample()
         self.simulated = inventory.simulated
         self.indices = [s.nvml_index for s in first]
-        self.sources = {i: ColumnDataSource({c: [] for c in COLUMNS}) for i in self.indices}
-        self._pending: dict[int, deque[GpuSample]] = {i: deque(maxlen=self.history) for i in self.indices}
+        # One source for all GPUs (columns used_0, used_1, ...): one stream per push, not one per GPU,
+        # which is most of the dashboard's cost in the kernel.
+        self.source = ColumnDataSource({"time": [], **{_column(c, i): [] for i in self.indices for c in COLUMNS[1:]}})
+        self._pending: deque[list[GpuSample]] = deque(maxlen=self.history)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._paused = threading.Event()
         self.pushes = 0
+        self.refreshes = 0
+        self.refresh_every = refresh_every
         title = "GPUs" + (" (SIMULATED)" if self.simulated else "")
         memory = figure(
             title=f"{title}: memory used, GiB (solid: all, dashed: this kernel)",
@@ -66,10 +76,16 @@ class GpuWatch:
         )
         for position, index in enumerate(self.indices):
             color = PALETTE[position % len(PALETTE)]
-            source = self.sources[index]
-            memory.line("time", "used", source=source, color=color, line_width=2, legend_label=f"GPU {index}")
-            memory.line("time", "mine", source=source, color=color, line_dash="dashed", line_width=2)
-            busy.line("time", "utilization", source=source, color=color, line_width=2, legend_label=f"GPU {index}")
+            label = f"GPU {index}"
+            memory.line(
+                "time", _column("used", index), source=self.source, color=color, line_width=2, legend_label=label
+            )
+            memory.line(
+                "time", _column("mine", index), source=self.source, color=color, line_dash="dashed", line_width=2
+            )
+            busy.line(
+                "time", _column("utilization", index), source=self.source, color=color, line_width=2, legend_label=label
+            )
         for plot in (memory, busy):
             plot.legend.location = "top_left"
             plot.legend.click_policy = "hide"
@@ -134,10 +150,10 @@ class GpuWatch:
         display(self.widget)
 
     def _record(self, samples: list[GpuSample]) -> None:
-        with self._lock:
-            for sample in samples:
-                if sample.nvml_index in self._pending:
-                    self._pending[sample.nvml_index].append(sample)
+        by_index = {s.nvml_index: s for s in samples}
+        if all(i in by_index for i in self.indices):  # a sample missing a GPU (lost meanwhile) is skipped
+            with self._lock:
+                self._pending.append([by_index[i] for i in self.indices])
 
     def _sample_loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -150,34 +166,53 @@ class GpuWatch:
             self._record(samples)
 
     def _push_loop(self) -> None:
+        last_refresh = time.monotonic()
         while True:
             stopping = self._stop.wait(self.push_interval)
             self.push()
             if stopping:
                 return
+            if time.monotonic() - last_refresh >= self.refresh_every:
+                refresh(self.plots, self.layout)
+                self.refreshes += 1
+                last_refresh = time.monotonic()
 
     def push(self) -> None:
-        """Send what was sampled since the last push: one ``stream`` per GPU source."""
+        """Send what was sampled since the last push as one ``stream`` (all GPUs share one source)."""
         with self._lock:
-            batches = {i: list(q) for i, q in self._pending.items() if q}
-            for queue in self._pending.values():
-                queue.clear()
-        for index, samples in batches.items():
-            self.sources[index].stream(_columns(samples), rollover=self.history)
-        if batches:
+            rows = list(self._pending)
+            self._pending.clear()
+        if rows:
+            self.source.stream(_columns(self.indices, rows), rollover=self.history)
             self.pushes += 1
 
+    def series(self, nvml_index: int, column: str) -> list[float]:
+        """What the plots hold for one GPU: ``column`` is one of used, mine, others, total (GiB),
+        utilization, temperature, or time (ms since the epoch)."""
+        return list(self.source.data["time" if column == "time" else _column(column, nvml_index)])
 
-def _columns(samples: list[GpuSample]) -> dict[str, list[float]]:
-    return {
-        "time": [s.time * 1000 for s in samples],  # bokeh datetime axes take milliseconds
-        "used": [s.memory_used / GIB for s in samples],
-        "mine": [s.memory_mine / GIB for s in samples],
-        "others": [s.memory_others / GIB for s in samples],
-        "total": [s.memory_total / GIB for s in samples],
-        "utilization": [s.utilization for s in samples],
-        "temperature": [s.temperature for s in samples],
-    }
+
+def _column(name: str, nvml_index: int) -> str:
+    return f"{name}_{nvml_index}"
+
+
+def _columns(indices: list[int], rows: list[list[GpuSample]]) -> dict[str, list[float]]:
+    data: dict[str, list[float]] = {"time": [row[0].time * 1000 for row in rows]}  # bokeh datetimes are ms
+    for position, index in enumerate(indices):
+        samples = [row[position] for row in rows]
+        data[_column("used", index)] = [s.memory_used / GIB for s in samples]
+        data[_column("mine", index)] = [s.memory_mine / GIB for s in samples]
+        data[_column("others", index)] = [s.memory_others / GIB for s in samples]
+        data[_column("total", index)] = [s.memory_total / GIB for s in samples]
+        data[_column("utilization", index)] = [s.utilization for s in samples]
+        data[_column("temperature", index)] = [s.temperature for s in samples]
+    return data
+
+
+def refresh(plots: Any, layout: Any) -> None:
+    """Re-save the plots' whole state into the widget: a browser reload redraws a BokehModel from its saved
+    state, which otherwise is the state it was created with (empty plots)."""
+    plots.update_from_model(layout)
 
 
 def load_bokehjs() -> None:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpumagic.widgets.gpu_watch import PALETTE, load_bokehjs
+from gpumagic.widgets.gpu_watch import PALETTE, REFRESH_EVERY_S, load_bokehjs, refresh
 
 MIB = float(1 << 20)
 
@@ -127,11 +127,15 @@ class LaunchDashboard:
                 processes[rank].cpu_percent(None)
             except psutil.Error:
                 pass
+        last_refresh = time.monotonic()
         while True:
             stopping = self._stop.wait(self.push_interval)
             try:
                 self._push_metrics()
                 self._push_resources(processes)
+                if stopping or time.monotonic() - last_refresh >= REFRESH_EVERY_S:
+                    refresh(self.plots, self.layout)  # so a browser reload shows the curves, also at the end
+                    last_refresh = time.monotonic()
             except Exception:  # noqa: BLE001 - a dashboard hiccup must never break the launch
                 pass
             self.status.value = self._status_text()

@@ -52,6 +52,7 @@ __all__ = [
     "load_run",
     "log",
     "pick",
+    "plot_run",
     "release",
     "runs",
     "seed",
@@ -199,3 +200,11 @@ def load_run(run_id: str) -> Any:
     from gpumagic.telemetry.store import load_run as _load_run
 
     return _load_run(run_id)
+
+
+def plot_run(run: Any, metrics: list[str] | None = None) -> Any:
+    """Plot a run (a ``Run`` or its id): one figure per metric, one curve per rank; displays in a notebook."""
+    from gpumagic.telemetry.store import Run, load_run
+    from gpumagic.widgets.run_plot import RunPlot
+
+    return RunPlot(run if isinstance(run, Run) else load_run(str(run)), metrics)

@@ -53,6 +53,10 @@ def test_notebook_runs(path, isolated_leases, monkeypatch):
         assert "GPU 0: 19.0 GiB free < 40.0 GiB needed" in outputs
         assert "there is no GPU 9" in outputs
         assert "Released GPU" in outputs
+    if path.name == "03_live_dashboard.ipynb":
+        assert outputs.count("application/vnd.jupyter.widget-view+json") >= 3  # watch + two launch dashboards
+        assert "{0: 0, 1: 1}" in outputs  # the --no-wait launch's results arrived
+        assert "300 points, last loss" in outputs
     if path.name == "02_ddp.ipynb":
         assert "[rank 0] epoch 0: loss" in outputs and "rank 1: accuracy" in outputs
         assert "rank 1 failed: raised RuntimeError: rank 1 ran out of luck" in outputs
@@ -60,4 +64,4 @@ def test_notebook_runs(path, isolated_leases, monkeypatch):
 
 
 def test_there_are_notebooks():
-    assert {"01_pick_gpus.ipynb", "02_ddp.ipynb"} <= {p.name for p in NOTEBOOKS}
+    assert {"01_pick_gpus.ipynb", "02_ddp.ipynb", "03_live_dashboard.ipynb"} <= {p.name for p in NOTEBOOKS}

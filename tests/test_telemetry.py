@@ -116,3 +116,21 @@ def test_every_rank_of_a_launch_logs_into_the_launch_run():
     assert len(metrics[0]["loss"]) == 500 and metrics[1]["loss"].values[0] == 2.0
     assert not (done.path / "launch").exists()  # payload and results are removed, metrics stay
     assert os.stat(done.path).st_mode & 0o077 == 0  # private to the user
+
+
+def test_a_finished_run_can_be_plotted_later():
+    result = run_python(
+        """
+        import gpumagic
+        for i in range(50):
+            gpumagic.log(step=i, loss=1.0 / (i + 1), acc=i / 50)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    (run,) = gpumagic.runs()
+    plot = gpumagic.plot_run(run.id)
+    assert sorted(plot.figures) == ["acc", "loss"]
+    source = plot.figures["loss"].renderers[0].data_source
+    assert source.data["step"][:3] == [0.0, 1.0, 2.0] and source.data["value"][-1] == pytest.approx(1 / 50)
+    with pytest.raises(InvalidArgument, match="has no metric lr"):
+        gpumagic.plot_run(run, metrics=["lr"])

@@ -93,10 +93,22 @@ def test_pause_stops_sampling_and_close_ends_the_threads(simulated, watch_factor
     assert "stopped" in watch.header.value
 
 
-def test_the_stop_button_closes_it(simulated, watch_factory):
+def test_the_stop_button_or_closing_the_widget_ends_it(simulated, watch_factory):
     watch = watch_factory(interval=0.05, history=10, push_interval=0.05)
     watch.stop_button.click()
     assert not watch.running
+    other = watch_factory(interval=0.05, history=10, push_interval=0.05)
+    other.widget.close()
+    assert not other.running
+
+
+def test_the_gpus_this_kernel_sees_stand_out(simulated, watch_factory):
+    gpumagic.use("1,3")
+    watch = watch_factory(interval=0.05, history=10, push_interval=0.05)
+    assert watch.kernel_gpus == {1: 0, 3: 1}
+    labels = [item.label.value for item in watch.layout.children[0].legend[0].items]
+    assert "GPU 1 (this kernel: cuda:0)" in labels and "GPU 0" in labels
+    assert [f.title.text for f in watch.layout.children][1:] == ["utilization, %", "temperature, °C"]
 
 
 def test_lost_gpus_are_left_out(fake_nvml, watch_factory):

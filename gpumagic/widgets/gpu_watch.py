@@ -9,6 +9,7 @@ bounded number of messages and the memory used stays bounded however long it run
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
@@ -59,7 +60,7 @@ class GpuWatch:
         self.refresh_every = refresh_every
         title = "GPUs" + (" (SIMULATED)" if self.simulated else "")
         memory = figure(
-            title=f"{title}: memory used, GiB (solid: all, dashed: this kernel)",
+            title=f"{title}: memory used, GiB (solid: all users, dashed: this kernel, dotted: total)",
             height=220,
             sizing_mode="stretch_width",
             x_axis_type="datetime",
@@ -74,22 +75,30 @@ class GpuWatch:
             y_range=(0, 100),
             tools="pan,wheel_zoom,reset",
         )
+        heat = figure(
+            title="temperature, °C",
+            height=160,
+            sizing_mode="stretch_width",
+            x_axis_type="datetime",
+            x_range=memory.x_range,
+            tools="pan,wheel_zoom,reset",
+        )
+        self.kernel_gpus = _kernel_gpus(inventory)
         for position, index in enumerate(self.indices):
             color = PALETTE[position % len(PALETTE)]
-            label = f"GPU {index}"
-            memory.line(
-                "time", _column("used", index), source=self.source, color=color, line_width=2, legend_label=label
-            )
-            memory.line(
-                "time", _column("mine", index), source=self.source, color=color, line_dash="dashed", line_width=2
-            )
-            busy.line(
-                "time", _column("utilization", index), source=self.source, color=color, line_width=2, legend_label=label
-            )
-        for plot in (memory, busy):
+            mine = index in self.kernel_gpus
+            label = f"GPU {index} (this kernel: cuda:{self.kernel_gpus[index]})" if mine else f"GPU {index}"
+            width = 4 if mine else 1.5  # the GPUs this kernel sees stand out
+            line = {"source": self.source, "color": color, "line_width": width}
+            memory.line("time", _column("used", index), legend_label=label, **line)
+            memory.line("time", _column("mine", index), line_dash="dashed", **line)
+            memory.line("time", _column("total", index), line_dash="dotted", alpha=0.6, **line)
+            busy.line("time", _column("utilization", index), legend_label=label, **line)
+            heat.line("time", _column("temperature", index), legend_label=label, **line)
+        for plot in (memory, busy, heat):
             plot.legend.location = "top_left"
             plot.legend.click_policy = "hide"
-        self.layout = column(memory, busy, sizing_mode="stretch_width")
+        self.layout = column(memory, busy, heat, sizing_mode="stretch_width")
         self._record(first)
         self.widget = self._build_widget()
         self._sampler_thread = threading.Thread(target=self._sample_loop, name="gpumagic-gpu-sampler", daemon=True)
@@ -101,6 +110,9 @@ class GpuWatch:
         import ipywidgets
         from jupyter_bokeh.widgets import BokehModel
 
+        self._closed = False
+        self._close_widget = ipywidgets.DOMWidget.close  # bound now: close() may run late in shutdown
+
         self.header = ipywidgets.HTML(self._header_text())
         self.pause_button = ipywidgets.ToggleButton(description="Pause", icon="pause", tooltip="pause sampling")
         self.stop_button = ipywidgets.Button(description="Stop", icon="stop", tooltip="stop and close")
@@ -108,7 +120,7 @@ class GpuWatch:
         self.stop_button.on_click(lambda _: self.close())
         self.plots = BokehModel(self.layout)
         controls = ipywidgets.HBox([self.pause_button, self.stop_button, self.header])
-        return ipywidgets.VBox([controls, self.plots])
+        return _owned_box_class()([controls, self.plots], owner=self)
 
     def _header_text(self) -> str:
         state = "paused" if self._paused.is_set() else "stopped" if self._stop.is_set() else "live"
@@ -128,8 +140,9 @@ class GpuWatch:
 
     def close(self) -> None:
         """Stop both threads (within one sampling interval) and close the widgets. Safe to call twice."""
-        from ipywidgets import DOMWidget
-
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
         for thread in (self._sampler_thread, self._pusher_thread):
             if thread is not threading.current_thread():
@@ -137,7 +150,7 @@ class GpuWatch:
         self.header.value = self._header_text()
         # DOMWidget.close, not BokehModel.close: jupyter_bokeh's close unhooks the document and raises when
         # ipywidgets' __del__ calls it a second time; leaving that to __del__ makes it happen exactly once.
-        DOMWidget.close(self.plots)
+        self._close_widget(self.plots)
 
     @property
     def running(self) -> bool:
@@ -190,6 +203,36 @@ class GpuWatch:
         """What the plots hold for one GPU: ``column`` is one of used, mine, others, total (GiB),
         utilization, temperature, or time (ms since the epoch)."""
         return list(self.source.data["time" if column == "time" else _column(column, nvml_index)])
+
+
+def _kernel_gpus(inventory: Any) -> dict[int, int]:
+    """NVML index -> cuda index of the GPUs this kernel sees (set through %gpu pick/use or the environment)."""
+    import os
+
+    from gpumagic.devices.visibility import current_visibility
+
+    if "CUDA_VISIBLE_DEVICES" not in os.environ:
+        return {}  # every GPU is visible: highlighting all of them would say nothing
+    return {nvml: cuda for cuda, nvml in enumerate(current_visibility(inventory).nvml_indices)}
+
+
+def _owned_box_class() -> Any:
+    import ipywidgets
+
+    class OwnedBox(ipywidgets.VBox):
+        """A VBox whose ``close()`` also stops the dashboard that owns it."""
+
+        def __init__(self, children: list[Any], owner: Any) -> None:
+            super().__init__(children)
+            self._owner = owner
+
+        def close(self) -> None:
+            owner, self._owner = getattr(self, "_owner", None), None
+            if owner is not None and not sys.is_finalizing():
+                owner.close()
+            super().close()
+
+    return OwnedBox
 
 
 def _column(name: str, nvml_index: int) -> str:

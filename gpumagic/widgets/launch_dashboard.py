@@ -38,6 +38,7 @@ class LaunchDashboard:
         self.use_gpus = False
         self.state = "starting"
         self.points = 0
+        self._steps: list[tuple[float, float]] = []  # (time, step) of rank 0's latest points, for the step rate
         self._readers: list[Any] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -148,6 +149,8 @@ class LaunchDashboard:
                 source = self.metric_sources.get((name, rank)) or self._add_metric(name, rank)
                 source.stream({"step": series.steps, "value": series.values}, rollover=self.history)
                 self.points += len(series)
+                if rank == 0 and series.steps:
+                    self._steps.append((series.times[-1], series.steps[-1]))
 
     def _add_metric(self, name: str, rank: int) -> Any:
         plot = self.metric_figures.get(name)
@@ -194,11 +197,12 @@ class LaunchDashboard:
     def _status_text(self) -> str:
         elapsed = time.monotonic() - self.started
         alive = sum(1 for pid in self.pids if _alive(pid)) if self.state == "running" else 0
-        rate = self.points / elapsed if elapsed > 0 else 0.0
-        return (
-            f"<b>%%launch_ddp</b> · {self.state} · {alive}/{self.nprocs} ranks alive · "
-            f"{rate:,.0f} points/s logged · {elapsed:,.1f}s"
-        )
+        progress = ""
+        if self._steps:
+            (t0, s0), (t1, s1) = self._steps[0], self._steps[-1]
+            rate = (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+            progress = f" · step {s1:,.0f} ({rate:,.1f} steps/s)"
+        return f"<b>%%launch_ddp</b> · {self.state} · {alive}/{self.nprocs} ranks alive{progress} · {elapsed:,.1f}s"
 
 
 def _alive(pid: int) -> bool:

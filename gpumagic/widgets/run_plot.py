@@ -1,0 +1,61 @@
+"""Plotting a run reopened from disk: one figure per metric, one curve per rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpumagic.widgets.gpu_watch import PALETTE, load_bokehjs
+
+
+class RunPlot:
+    """The curves of a finished (or running) run, as a notebook widget; ``figures`` maps metric -> figure."""
+
+    def __init__(self, run: Any, metrics: list[str] | None = None) -> None:
+        from bokeh.layouts import column
+        from bokeh.models import ColumnDataSource
+        from bokeh.plotting import figure
+
+        self.run = run
+        self.figures: dict[str, Any] = {}
+        data = run.metrics()
+        names = sorted({name for per_rank in data.values() for name in per_rank})
+        unknown = sorted(set(metrics or []) - set(names))
+        if unknown:
+            from gpumagic.errors import InvalidArgument
+
+            raise InvalidArgument(
+                f"run {run.id} has no metric {', '.join(unknown)}; it has {', '.join(names) or 'none'}"
+            )
+        for name in metrics or names:
+            plot = figure(
+                title=f"{name} · {run.id}",
+                height=240,
+                sizing_mode="stretch_width",
+                x_axis_label="step",
+                tools="pan,wheel_zoom,box_zoom,reset,save",
+            )
+            for rank, per_rank in sorted(data.items()):
+                if name in per_rank:
+                    series = per_rank[name]
+                    source = ColumnDataSource({"step": series.steps, "value": series.values})
+                    plot.line(
+                        "step",
+                        "value",
+                        source=source,
+                        color=PALETTE[rank % len(PALETTE)],
+                        line_width=2,
+                        legend_label=f"rank {rank}",
+                    )
+            plot.legend.click_policy = "hide"
+            self.figures[name] = plot
+        self.layout = column(*self.figures.values(), sizing_mode="stretch_width") if self.figures else None
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+        from jupyter_bokeh.widgets import BokehModel
+
+        if self.layout is None:
+            display(f"run {self.run.id} has no metrics")
+            return
+        load_bokehjs()
+        display(BokehModel(self.layout))

@@ -16,12 +16,11 @@ from collections import deque
 from typing import Any
 
 from gpumagic.telemetry.samplers import GpuSample, GpuSampler
+from gpumagic.widgets.plots import PALETTE, load_bokehjs, refresh, time_figure
 
 GIB = float(1 << 30)
 COLUMNS = ("time", "used", "mine", "others", "total", "utilization", "temperature")
-PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 REFRESH_EVERY_S = 30.0  # how often the widget's saved state catches up with the plots (browser reloads)
-_bokehjs_loaded = False
 
 
 class GpuWatch:
@@ -37,7 +36,6 @@ class GpuWatch:
     ) -> None:
         from bokeh.layouts import column
         from bokeh.models import ColumnDataSource
-        from bokeh.plotting import figure
 
         if interval <= 0 or push_interval <= 0 or history < 2:
             raise ValueError("interval and push_interval must be > 0 and history >= 2")
@@ -59,30 +57,9 @@ class GpuWatch:
         self.refreshes = 0
         self.refresh_every = refresh_every
         title = "GPUs" + (" (SIMULATED)" if self.simulated else "")
-        memory = figure(
-            title=f"{title}: memory used, GiB (solid: all users, dashed: this kernel, dotted: total)",
-            height=220,
-            sizing_mode="stretch_width",
-            x_axis_type="datetime",
-            tools="pan,wheel_zoom,reset",
-        )
-        busy = figure(
-            title="utilization, %",
-            height=180,
-            sizing_mode="stretch_width",
-            x_axis_type="datetime",
-            x_range=memory.x_range,
-            y_range=(0, 100),
-            tools="pan,wheel_zoom,reset",
-        )
-        heat = figure(
-            title="temperature, °C",
-            height=160,
-            sizing_mode="stretch_width",
-            x_axis_type="datetime",
-            x_range=memory.x_range,
-            tools="pan,wheel_zoom,reset",
-        )
+        memory = time_figure(f"{title}: memory used, GiB (solid: all users, dashed: this kernel, dotted: total)", 220)
+        busy = time_figure("utilization, %", 180, linked=memory, y_range=(0, 100))
+        heat = time_figure("temperature, °C", 160, linked=memory)
         self.kernel_gpus = _kernel_gpus(inventory)
         for position, index in enumerate(self.indices):
             color = PALETTE[position % len(PALETTE)]
@@ -250,24 +227,6 @@ def _columns(indices: list[int], rows: list[list[GpuSample]]) -> dict[str, list[
         data[_column("utilization", index)] = [s.utilization for s in samples]
         data[_column("temperature", index)] = [s.temperature for s in samples]
     return data
-
-
-def refresh(plots: Any, layout: Any) -> None:
-    """Re-save the plots' whole state into the widget: a browser reload redraws a BokehModel from its saved
-    state, which otherwise is the state it was created with (empty plots)."""
-    plots.update_from_model(layout)
-
-
-def load_bokehjs() -> None:
-    """Put BokehJS into the page once per kernel, from bokeh's inline resources (no CDN: works offline)."""
-    global _bokehjs_loaded
-    if _bokehjs_loaded:
-        return
-    from bokeh.io.notebook import load_notebook
-    from bokeh.resources import INLINE
-
-    load_notebook(resources=INLINE, hide_banner=True)
-    _bokehjs_loaded = True
 
 
 def text_view(samples: list[GpuSample], simulated: bool) -> str:

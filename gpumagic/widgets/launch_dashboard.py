@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpumagic.widgets.gpu_watch import PALETTE, REFRESH_EVERY_S, load_bokehjs, refresh
+from gpumagic.widgets.gpu_watch import REFRESH_EVERY_S
+from gpumagic.widgets.plots import load_bokehjs, rank_curve, refresh, step_figure, time_figure
 
 MIB = float(1 << 20)
 
@@ -26,7 +27,6 @@ class LaunchDashboard:
         import ipywidgets
         from bokeh.layouts import column
         from bokeh.models import ColumnDataSource
-        from bokeh.plotting import figure
         from jupyter_bokeh.widgets import BokehModel
 
         self.nprocs = 0
@@ -45,23 +45,9 @@ class LaunchDashboard:
         self.metric_sources: dict[tuple[str, int], ColumnDataSource] = {}
         self.metric_figures: dict[str, Any] = {}
         self.resource_sources: dict[int, Any] = {}
-        self._figure = figure
         self._column_data_source = ColumnDataSource
-        memory = figure(
-            title="memory per rank, MiB",
-            height=180,
-            sizing_mode="stretch_width",
-            x_axis_type="datetime",
-            tools="pan,wheel_zoom,reset",
-        )
-        busy = figure(
-            title="utilization per rank, %",
-            height=160,
-            sizing_mode="stretch_width",
-            x_axis_type="datetime",
-            x_range=memory.x_range,
-            tools="pan,wheel_zoom,reset",
-        )
+        memory = time_figure("memory per rank, MiB", 180)
+        busy = time_figure("utilization per rank, %", 160, linked=memory)
         self.resource_figures = (memory, busy)
         self.layout = column(memory, busy, sizing_mode="stretch_width")
         self.cancel = threading.Event()
@@ -91,9 +77,8 @@ class LaunchDashboard:
         memory, busy = self.resource_figures
         for rank in range(self.nprocs):
             source = self.resource_sources[rank] = self._column_data_source({"time": [], "memory": [], "busy": []})
-            color = PALETTE[rank % len(PALETTE)]
-            memory.line("time", "memory", source=source, color=color, line_width=2, legend_label=f"rank {rank}")
-            busy.line("time", "busy", source=source, color=color, line_width=2, legend_label=f"rank {rank}")
+            rank_curve(memory, source, rank, x="time", y="memory")
+            rank_curve(busy, source, rank, x="time", y="busy")
         self.use_gpus = use_gpus
         self.gpu_uuids = gpu_uuids
         self.state = "running"
@@ -155,20 +140,10 @@ class LaunchDashboard:
     def _add_metric(self, name: str, rank: int) -> Any:
         plot = self.metric_figures.get(name)
         if plot is None:
-            plot = self._figure(
-                title=name, height=200, sizing_mode="stretch_width", x_axis_label="step", tools="pan,wheel_zoom,reset"
-            )
-            self.metric_figures[name] = plot
+            plot = self.metric_figures[name] = step_figure(name, 200)
             self.layout.children.insert(len(self.metric_figures) - 1, plot)
         source = self._column_data_source({"step": [], "value": []})
-        plot.line(
-            "step",
-            "value",
-            source=source,
-            color=PALETTE[rank % len(PALETTE)],
-            line_width=2,
-            legend_label=f"rank {rank}",
-        )
+        rank_curve(plot, source, rank)
         self.metric_sources[(name, rank)] = source
         return source
 

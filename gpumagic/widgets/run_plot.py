@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpumagic.widgets.gpu_watch import PALETTE, load_bokehjs
+from gpumagic.widgets.plots import load_bokehjs, rank_curve, step_figure
 
 
 class RunPlot:
@@ -13,7 +13,6 @@ class RunPlot:
     def __init__(self, run: Any, metrics: list[str] | None = None) -> None:
         from bokeh.layouts import column
         from bokeh.models import ColumnDataSource
-        from bokeh.plotting import figure
 
         self.run = run
         self.figures: dict[str, Any] = {}
@@ -27,26 +26,11 @@ class RunPlot:
                 f"run {run.id} has no metric {', '.join(unknown)}; it has {', '.join(names) or 'none'}"
             )
         for name in metrics or names:
-            plot = figure(
-                title=f"{name} · {run.id}",
-                height=240,
-                sizing_mode="stretch_width",
-                x_axis_label="step",
-                tools="pan,wheel_zoom,box_zoom,reset,save",
-            )
+            plot = step_figure(f"{name} · {run.id}", 240)
             for rank, per_rank in sorted(data.items()):
                 if name in per_rank:
                     series = per_rank[name]
-                    source = ColumnDataSource({"step": series.steps, "value": series.values})
-                    plot.line(
-                        "step",
-                        "value",
-                        source=source,
-                        color=PALETTE[rank % len(PALETTE)],
-                        line_width=2,
-                        legend_label=f"rank {rank}",
-                    )
-            plot.legend.click_policy = "hide"
+                    rank_curve(plot, ColumnDataSource({"step": series.steps, "value": series.values}), rank)
             self.figures[name] = plot
         self.layout = column(*self.figures.values(), sizing_mode="stretch_width") if self.figures else None
 

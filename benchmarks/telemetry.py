@@ -37,6 +37,15 @@ def throughput(function, seconds: float) -> float:
     return count / (time.perf_counter() - began)
 
 
+def log_cost_in_a_rank(calls: int, seconds: float) -> tuple[float, float]:
+    """The same measure inside a rank started by gpumagic.launch_ddp (its points go to the launch's run)."""
+    import gpumagic
+
+    log = gpumagic.log
+    function = lambda i: log(loss=i * 0.5)  # noqa: E731
+    return per_call_us(function, calls), throughput(function, seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=200_000)
@@ -63,6 +72,8 @@ def main() -> None:
     rows = []
     for name, function in loggers.items():
         rows.append((name, per_call_us(function, options.calls), throughput(function, options.seconds)))
+    in_rank = gpumagic.launch_ddp(log_cost_in_a_rank, 1, args=(options.calls, options.seconds), output="none")[0]
+    rows.insert(1, ("gpumagic.log(loss=x) in a launched rank", *in_rank))
     devnull.close()
     if writer is not None:
         writer.close()

@@ -155,3 +155,36 @@ def test_the_saved_state_catches_up_so_a_browser_reload_shows_the_history(simula
     empty = len(json.dumps(watch.plots.render_bundle))
     assert wait_for(lambda: watch.refreshes >= 2)
     assert len(json.dumps(watch.plots.render_bundle)) > empty + 1000  # the samples are in the saved state
+
+
+WATCH_IN_A_TERMINAL = """
+ip = get_ipython()
+ip.run_line_magic('load_ext', 'gpumagic')
+ip.run_line_magic('gpu', 'watch --interval 0.2')
+"""
+
+
+def test_gpu_watch_in_a_terminal_prints_a_text_line_per_sample(simulated):
+    import os
+    import signal
+
+    terminal = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "IPython",
+            "--no-banner",
+            "--colors=NoColor",
+            "-c",
+            WATCH_IN_A_TERMINAL,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ),
+    )
+    lines = [terminal.stdout.readline() for _ in range(3)]
+    terminal.send_signal(signal.SIGINT)
+    rest, _ = terminal.communicate(timeout=20)
+    assert all("[simulated]" in line and "GPU 0:   0.0/80 GiB" in line for line in lines), lines
+    assert "stopped watching" in rest

@@ -144,7 +144,8 @@ def test_a_raising_rank_names_itself_with_its_own_traceback(kernel):
     text = result.error[1]
     assert text.startswith("rank 1 failed: raised ValueError: bad batch 7")
     assert "<%%launch_ddp cell In[" in text and "raise ValueError('bad batch 7')" in text
-    assert "rank 0: stopped by gpumagic after the failure (SIGTERM)" in text
+    # rank 0 is stopped by gpumagic, or, if it was still joining the group, fails on its own when rank 1 vanishes
+    assert "rank 0: stopped by gpumagic after the failure (SIGTERM)" in text or ", after rank 1 failed" in text
     assert "gpumagic/launch/worker.py" not in text
 
 
@@ -167,7 +168,7 @@ def test_ranks_that_exit_crash_or_are_killed(kernel, body, fate):
     started = time.monotonic()
     result = kernel.run(f"%%launch_ddp -n 2\nimport os, time\n{body}\ntime.sleep(30)")
     assert result.error[0] == "LaunchError" and fate in result.error[1]
-    assert "rank 0: stopped by gpumagic" in result.error[1]
+    assert "rank 0: stopped by gpumagic" in result.error[1] or ", after rank 1 failed" in result.error[1]
     assert time.monotonic() - started < 15
 
 

@@ -90,6 +90,7 @@ def test_the_root_cause_is_the_earliest_own_failure():
     report = str(LaunchError(outcomes, cause))
     assert report.startswith("rank 2 failed: raised ValueError: bad batch (in user code)")
     assert "rank 0: stopped by gpumagic after the failure (SIGTERM)" in report and "rank 3: finished" in report
+    assert "rank 1: raised RuntimeError: gloo connection reset (in user code), after rank 2 failed" in report
     assert root_cause([RankOutcome(0, 1, 0)]) is None
 
 

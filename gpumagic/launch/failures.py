@@ -75,10 +75,19 @@ class LaunchError(GpumagicError):
         lines = [self.headline()]
         if self.root_cause.traceback:
             lines += ["", f"Traceback from rank {self.root_cause.rank}:", self.root_cause.traceback.rstrip()]
-        lines += ["", "Ranks:"] + [f"  {o.describe()}" for o in sorted(self.outcomes, key=lambda o: o.rank)]
+        lines += ["", "Ranks:"] + [f"  {self._fate(o)}" for o in sorted(self.outcomes, key=lambda o: o.rank)]
         if self.note:
             lines += ["", self.note]
         return "\n".join(lines)
+
+    def _fate(self, outcome: RankOutcome) -> str:
+        """A rank's fate; a failure that followed the root cause (a peer vanished) says so."""
+        text = outcome.describe()
+        root = self.root_cause
+        later = outcome.timestamp is not None and root.timestamp is not None and outcome.timestamp >= root.timestamp
+        if outcome is not root and not outcome.ok and not outcome.stopped_by_launcher and later:
+            text += f", after rank {root.rank} failed"
+        return text
 
     def _render_traceback_(self) -> list[str]:  # IPython shows this instead of the kernel-side traceback
         return [f"LaunchError: {self.report()}"]

@@ -70,6 +70,10 @@ def test_variables_expand_in_the_line(shell, simulated):
         ("kill abc", "whole number"),
         ("kill 1", "this kernel or one of its parents"),
         ("pick 'unclosed", "No closing quotation"),
+        ("watch --interval soon", "is not a duration"),
+        ("watch --interval 10ms", "at least 50ms"),
+        ("watch --history x", "invalid int"),
+        ("watch --history 1", "from 2 to 100000"),
     ],
 )
 def test_bad_input_is_a_one_line_usage_error(shell, simulated, line, message):

@@ -357,7 +357,6 @@ def _launch_parser() -> _Parser:
 
 
 _LAUNCH_PARSER = _launch_parser()
-_BACKGROUND_LAUNCHES: list[Any] = []
 
 
 def _first_line(err: BaseException) -> str:
@@ -374,14 +373,13 @@ class LaunchMagics(Magics):
 
     @cell_magic
     def launch_ddp(self, line: str, cell: str) -> Any:
-        from gpumagic.launch.ddp import launch_cell
+        from gpumagic.launch.ddp import launch_prepared, prepare_cell
 
         args = _LAUNCH_PARSER.parse_args(_split(line, _LAUNCH_PARSER.prog))
         if args.help:
             return _Help(_LAUNCH_PARSER.format_help())
         if args.o is not None and not args.o.isidentifier():
             raise UsageError(f"%%launch_ddp: -o needs a variable name, got {args.o!r}")
-        source = self.shell.transform_cell(cell)
         filename = f"<%%launch_ddp cell In[{self.shell.execution_count}]>"
         dashboard = None
         if not args.no_dashboard and _in_kernel():
@@ -390,8 +388,6 @@ class LaunchMagics(Magics):
             dashboard = LaunchDashboard()
             LaunchMagics.last_dashboard = dashboard
         options = dict(
-            filename=filename,
-            hidden=set(self.shell.user_ns_hidden),
             nprocs=args.nprocs,
             gpus=args.gpus,
             gpus_per_rank=args.gpus_per_rank,
@@ -401,14 +397,19 @@ class LaunchMagics(Magics):
             start_method=args.start_method,
             output=args.output,
             dashboard=dashboard,
-            cancel=dashboard.cancel if dashboard is not None else None,
         )
         try:
-            if args.no_wait:
-                return self._launch_in_background(source, args.o, dashboard, options)
+            packed = prepare_cell(
+                self.shell.transform_cell(cell),
+                self.shell.user_ns,
+                filename=filename,
+                hidden=set(self.shell.user_ns_hidden),
+            )
             if dashboard is not None:
                 dashboard.show()
-            results = launch_cell(source, self.shell.user_ns, **options)
+            if args.no_wait:
+                return self._launch_in_background(packed, args.o, dashboard, options)
+            results = launch_prepared(packed, **options)
         except (LaunchError, LaunchInterrupted):
             raise  # they render as the failing rank's traceback and the ranks' fates
         except GpumagicError as err:
@@ -417,22 +418,18 @@ class LaunchMagics(Magics):
             self.shell.user_ns[args.o] = results
         return None
 
-    def _launch_in_background(self, source: str, variable: str | None, dashboard: Any, options: dict) -> Any:
-        """--no-wait: check what can be checked now, then launch on a thread; ``variable`` gets the results
-        (or the LaunchError) when the ranks end."""
+    def _launch_in_background(self, packed: bytes, variable: str | None, dashboard: Any, options: dict) -> Any:
+        """--no-wait: launch on a thread; ``variable`` gets the results (or the LaunchError) when the ranks end.
+        The cell was packed already, so what cannot be shipped is an error now, not later."""
         import threading
 
-        from gpumagic.launch.ddp import launch_cell
-        from gpumagic.launch.shipping import ship_cell
+        from gpumagic.launch.ddp import launch_prepared
 
-        ship_cell(source, self.shell.user_ns, options["filename"], options["hidden"])  # errors now, not later
-        if dashboard is not None:
-            dashboard.show()
         namespace = self.shell.user_ns
 
         def run() -> None:
             try:
-                outcome: Any = launch_cell(source, namespace, **options)
+                outcome: Any = launch_prepared(packed, **options)
             except Exception as err:  # noqa: BLE001 - handed to the user through the variable
                 outcome = err
                 if dashboard is not None:
@@ -442,9 +439,7 @@ class LaunchMagics(Magics):
             if variable is not None:
                 namespace[variable] = outcome
 
-        thread = threading.Thread(target=run, name="gpumagic-launch", daemon=True)
-        thread.start()
-        _BACKGROUND_LAUNCHES.append(thread)
+        threading.Thread(target=run, name="gpumagic-launch", daemon=True).start()
         return None
 
 

@@ -110,3 +110,14 @@ def test_only_names_the_cell_reads_before_binding_them_are_shipped():
     payload = ship_cell(source, namespace, "<cell>")
     assert sorted(payload.names) == ["Net", "STEPS", "total"]  # not the cell's own model/z (both unpicklable)
     assert payload.modules == {"np": "math"}
+
+
+def test_names_that_share_an_object_still_share_it_on_the_ranks():
+    import cloudpickle
+
+    from gpumagic.launch.shipping import pack, ship_cell
+
+    weights = [1.0, 2.0]
+    namespace = {"weights": weights, "model": {"weights": weights}}
+    payload = cloudpickle.loads(pack(ship_cell("model, weights", namespace, "<cell>")))
+    assert payload.names["model"]["weights"] is payload.names["weights"]  # one pickle for all names

@@ -1,6 +1,6 @@
 """The launch API: ``launch_ddp`` (a function on N ranks with the process group ready), ``spawn``
-(``torch.multiprocessing.spawn``'s signature, for notebook-defined functions) and ``launch_cell``
-(what ``%%launch_ddp`` runs)."""
+(``torch.multiprocessing.spawn``'s signature, for notebook-defined functions), and ``prepare_cell`` with
+``launch_prepared`` (what ``%%launch_ddp`` runs; ``launch_cell`` does both)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from gpumagic.errors import InvalidArgument
 from gpumagic.launch.failures import LaunchInterrupted
 from gpumagic.launch.output import OUTPUT_MODES, RankOutput
 from gpumagic.launch.plan import LaunchPlan, assign_gpus, check_backend, threads_per_rank
-from gpumagic.launch.shipping import ship_cell, ship_function
+from gpumagic.launch.shipping import pack, ship_cell, ship_function
 from gpumagic.telemetry import store
 from gpumagic.units import parse_duration
 
@@ -42,8 +42,8 @@ def launch_ddp(
         LaunchError: a rank failed; it names the root cause with that rank's traceback.
         LaunchInterrupted: interrupted; every rank was stopped. ShippingError, InvalidArgument.
     """
-    payload = ship_function(fn, tuple(args), dict(kwargs or {}), rank_first=False)
-    return _launch(payload, nprocs, process_group=True, **options)
+    packed = pack(ship_function(fn, tuple(args), dict(kwargs or {}), rank_first=False))
+    return _launch(packed, nprocs, process_group=True, **options)
 
 
 def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 1, join: bool = True, **options: Any) -> Any:
@@ -54,10 +54,10 @@ def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 1, join: bool 
     ``{rank: value}``. ``join=False`` starts the ranks in a background thread and returns a handle whose
     ``join()`` gives that dict.
     """
-    payload = ship_function(fn, tuple(args), {}, rank_first=True)
+    packed = pack(ship_function(fn, tuple(args), {}, rank_first=True))
     if join:
-        return _launch(payload, nprocs, process_group=False, **options)
-    return SpawnHandle(lambda: _launch(payload, nprocs, process_group=False, **options))
+        return _launch(packed, nprocs, process_group=False, **options)
+    return SpawnHandle(lambda: _launch(packed, nprocs, process_group=False, **options))
 
 
 class SpawnHandle:
@@ -99,12 +99,29 @@ def launch_cell(
 ) -> dict[int, Any]:
     """Run a cell's Python ``source`` on every rank, with ``rank``, ``local_rank``, ``world_size`` and
     ``device`` defined and the process group initialized; ``{rank: value of the last expression}``."""
-    payload = ship_cell(source, namespace, filename, hidden)
-    return _launch(payload, nprocs, process_group=True, **options)
+    return launch_prepared(prepare_cell(source, namespace, filename=filename, hidden=hidden), nprocs, **options)
+
+
+def prepare_cell(source: str, namespace: Mapping[str, Any], *, filename: str, hidden: Collection[str] = ()) -> bytes:
+    """What a cell's ranks receive: its code and the notebook names it uses, packed once.
+
+    Raises:
+        ShippingError: not valid Python, IPython magics inside, or a name that cannot be pickled (named).
+    """
+    return pack(ship_cell(source, namespace, filename, hidden))
+
+
+def launch_prepared(packed: bytes, nprocs: int | None = None, **options: Any) -> dict[int, Any]:
+    """Run a ``prepare_cell`` result on ``nprocs`` ranks with the process group initialized; ``{rank: value}``.
+
+    Options as ``launch_ddp``'s, plus ``dashboard`` (a ``LaunchDashboard``: attached when the ranks start, told
+    when they end; its Stop button stops them) and ``write`` (where rank output goes, default stdout).
+    """
+    return _launch(packed, nprocs, process_group=True, **options)
 
 
 def _launch(
-    payload: Any,
+    packed: bytes,
     nprocs: int | None,
     *,
     process_group: bool,
@@ -117,7 +134,6 @@ def _launch(
     output: str = "all",
     write: Callable[[str], None] | None = None,
     dashboard: Any = None,
-    cancel: Any = None,
 ) -> dict[int, Any]:
     from gpumagic.launch.local import START_METHODS, run_local
 
@@ -159,21 +175,14 @@ def _launch(
     sink = RankOutput(write or _stdout_writer(), output, nprocs)
     status = "failed"
     try:
-        on_start = None
-        if dashboard is not None:
-            gpu_uuids = [gpus[0] if gpus else "" for gpus in rank_gpus]
-
-            def on_start(plan: LaunchPlan, pids: list[int]) -> None:
-                dashboard.attach(run_dir, pids, use_cuda, gpu_uuids)
-
         results = run_local(
             plan,
-            payload,
+            packed,
             start_method=start_method,
             listener=listener,
             on_output=sink.feed,
-            on_start=on_start,
-            cancel=cancel,
+            on_start=dashboard.attach if dashboard is not None else None,
+            cancel=dashboard.cancel if dashboard is not None else None,
         )
         status = "finished"
         return results

@@ -31,7 +31,7 @@ STOP_GRACE_S = 3.0
 
 def run_local(
     plan: LaunchPlan,
-    payload: Any,
+    packed: bytes,
     *,
     start_method: str = "forkserver",
     listener: Any = None,
@@ -40,18 +40,17 @@ def run_local(
     cancel: threading.Event | None = None,
     poll_s: float = 0.1,
 ) -> dict[int, Any]:
-    """Run ``payload`` on ``plan.nprocs`` local ranks; return ``{rank: value}``.
+    """Run a packed payload (``shipping.pack``) on ``plan.nprocs`` local ranks; return ``{rank: value}``.
 
     Raises:
         LaunchError: a rank failed (raised, exited non-zero, was killed); all ranks are gone when it is raised.
         LaunchInterrupted: KeyboardInterrupt (the kernel's interrupt); all ranks are gone when it is raised.
     """
-    import cloudpickle
     import torch.multiprocessing as torch_mp
 
     from gpumagic.launch.worker import run_rank
 
-    Path(plan.job_dir, "payload.pkl").write_bytes(cloudpickle.dumps(payload))
+    Path(plan.job_dir, "payload.pkl").write_bytes(packed)
     if start_method == "forkserver":
         multiprocessing.forkserver.set_forkserver_preload(_FORKSERVER_PRELOAD)
     context = multiprocessing.get_context(start_method)

@@ -71,8 +71,9 @@ class LaunchPlan:
 
 def threads_per_rank(nprocs: int, cpus: int | None = None) -> int:
     """Divide this machine's CPUs among ranks so they do not oversubscribe it (at least 1 each)."""
-    available = cpus or len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, available // max(1, nprocs))
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus // max(1, nprocs))
 
 
 def assign_gpus(gpus: list[str], nprocs: int, per_rank: int) -> tuple[tuple[str, ...], ...]:
@@ -83,8 +84,6 @@ def assign_gpus(gpus: list[str], nprocs: int, per_rank: int) -> tuple[tuple[str,
     """
     if not gpus:
         return tuple(() for _ in range(nprocs))
-    if per_rank < 1:
-        raise InvalidArgument(f"--gpus-per-rank must be at least 1, got {per_rank}")
     needed = nprocs * per_rank
     if len(gpus) < needed:
         raise InvalidArgument(

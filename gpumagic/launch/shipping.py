@@ -36,6 +36,10 @@ class CellPayload:
     modules: dict[str, str] = field(default_factory=dict)
     sources: dict[str, list[str]] = field(default_factory=dict)
 
+    def parts(self) -> dict[str, Any]:
+        """What travels by value, by the name a user knows it by (to name what cannot be pickled)."""
+        return dict(self.names)
+
     def prepare(self) -> None:
         """Import the cell's modules and register its source (before the user's code: a failure here is setup's)."""
         import importlib
@@ -69,6 +73,13 @@ class FunctionPayload:
     rank_first: bool = False
     sources: dict[str, list[str]] = field(default_factory=dict)
 
+    def parts(self) -> dict[str, Any]:
+        return {
+            getattr(self.fn, "__name__", "fn"): self.fn,
+            **{f"args[{i}]": a for i, a in enumerate(self.args)},
+            **{f"kwargs[{k!r}]": v for k, v in self.kwargs.items()},
+        }
+
     def prepare(self) -> None:
         _register_sources(self.sources)
 
@@ -84,8 +95,8 @@ def ship_cell(source: str, namespace: Mapping[str, Any], filename: str, hidden: 
     ``hidden`` names (IPython's ``In``, ``Out``, ``_``, ``get_ipython``, ...) are never shipped.
 
     Raises:
-        ShippingError: the cell is not valid Python, uses IPython magics, or uses a name that cannot be
-            pickled (the message names the variable and says why).
+        ShippingError: the cell is not valid Python, or uses IPython magics. (``pack`` tells which name
+            cannot be pickled.)
     """
     try:
         tree = ast.parse(source, filename)
@@ -103,7 +114,6 @@ def ship_cell(source: str, namespace: Mapping[str, Any], filename: str, hidden: 
             payload.modules[name] = value.__name__
         else:
             payload.names[name] = value
-    check_picklable(payload.names)
     payload.sources = notebook_sources(payload.names.values())
     return payload
 
@@ -112,33 +122,33 @@ def ship_function(fn: Callable[..., Any], args: tuple, kwargs: dict, rank_first:
     """The payload for calling ``fn`` on every rank.
 
     Raises:
-        ShippingError: ``fn`` or an argument cannot be pickled.
+        ShippingError: ``fn`` is not callable. (``pack`` tells which argument cannot be pickled.)
     """
     if not callable(fn):
         raise ShippingError(f"fn must be callable, got {type(fn).__name__}")
-    check_picklable(
-        {
-            getattr(fn, "__name__", "fn"): fn,
-            **{f"args[{i}]": a for i, a in enumerate(args)},
-            **{f"kwargs[{k!r}]": v for k, v in kwargs.items()},
-        }
-    )
     return FunctionPayload(fn, tuple(args), dict(kwargs), rank_first, notebook_sources([fn]))
 
 
-def check_picklable(values: Mapping[str, Any]) -> None:
-    """Pickle each value alone, so a failure names the variable that cannot travel."""
+def pack(payload: CellPayload | FunctionPayload) -> bytes:
+    """The payload as the ranks receive it, pickled once (names that share objects keep sharing them).
+
+    Raises:
+        ShippingError: it cannot be pickled; the message names the variable or argument that cannot travel.
+    """
     import cloudpickle
 
-    for name, value in values.items():
-        try:
-            cloudpickle.dumps(value)
-        except Exception as err:  # noqa: BLE001 - pickling fails with many exception types
-            kind = type(value).__name__
-            raise ShippingError(
-                f"cannot send {name!r} (a {kind}) to the ranks: {type(err).__name__}: {err}. Create it inside "
-                "the cell (or the function) instead, or pass something picklable."
-            ) from None
+    try:
+        return cloudpickle.dumps(payload)
+    except Exception as err:  # noqa: BLE001 - pickling fails with many exception types
+        for name, value in payload.parts().items():  # only now pickle each part alone, to name the culprit
+            try:
+                cloudpickle.dumps(value)
+            except Exception as part_err:  # noqa: BLE001
+                raise ShippingError(
+                    f"cannot send {name!r} (a {type(value).__name__}) to the ranks: {type(part_err).__name__}: "
+                    f"{part_err}. Create it inside the cell (or the function) instead, or pass something picklable."
+                ) from None
+        raise ShippingError(f"cannot send the code to the ranks: {type(err).__name__}: {err}") from None
 
 
 def notebook_sources(values: Any) -> dict[str, list[str]]:

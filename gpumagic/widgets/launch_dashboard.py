@@ -67,11 +67,12 @@ class LaunchDashboard:
         load_bokehjs()
         display(self.widget)
 
-    def attach(self, run_dir: Path, pids: list[int], use_gpus: bool, gpu_uuids: list[str]) -> None:
-        """The ranks started: follow their metrics and processes until ``finish``."""
+    def attach(self, plan: Any, pids: list[int]) -> None:
+        """The ranks of ``plan`` (a ``LaunchPlan``) started: follow their metrics and processes until ``finish``."""
         from gpumagic.telemetry.store import RankReader
 
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(plan.job_dir).parent  # the launch's files live in <run dir>/launch
+        use_gpus = plan.use_cuda
         self.pids = list(pids)
         self.nprocs = len(pids)
         memory, busy = self.resource_figures
@@ -80,7 +81,7 @@ class LaunchDashboard:
             rank_curve(memory, source, rank, x="time", y="memory")
             rank_curve(busy, source, rank, x="time", y="busy")
         self.use_gpus = use_gpus
-        self.gpu_uuids = gpu_uuids
+        self.gpu_uuids = [gpus[0] if gpus else "" for gpus in plan.rank_gpus]
         self.state = "running"
         self._readers = [RankReader(self.run_dir / "metrics", rank) for rank in range(self.nprocs)]
         self.resource_figures[0].title.text = (

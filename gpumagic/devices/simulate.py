@@ -71,10 +71,10 @@ def read_inventory(spec: str) -> Inventory:
         InvalidArgument: the spec or its JSON file is malformed.
     """
     gpus = _parse_cached(spec)
-    usage = _scan.usage({_uuid(spec, i): i for i in range(len(gpus))})
+    uuids = [_uuid(spec, i) for i in range(len(gpus))]
+    usage = _scan.usage({uuid: i for i, uuid in enumerate(uuids)})
     result = []
-    for index, sim in enumerate(gpus):
-        uuid = _uuid(spec, index)
+    for index, (sim, uuid) in enumerate(zip(gpus, uuids, strict=True)):
         if sim.lost:
             result.append(GpuInfo(index, uuid, sim.name, problem="GPU is lost (simulated)", simulated=True))
             continue
@@ -232,11 +232,6 @@ def _uuid(spec: str, index: int) -> str:
     """A stable UUID per (spec, index), so every kernel simulating the same server agrees on leases."""
     label = spec if not _looks_like_file(spec) else str(Path(spec).expanduser().resolve())
     return f"GPU-{uuidlib.uuid5(_UUID_NAMESPACE, f'{label}#{index}')}"
-
-
-def simulated_uuids(spec: str) -> list[str]:
-    """The UUIDs of the GPUs ``spec`` simulates, in index order."""
-    return [_uuid(spec, i) for i in range(len(_parse_cached(spec)))]
 
 
 class _ProcessScan:

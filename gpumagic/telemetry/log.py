@@ -122,11 +122,6 @@ def flush() -> None:
         _recorder.flush()
 
 
-def current_run_dir() -> Path | None:
-    """The run this process logs into, if it has logged."""
-    return _recorder.run_dir if _recorder is not None else None
-
-
 def _forget_after_fork() -> None:
     global _recorder
     _recorder = None  # the flush thread does not survive fork; a child logging again starts its own writer

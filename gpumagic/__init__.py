@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from gpumagic.devices.processes import KillReport
     from gpumagic.devices.selection import Selection
     from gpumagic.devices.visibility import Visibility
+    from gpumagic.jobs.api import Job, JobFailed
     from gpumagic.launch.failures import LaunchError, LaunchInterrupted
     from gpumagic.launch.seeding import SeedReport
     from gpumagic.telemetry.log import log
@@ -39,6 +40,8 @@ __all__ = [
     "GpuLeasedError",
     "GpumagicError",
     "InvalidArgument",
+    "Job",
+    "JobFailed",
     "KillRefused",
     "LaunchError",
     "LaunchInterrupted",
@@ -46,8 +49,10 @@ __all__ = [
     "NoGpuError",
     "NotEnoughGpusError",
     "gpus",
+    "job",
     "kill",
     "launch_ddp",
+    "list_jobs",
     "load_ipython_extension",
     "load_run",
     "log",
@@ -58,6 +63,8 @@ __all__ = [
     "seed",
     "spawn",
     "status",
+    "submit",
+    "sweep",
     "use",
     "visible_gpus",
 ]
@@ -67,6 +74,8 @@ _LAZY = {
     "log": ("gpumagic.telemetry.log", "log"),
     "LaunchError": ("gpumagic.launch.failures", "LaunchError"),
     "LaunchInterrupted": ("gpumagic.launch.failures", "LaunchInterrupted"),
+    "JobFailed": ("gpumagic.jobs.api", "JobFailed"),
+    "Job": ("gpumagic.jobs.api", "Job"),
 }
 
 
@@ -83,11 +92,13 @@ def __getattr__(name: str) -> Any:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """Called by ``%load_ext gpumagic``: registers ``%gpu``."""
+    """Called by ``%load_ext gpumagic``: registers ``%gpu``, ``%%launch_ddp``, ``%%launch_bg`` and ``%jobs``."""
+    from gpumagic.job_magics import JobMagics
     from gpumagic.magics import GpuMagics, LaunchMagics
 
     ipython.register_magics(GpuMagics)
     ipython.register_magics(LaunchMagics)
+    ipython.register_magics(JobMagics)
 
 
 def gpus() -> Inventory:
@@ -208,3 +219,35 @@ def plot_run(run: Any, metrics: list[str] | None = None) -> Any:
     from gpumagic.widgets.run_plot import RunPlot
 
     return RunPlot(run if isinstance(run, Run) else load_run(str(run)), metrics)
+
+
+def submit(fn: Any, *args: Any, **options: Any) -> Job:
+    """Run ``fn(*args, **kwargs)`` as a detached background job, queued until its GPUs are free; returns a ``Job``.
+
+    Options: ``gpus`` (count, default 1, or a spec), ``name``, ``min_free`` ("20GB": may share a GPU),
+    ``ddp`` (ranks), ``after`` (jobs to finish first); other keywords go to ``fn``. See ``jobs.api.submit``.
+    """
+    from gpumagic.jobs.api import submit as _submit
+
+    return _submit(fn, *args, **options)
+
+
+def sweep(fn: Any, grid: dict, gpus_per_job: int | str = 1, **options: Any) -> list[Job]:
+    """One background job per combination of ``grid`` values: ``fn(**point)``; see ``jobs.api.sweep``."""
+    from gpumagic.jobs.api import sweep as _sweep
+
+    return _sweep(fn, grid, gpus_per_job, **options)
+
+
+def job(name: str) -> Job:
+    """The background job called ``name`` (from any kernel): status, logs, metrics, result, kill."""
+    from gpumagic.jobs.api import job as _job
+
+    return _job(name)
+
+
+def list_jobs() -> list[Job]:
+    """Every background job of this user, oldest first."""
+    from gpumagic.jobs.api import list_jobs as _list_jobs
+
+    return _list_jobs()

@@ -34,6 +34,7 @@ class _Parser(argparse.ArgumentParser):
         self.add_argument("-h", "--help", action="store_true", help="show this help")
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        message = message.replace("\r", "\\r").replace("\n", "\\n")  # one line, even for odd input
         raise UsageError(f"{self.prog}: {message}. See {self.prog} --help")
 
     def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]

@@ -57,6 +57,13 @@ def test_notebook_runs(path, isolated_leases, monkeypatch):
         assert outputs.count("application/vnd.jupyter.widget-view+json") >= 3  # watch + two launch dashboards
         assert "{0: 0, 1: 1}" in outputs  # the --no-wait launch's results arrived
         assert "300 points, last loss" in outputs
+    if path.name == "04_background_sweep.ipynb":
+        assert "waiting for 1 GPU" in outputs  # the fifth job, in the %jobs table
+        assert "A-wide waited for a free GPU: True" in outputs
+        assert outputs.count("finished on GPU") == 5  # %jobs wait
+        assert "'A-width=32,lr=0.01': 0.0" in outputs and "'A-wide': 0.0" in outputs  # trained: tiny losses
+        assert "application/vnd.jupyter.widget-view+json" in outputs  # %jobs watch
+        assert "Removed A-width=32,lr=0.01" in outputs
     if path.name == "02_ddp.ipynb":
         assert "[rank 0] epoch 0: loss" in outputs and "rank 1: accuracy" in outputs
         assert "rank 1 failed: raised RuntimeError: rank 1 ran out of luck" in outputs
@@ -64,4 +71,5 @@ def test_notebook_runs(path, isolated_leases, monkeypatch):
 
 
 def test_there_are_notebooks():
-    assert {"01_pick_gpus.ipynb", "02_ddp.ipynb", "03_live_dashboard.ipynb"} <= {p.name for p in NOTEBOOKS}
+    expected = {"01_pick_gpus.ipynb", "02_ddp.ipynb", "03_live_dashboard.ipynb", "04_background_sweep.ipynb"}
+    assert expected <= {p.name for p in NOTEBOOKS}

@@ -76,6 +76,11 @@ def test_code_is_lint_clean_and_formatted():
             ["--calls", "2000", "--seconds", "0.2", "--watch-seconds", "2"],
             ["gpumagic.log(loss=x)", "per call / 2 µs target", "while %gpu watch streams 8 simulated GPUs"],
         ),
+        (
+            "jobs.py",
+            ["--repeats", "1", "--watch-seconds", "2"],
+            ["job's first line runs after", "ratio gpumagic / sleep 5", "while %jobs watch follows them"],
+        ),
     ],
 )
 def test_benchmark_runs_and_prints_its_table(script, arguments, expected):

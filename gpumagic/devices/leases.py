@@ -6,16 +6,22 @@ world-writable like ``/tmp`` so that users cannot remove each other's files::
     pick.lock                    held briefly while a process inspects or takes leases
     GPU-<uuid>.lock              held (flock, exclusive) for as long as the lease lasts
     GPU-<uuid>.<user>.<pid>.json who holds it: user, uid, pid, process start, since, notebook
+    queue.<ns>.<run id>.json     a background job waiting for GPUs (``gpumagic.jobs.queue``)
 
 The lease *is* the ``flock`` on ``GPU-<uuid>.lock``: the OS drops it when the holder dies, however it dies,
 so a dead holder's GPU is free again at once. The JSON record only names the holder; a record whose
 process is gone, or whose file is not owned by the uid it claims, is ignored.
+
+Background jobs that give a memory need may *share* a GPU: a shared lease is a record alone (``"shared":
+true``, no flock), alive while its process is. It keeps kernels and whole-GPU jobs off the GPU; other sharing
+jobs may join once every sharer has ``"settled"`` (allocated its memory).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -48,6 +54,8 @@ class Lease:
     host: str = ""
     notebook: str | None = None
     mine: bool = False
+    shared: bool = False
+    settled: bool = True
 
     def describe(self) -> str:
         when = time.strftime("%H:%M", time.localtime(self.since)) if self.since else "?"
@@ -55,6 +63,8 @@ class Lease:
         if not self.mine:
             who += f", {self.notebook}" if self.notebook else ""
             who += ")"
+        if self.shared:
+            return f"shared by jobs of {who} since {when}" + ("" if self.settled else ", still allocating memory")
         return f"leased by {who} since {when}"
 
 
@@ -134,8 +144,9 @@ class LeaseBook:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._held: dict[str, tuple[int, Path, float]] = {}  # uuid -> (lock fd, record path, since)
+        self._held: dict[str, tuple[int, Path, float]] = {}  # uuid -> (lock fd or -1 if shared, record, since)
         self._atexit = False
+        self.label: str | None = None  # what the records call the holder (default: the notebook's name)
 
     def held(self) -> tuple[str, ...]:
         with self._lock:
@@ -159,13 +170,42 @@ class LeaseBook:
             except BlockingIOError:
                 os.close(fd)
                 return False
+            if _live_records(directory, uuid, _record_names(directory, uuid)):  # jobs share it
+                os.close(fd)
+                return False
             since = time.time()
             record = self._write_record(directory, uuid, since)
-            self._held[uuid] = (fd, record, since)
-            if not self._atexit:
-                atexit.register(self.release_all)
-                self._atexit = True
+            self._remember(uuid, fd, record, since)
             return True
+
+    def try_share(self, uuid: str) -> bool:
+        """Join the jobs sharing ``uuid`` (a record, no flock) unless someone holds it whole. Call under
+        ``pick_lock()``; whether the other sharers have settled and memory suffices is the caller's check."""
+        _check_uuid(uuid)
+        with self._lock:
+            if uuid in self._held:
+                return True
+            directory = lease_dir()
+            if _is_locked(directory / f"{uuid}.lock"):
+                return False
+            since = time.time()
+            record = self._write_record(directory, uuid, since, shared=True, settled=False)
+            self._remember(uuid, -1, record, since)
+            return True
+
+    def mark_settled(self, uuid: str) -> None:
+        """Say that this process has allocated its memory on the shared GPU ``uuid``: others may join."""
+        with self._lock:
+            entry = self._held.get(uuid)
+            if entry is None or entry[0] != -1:
+                return
+            self._write_record(lease_dir(), uuid, entry[2], shared=True, settled=True)
+
+    def _remember(self, uuid: str, fd: int, record: Path, since: float) -> None:
+        self._held[uuid] = (fd, record, since)
+        if not self._atexit:
+            atexit.register(self.release_all)
+            self._atexit = True
 
     def release(self, uuids: Iterable[str]) -> list[str]:
         released = []
@@ -177,14 +217,17 @@ class LeaseBook:
                 fd, record, _ = entry
                 with contextlib.suppress(OSError):
                     record.unlink()
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
                 released.append(uuid)
         return released
 
     def release_all(self) -> list[str]:
         return self.release(self.held())
 
-    def _write_record(self, directory: Path, uuid: str, since: float) -> Path:
+    def _write_record(
+        self, directory: Path, uuid: str, since: float, shared: bool = False, settled: bool = True
+    ) -> Path:
         user = current_user()
         pid = os.getpid()
         record = {
@@ -195,7 +238,9 @@ class LeaseBook:
             "process_start": process_start_time(pid),
             "since": since,
             "host": socket.gethostname(),
-            "notebook": os.environ.get("JPY_SESSION_NAME") or None,
+            "notebook": self.label or os.environ.get("JPY_SESSION_NAME") or None,
+            "shared": shared,
+            "settled": settled,
         }
         path = directory / f"{uuid}.{_safe(user)}.{pid}.json"
         fd, temporary = tempfile.mkstemp(dir=directory, prefix=".lease-", suffix=".tmp")
@@ -234,17 +279,34 @@ def holders(uuids: Iterable[str], mine: LeaseBook) -> dict[str, Lease]:
                 os.getpid(),
                 since,
                 socket.gethostname(),
-                os.environ.get("JPY_SESSION_NAME") or None,
+                mine.label or os.environ.get("JPY_SESSION_NAME") or None,
                 mine=True,
             )
             continue
         if not _is_locked(directory / f"{uuid}.lock"):
-            _remove_my_stale_records(directory, records.get(uuid, ()))
+            sharers = _live_records(directory, uuid, records.get(uuid, ()))
+            if sharers:  # no flock, but jobs share it: the earliest names them, settled only if all are
+                first = min(sharers, key=lambda lease: lease.since)
+                result[uuid] = dataclasses.replace(first, settled=all(s.settled for s in sharers))
+            else:
+                _remove_my_stale_records(directory, records.get(uuid, ()))
             continue
-        result[uuid] = _live_record(directory, uuid, records.get(uuid, ())) or Lease(
-            uuid, "someone", 0, 0.0, notebook="holder starting up"
-        )
+        exclusive = [r for r in _live_records(directory, uuid, records.get(uuid, ())) if not r.shared]
+        result[uuid] = exclusive[0] if exclusive else Lease(uuid, "someone", 0, 0.0, notebook="holder starting up")
     return result
+
+
+def sharers(uuid: str) -> list[Lease]:
+    """The live shared leases (jobs) on ``uuid``."""
+    directory = lease_dir()
+    return [r for r in _live_records(directory, uuid, _record_names(directory, uuid)) if r.shared]
+
+
+def _record_names(directory: Path, uuid: str) -> list[str]:
+    try:
+        return [n for n in os.listdir(directory) if n.startswith(uuid + ".") and n.endswith(".json")]
+    except OSError:
+        return []
 
 
 def _is_locked(path: Path) -> bool:
@@ -261,7 +323,9 @@ def _is_locked(path: Path) -> bool:
         os.close(fd)
 
 
-def _live_record(directory: Path, uuid: str, names: Iterable[str]) -> Lease | None:
+def _live_records(directory: Path, uuid: str, names: Iterable[str]) -> list[Lease]:
+    """The records of ``uuid`` whose holder is alive, owned by the uid they claim."""
+    live = []
     for name in names:
         path = directory / name
         try:
@@ -276,15 +340,19 @@ def _live_record(directory: Path, uuid: str, names: Iterable[str]) -> Lease | No
         recorded = data.get("process_start")
         if started is None or (recorded is not None and abs(started - float(recorded)) > 1.0):
             continue
-        return Lease(
-            uuid,
-            str(data.get("user", uid)),
-            pid,
-            float(data.get("since", 0.0)),
-            str(data.get("host", "")),
-            data.get("notebook"),
+        live.append(
+            Lease(
+                uuid,
+                str(data.get("user", uid)),
+                pid,
+                float(data.get("since", 0.0)),
+                str(data.get("host", "")),
+                data.get("notebook"),
+                shared=bool(data.get("shared", False)),
+                settled=bool(data.get("settled", True)),
+            )
         )
-    return None
+    return live
 
 
 def _remove_my_stale_records(directory: Path, names: Iterable[str]) -> None:

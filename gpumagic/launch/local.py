@@ -1,4 +1,5 @@
-"""Starting a plan's ranks on this machine through ``torch.multiprocessing`` and watching them.
+"""Starting a plan's ranks on this machine through multiprocessing (the contexts ``torch.multiprocessing``
+wraps; the launcher itself never imports torch, so a background job's runner stays small) and watching them.
 
 Ranks start from a forkserver whose server process has torch imported, so a relaunch costs a fork, not a
 torch import (``spawn`` is the fallback); the kernel itself is never forked. The watch loop is all or
@@ -46,8 +47,6 @@ def run_local(
         LaunchError: a rank failed (raised, exited non-zero, was killed); all ranks are gone when it is raised.
         LaunchInterrupted: KeyboardInterrupt (the kernel's interrupt); all ranks are gone when it is raised.
     """
-    import torch.multiprocessing as torch_mp
-
     from gpumagic.launch.worker import run_rank
 
     Path(plan.job_dir, "payload.pkl").write_bytes(packed)
@@ -56,23 +55,30 @@ def run_local(
     context = multiprocessing.get_context(start_method)
     pipes = [context.Pipe(duplex=False) for _ in range(plan.nprocs)]
     readers = {reader.fileno(): (rank, reader) for rank, (reader, _) in enumerate(pipes)}
+    processes = []
     try:
-        group = torch_mp.start_processes(
-            run_rank,
-            args=(plan, [w for _, w in pipes], listener),
-            nprocs=plan.nprocs,
-            join=False,
-            start_method=start_method,
-        )
+        for local_rank in range(plan.nprocs):
+            process = context.Process(
+                target=run_rank, args=(local_rank, plan, [w for _, w in pipes], listener), name=f"rank-{local_rank}"
+            )
+            with _initial_environment(plan, local_rank, start_method):
+                process.start()
+            processes.append(process)
+    except BaseException:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(process.pid, signal.SIGKILL)
+            process.join(5)
+        raise
     finally:
         for _, writer in pipes:
             writer.close()
         if listener is not None:
             listener.close()
-    watcher = _Watcher(plan, group.processes, readers, on_output or (lambda rank, data: None), poll_s, cancel)
+    watcher = _Watcher(plan, processes, readers, on_output or (lambda rank, data: None), poll_s, cancel)
     try:
         if on_start is not None:
-            on_start(plan, [p.pid for p in group.processes])
+            on_start(plan, [p.pid for p in processes])
         outcomes = watcher.watch()
     except (KeyboardInterrupt, _Cancelled) as reason:
         started = time.monotonic()
@@ -88,6 +94,26 @@ def run_local(
     if failure is not None:
         raise LaunchError(outcomes, failure)
     return {o.rank: _result(plan, o.rank) for o in outcomes}
+
+
+@contextlib.contextmanager
+def _initial_environment(plan: LaunchPlan, local_rank: int, start_method: str) -> Any:
+    """With ``spawn``, start the rank with its GPUs in its initial environment (the one ``/proc`` shows, so the
+    simulated inventory counts the rank on its GPU); the rank sets the rest of its environment itself."""
+    gpus = plan.rank_gpus[local_rank] if plan.rank_gpus else ()
+    if start_method != "spawn" or not gpus:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
+    os.environ.update(CUDA_VISIBLE_DEVICES=",".join(gpus), CUDA_DEVICE_ORDER="PCI_BUS_ID")
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _result(plan: LaunchPlan, rank: int) -> Any:

@@ -104,7 +104,7 @@ def ship_cell(source: str, namespace: Mapping[str, Any], filename: str, hidden: 
         raise ShippingError(f"the cell is not valid Python: {err.msg} (line {err.lineno})") from None
     used = _needed_names(tree)
     if "get_ipython" in used:
-        raise ShippingError("magics and !shell commands do not run inside %%launch_ddp; use plain Python there")
+        raise ShippingError("magics and !shell commands do not run in launched cells; use plain Python there")
     payload = CellPayload(source, filename)
     for name in sorted(used - set(PROVIDED_NAMES) - set(hidden)):
         if name not in namespace:

@@ -1,0 +1,294 @@
+"""``%%launch_bg`` and ``%jobs``: the IPython shell over ``gpumagic.jobs``.
+
+As with ``%gpu``, every bad input is a one-line ``UsageError``; a job's own failure (``%jobs result``) shows
+the job's traceback. Interrupting ``%jobs wait`` or ``%jobs logs -f`` stops the waiting, never the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+
+from gpumagic.errors import GpumagicError
+from gpumagic.magics import _Help, _in_kernel, _Parser, _split
+
+
+def _launch_bg_parser() -> _Parser:
+    parser = _Parser(
+        "%%launch_bg",
+        "Run the cell as a background job: detached from this kernel (it survives interrupts, restarts and\n"
+        "closing the notebook), queued on this machine until its GPUs are free. The notebook names the cell\n"
+        "uses are shipped by value; the value of its last expression is the job's result. %jobs follows it.\n"
+        "Example: %%launch_bg --name A1 --gpus 1 --min-free 20GB",
+    )
+    parser.add_argument("--name", help="the job's name (default: job, job-2, ...)")
+    parser.add_argument(
+        "--gpus", metavar="N|SPEC", help="how many GPUs (default 1, or one per rank; 0 = CPU), or a spec: GPU:1"
+    )
+    parser.add_argument(
+        "--min-free", metavar="SIZE", help="memory each GPU needs free (20GB); the job may share a GPU with jobs"
+    )
+    parser.add_argument("--ddp", metavar="N", help="run as a DDP group of N ranks (process group ready)")
+    parser.add_argument("--after", metavar="NAME", help="start after these jobs finish (A or A,B)")
+    parser.add_argument("--backend", help="process group backend with --ddp: nccl, gloo, mpi, ucc")
+    parser.add_argument("--timeout", default="30m", metavar="DURATION", help="process group timeout (30m)")
+    return parser
+
+
+def _jobs_parsers() -> dict[str, _Parser]:
+    listing = _Parser("%jobs list", "Every job: name, status (and why it waits), GPUs, elapsed, latest metrics.")
+    logs = _Parser("%jobs logs", "A job's output (stdout and stderr); -f follows it until the job ends.")
+    logs.add_argument("name")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    logs.add_argument("--tail", metavar="N", help="only the last N lines")
+    kill = _Parser("%jobs kill", "Stop jobs and their whole process trees: SIGTERM, then SIGKILL after 5s.")
+    kill.add_argument("names", nargs="+", metavar="name")
+    wait = _Parser("%jobs wait", "Block until the jobs end (an interrupt stops the waiting, not the jobs).")
+    wait.add_argument("names", nargs="+", metavar="name")
+    wait.add_argument("--timeout", metavar="DURATION", help="give up waiting after this long (10m)")
+    result = _Parser("%jobs result", "A finished job's result (x = %jobs result A1); a failed job's traceback.")
+    result.add_argument("name")
+    remove = _Parser("%jobs rm", "Delete ended jobs: their output, metrics and result.")
+    remove.add_argument("names", nargs="+", metavar="name")
+    watch = _Parser(
+        "%jobs watch", "A live table of jobs with Kill and Logs buttons, and every job's curve in one plot."
+    )
+    watch.add_argument("--metric", default="loss", help="the metric to compare (default loss)")
+    watch.add_argument("--interval", default="1s", metavar="DURATION", help="refresh period (1s)")
+    helper = _Parser("%jobs help", "Help on a subcommand.")
+    helper.add_argument("subcommand", nargs="?")
+    return {
+        "list": listing,
+        "logs": logs,
+        "kill": kill,
+        "wait": wait,
+        "result": result,
+        "rm": remove,
+        "watch": watch,
+        "help": helper,
+    }
+
+
+_LAUNCH_BG = _launch_bg_parser()
+_JOBS = _jobs_parsers()
+_OVERVIEW = (
+    "%jobs — background jobs (started with %%launch_bg or gpumagic.submit/sweep)\n\n"
+    "  %jobs                      list them: status, why they wait, GPUs, elapsed, latest metrics\n"
+    "  %jobs logs NAME [-f]       output so far; -f follows it\n"
+    "  %jobs kill NAME...         stop them (SIGTERM, then SIGKILL)\n"
+    "  %jobs wait NAME...         block until they end\n"
+    "  %jobs result NAME          the result (x = %jobs result A1)\n"
+    "  %jobs rm NAME...           delete ended jobs\n"
+    "  %jobs watch [--metric M]   live table with actions and every job's curve\n"
+    "  %jobs help SUBCOMMAND      details"
+)
+
+
+@magics_class
+class JobMagics(Magics):
+    """``%%launch_bg`` (a cell as a background job) and ``%jobs`` (list, follow, kill, ...)."""
+
+    @cell_magic
+    def launch_bg(self, line: str, cell: str) -> Any:
+        from gpumagic.jobs.api import submit_cell
+
+        args = _LAUNCH_BG.parse_args(_split(line, _LAUNCH_BG.prog))
+        if args.help:
+            return _Help(_LAUNCH_BG.format_help())
+        ddp = None
+        if args.ddp is not None:
+            try:
+                ddp = int(args.ddp)
+            except ValueError:
+                raise UsageError(f"%%launch_bg: --ddp needs a number of ranks, got {args.ddp!r}") from None
+        try:
+            job = submit_cell(
+                self.shell.transform_cell(cell),
+                self.shell.user_ns,
+                filename=f"<%%launch_bg cell In[{self.shell.execution_count}]>",
+                hidden=set(self.shell.user_ns_hidden),
+                name=args.name,
+                gpus=args.gpus,
+                min_free=args.min_free,
+                ddp=ddp,
+                after=args.after,
+                backend=args.backend,
+                timeout=args.timeout,
+            )
+        except GpumagicError as err:
+            raise UsageError(f"%%launch_bg: {err}") from None
+        return _Help(f"Submitted job {job.name} ({job.status}); %jobs lists it, %jobs logs {job.name} -f follows it")
+
+    @line_magic
+    def jobs(self, line: str) -> Any:
+        words = line.strip().split(None, 1)
+        name = words[0] if words else "list"
+        rest = words[1] if len(words) > 1 else ""
+        if name in ("-h", "--help"):
+            return _Help(_OVERVIEW)
+        handler = _HANDLERS.get(name)
+        if handler is None:
+            raise UsageError(f"%jobs has no subcommand {name!r}; use one of: {', '.join(_JOBS)} (see %jobs help)")
+        parser = _JOBS[name]
+        words = _split(rest, parser.prog)
+        if "-h" in words or "--help" in words:  # before parsing: required arguments would fail first
+            return _Help(parser.format_help())
+        args = parser.parse_args(words)
+        try:
+            return handler(args)
+        except (GpumagicError, TimeoutError) as err:
+            if type(err).__name__ == "JobFailed":
+                raise  # renders as the job's own traceback
+            raise UsageError(f"{parser.prog}: {err}") from None
+
+
+def _list(args: argparse.Namespace) -> Any:
+    import gpumagic
+    from gpumagic.widgets.job_table import JobTable
+
+    return JobTable(gpumagic.list_jobs())
+
+
+def _logs(args: argparse.Namespace) -> Any:
+    import gpumagic
+
+    tail = None
+    if args.tail is not None:
+        try:
+            tail = int(args.tail)
+        except ValueError:
+            raise UsageError(f"%jobs logs: --tail needs a number of lines, got {args.tail!r}") from None
+        if tail < 0:
+            raise UsageError("%jobs logs: --tail needs a number of lines of 0 or more")
+    job = gpumagic.job(args.name)
+    if args.follow:
+        if tail is not None:
+            print(job.logs(tail), end="", flush=True)
+        status = job.follow() if tail is None else _follow_from_end(job)
+        return _Help(f"[job {job.name}: {status}]")
+    text = job.logs(tail)
+    print(text, end="" if text.endswith("\n") or not text else "\n", flush=True)
+    return None
+
+
+def _follow_from_end(job: Any) -> str:
+    import sys
+    import time
+
+    offset = (job.path / "output.log").stat().st_size
+    try:
+        while True:
+            ended = job.status not in ("queued", "running")
+            with open(job.path / "output.log", "rb") as handle:
+                handle.seek(offset)
+                data = handle.read()
+            offset += len(data)
+            sys.stdout.write(data.decode(errors="replace"))
+            sys.stdout.flush()
+            if ended:
+                break
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    return job.status
+
+
+def _kill(args: argparse.Namespace) -> Any:
+    import gpumagic
+
+    jobs = [gpumagic.job(name) for name in args.names]  # every name checked before anything is stopped
+    lines = []
+    for job in jobs:
+        job.kill()
+        lines.append(f"{job.name}: {job.status} ({job.reason})")
+    return _Help("\n".join(lines))
+
+
+def _wait(args: argparse.Namespace) -> Any:
+    import time
+
+    import gpumagic
+    from gpumagic.units import parse_duration
+
+    jobs = [gpumagic.job(name) for name in args.names]
+    limit = parse_duration(args.timeout) if args.timeout is not None else None
+    started = time.monotonic()
+    try:
+        for job in jobs:
+            left = None if limit is None else max(0.0, limit - (time.monotonic() - started))
+            job.wait(left)
+    except KeyboardInterrupt:
+        return _Help("Stopped waiting; the jobs go on:\n" + "\n".join(j.describe() for j in jobs))
+    return _Help("\n".join(j.describe() for j in jobs))
+
+
+def _result(args: argparse.Namespace) -> Any:
+    import gpumagic
+
+    job = gpumagic.job(args.name)
+    status = job.status
+    if status in ("queued", "running"):
+        raise UsageError(f"%jobs result: job {job.name} is {status}; %jobs wait {job.name} first")
+    return job.result()
+
+
+def _remove(args: argparse.Namespace) -> Any:
+    import gpumagic
+
+    jobs = [gpumagic.job(name) for name in args.names]
+    active = [j.name for j in jobs if j.status in ("queued", "running")]
+    if active:
+        raise UsageError(f"%jobs rm: {', '.join(active)} still active; %jobs kill them first")
+    for job in jobs:
+        job.remove()
+    return _Help(f"Removed {', '.join(args.names)}")
+
+
+def _watch(args: argparse.Namespace) -> Any:
+    from gpumagic.units import parse_duration
+
+    interval = parse_duration(args.interval)
+    if interval < 0.1:
+        raise UsageError("%jobs watch: --interval must be at least 100ms")
+    if not args.metric.strip():
+        raise UsageError("%jobs watch: --metric needs a metric name")
+    if not _in_kernel():
+        return _list(args)
+    from gpumagic.widgets.job_watch import JobWatch
+
+    while _WATCHES:
+        _WATCHES.pop().close()
+    watch = JobWatch(metric=args.metric, interval=interval)
+    _WATCHES.append(watch)
+    return watch
+
+
+def _help(args: argparse.Namespace) -> Any:
+    if args.subcommand is None:
+        return _Help(_OVERVIEW)
+    if args.subcommand in ("launch_bg", "%%launch_bg"):
+        return _Help(_LAUNCH_BG.format_help())
+    parser = _JOBS.get(args.subcommand)
+    if parser is None:
+        raise UsageError(f"%jobs has no subcommand {args.subcommand!r}; use one of: {', '.join(_JOBS)}")
+    return _Help(parser.format_help())
+
+
+_WATCHES: list[Any] = []
+_HANDLERS: dict[str, Callable[[argparse.Namespace], Any]] = {
+    "list": _list,
+    "logs": _logs,
+    "kill": _kill,
+    "wait": _wait,
+    "result": _result,
+    "rm": _remove,
+    "watch": _watch,
+    "help": _help,
+}
+
+JobMagics.launch_bg.__doc__ = _LAUNCH_BG.format_help()
+JobMagics.jobs.__doc__ = _OVERVIEW + "\n\n" + "\n".join(p.format_help() for p in _JOBS.values())

@@ -1,0 +1,580 @@
+"""Background jobs: notebook code submitted as detached jobs, queued until GPUs are free, and the ``Job``
+handle that lists, follows, waits for, kills and removes them, from this kernel or any later one."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from gpumagic.errors import GpumagicError, InvalidArgument, KillRefused
+from gpumagic.jobs import records
+from gpumagic.jobs.queue import Request, Ticket, remove_tickets
+from gpumagic.units import format_bytes, format_duration, parse_duration, parse_size
+
+MAX_GPUS = 64
+MAX_RANKS = 256
+KILL_GRACE_S = 5.0
+_KERNEL_ONLY = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPUMAGIC_RUN_DIR", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+class JobFailed(GpumagicError):
+    """A job's result was asked for, but it did not finish. Shows the job's own traceback in a notebook."""
+
+    def __init__(self, job: Job, report: str) -> None:
+        self.job = job
+        self.report = report
+        super().__init__(report)
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"JobFailed: {self.report}"]
+
+
+class Job:
+    """A background job, read from its directory at every access (so it is always current)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """Everything ``run.json`` records (see ``jobs.records``)."""
+        return records.read(self.path)
+
+    @property
+    def name(self) -> str:
+        return self.info["name"]
+
+    @property
+    def status(self) -> str:
+        """queued, running, finished, failed, killed, cancelled, or lost (its runner vanished)."""
+        return records.effective_status(self.info)
+
+    @property
+    def reason(self) -> str:
+        """Why it waits (queued), or why it ended."""
+        info = self.info
+        status = records.effective_status(info)
+        if status == "lost":
+            return f"its runner (pid {info.get('runner_pid')}) is gone without recording an end"
+        return info.get("exit") or info.get("reason") or ""
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        """NVML indices of the GPUs it runs on (empty while queued, or for CPU jobs)."""
+        return tuple(self.info.get("gpus") or ())
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds it has run (so far, or in all), or waited if it never started."""
+        from gpumagic.widgets.job_table import _elapsed
+
+        return _elapsed(self.info)
+
+    def wait(self, timeout: str | float | None = None, poll_s: float = 0.2) -> str:
+        """Block until the job ends; returns its status. Raises TimeoutError after ``timeout`` ("10m", s)."""
+        limit = parse_duration(timeout) if timeout is not None else None
+        deadline = None if limit is None else time.monotonic() + limit
+        while True:
+            status = self.status
+            if status in records.ENDED:
+                return status
+            if deadline is not None and time.monotonic() > deadline:
+                waited = f"{(limit or 0) * 1000:.0f}ms" if (limit or 0) < 1 else format_duration(limit or 0)
+                raise TimeoutError(f"job {self.name} is still {status} after {waited}")
+            time.sleep(poll_s)
+
+    def result(self, timeout: str | float | None = None) -> Any:
+        """The job's return value (rank 0's; ``{rank: value}`` with ``ddp``), once it has finished.
+
+        Raises:
+            JobFailed: it failed, was killed, cancelled or lost; the message has its traceback.
+        """
+        status = self.wait(timeout)
+        if status != "finished":
+            raise JobFailed(self, self._failure_report(status))
+        import cloudpickle
+
+        return cloudpickle.loads((self.path / "result.pkl").read_bytes())
+
+    def _failure_report(self, status: str) -> str:
+        error = self.path / "error.txt"
+        if error.exists():
+            return f"job {self.name} {status}: " + error.read_text().rstrip()
+        return f"job {self.name} {status}: {self.reason}"
+
+    def logs(self, tail: int | None = None) -> str:
+        """Its stdout and stderr so far (the last ``tail`` lines)."""
+        text = (self.path / "output.log").read_text(errors="replace")
+        if tail is not None:
+            text = "".join(text.splitlines(True)[-tail:])
+        return text
+
+    def follow(self, write: Callable[[str], None] | None = None, poll_s: float = 0.2) -> str:
+        """Write its output as it comes until it ends (an interrupt stops following, not the job).
+
+        Returns the job's status when following stopped.
+        """
+        write = write or _print
+        offset = 0
+        try:
+            while True:
+                ended = self.status in records.ENDED  # read before the log: nothing written after it is missed
+                with open(self.path / "output.log", "rb") as handle:
+                    handle.seek(offset)
+                    data = handle.read()
+                offset += len(data)
+                if data:
+                    write(data.decode(errors="replace"))
+                if ended:
+                    break
+                time.sleep(poll_s)
+        except KeyboardInterrupt:
+            pass
+        return self.status
+
+    def metrics(self) -> dict[int, dict[str, Any]]:
+        """``{rank: {metric: Series}}`` of everything it has logged with ``gpumagic.log``."""
+        from gpumagic.telemetry.store import Run
+
+        return Run(self.path, self.info).metrics()
+
+    def last_metrics(self) -> dict[str, tuple[float, float]]:
+        """Rank 0's latest ``{metric: (step, value)}``."""
+        rank0 = self.metrics().get(0, {})
+        return {name: (s.steps[-1], s.values[-1]) for name, s in rank0.items() if len(s)}
+
+    def kill(self, grace_s: float = KILL_GRACE_S) -> str:
+        """Stop the job and its whole process tree: SIGTERM, then SIGKILL after ``grace_s``. Returns the status.
+
+        Raises:
+            InvalidArgument: it has ended already. KillRefused: another user's job.
+        """
+        info = self.info
+        status = records.effective_status(info)
+        if status in records.ENDED:
+            raise InvalidArgument(f"job {info['name']} has already ended ({status}); nothing to kill")
+        if (self.path / "run.json").stat().st_uid != os.getuid():
+            raise KillRefused(f"job {info['name']} belongs to another user; only they can stop it")
+        deadline = time.monotonic() + 10
+        while info.get("runner_pid") is None and time.monotonic() < deadline:  # submitted a moment ago
+            time.sleep(0.05)
+            info = self.info
+        (self.path / "kill.json").write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
+        pid = info.get("runner_pid")
+        tree = _process_tree(pid) if pid else []
+        _signal_all(pid, tree, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and self.status not in records.ENDED:
+            time.sleep(0.05)
+        alive = _wait_gone(tree, deadline)
+        if alive:
+            _signal_all(pid, alive, signal.SIGKILL)
+            _wait_gone(alive, time.monotonic() + 5)
+        remove_tickets(self.path.name)
+        if records.read(self.path).get("status") in records.ACTIVE:
+            records.update(
+                self.path,
+                status="killed",
+                reason="",
+                exit=f"killed with %jobs kill (SIGKILL: still running {grace_s:g}s after SIGTERM)",
+                ended=time.time(),
+            )
+        return self.status
+
+    def remove(self) -> None:
+        """Delete the job's directory (output, metrics, result). Raises InvalidArgument while it is active."""
+        import shutil
+
+        status = self.status
+        if status in records.ACTIVE:
+            raise InvalidArgument(f"job {self.name} is {status}; kill it first (%jobs kill {self.name})")
+        shutil.rmtree(self.path)
+
+    def describe(self) -> str:
+        """One line: name, status, GPUs, elapsed time, why (waiting or ended), latest metrics."""
+        info = self.info
+        status = records.effective_status(info)
+        gpus = ",".join(map(str, info.get("gpus") or ()))
+        where = f" on GPU {gpus}" if gpus else " on the CPU" if info.get("started") else ""
+        text = f"{info['name']}: {status}{where}, {format_duration(self.elapsed)}"
+        if status != "finished" and self.reason:
+            text += f" ({self.reason})"
+        latest = _format_metrics(self.last_metrics())
+        return text + (f" · {latest}" if latest else "")
+
+    def __repr__(self) -> str:
+        try:
+            return f"Job({self.describe()})"
+        except (OSError, ValueError, KeyError):
+            return f"Job({self.path.name}: removed)"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Job) and other.path == self.path
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
+
+def submit(
+    fn: Callable[..., Any],
+    *args: Any,
+    gpus: int | str | None = None,
+    name: str | None = None,
+    min_free: str | int | None = None,
+    ddp: int | None = None,
+    after: str | Iterable[str] | Job | None = None,
+    backend: str | None = None,
+    timeout: str | float = "30m",
+    **kwargs: Any,
+) -> Job:
+    """Run ``fn(*args, **kwargs)`` as a background job; returns its ``Job`` at once.
+
+    ``fn`` may be defined in the notebook (it is shipped by value). The job waits in this machine's queue
+    until its GPUs are free, then runs detached from the kernel: it survives interrupts, restarts and the
+    kernel's end, and ``gpumagic.job(name)`` finds it from any kernel.
+
+    Args:
+        gpus: how many GPUs (default 1, or one per rank with ``ddp``; 0 runs on the CPU), or a device spec
+            naming them (``"GPU:1"``, ``"0,2"``, ``"A100"``).
+        name: the job's name (default: the function's, made unique).
+        min_free: memory each GPU needs free (``"20GB"``); the job may then share a GPU with other jobs
+            (placed once those have allocated their memory). Without it a job takes whole GPUs.
+        ddp: run as a DDP group of this many ranks (process group initialized, as ``launch_ddp``).
+        after: name(s) or Job(s) that must finish first; if one fails, this job is cancelled.
+        backend, timeout: of the process group with ``ddp``.
+
+    Raises:
+        InvalidArgument: a malformed option, an unknown ``after`` job, a name already taken, more GPUs than
+            the machine has. ShippingError: something ``fn`` needs cannot be pickled (named).
+    """
+    from gpumagic.launch.shipping import pack, ship_function
+
+    packed = pack(ship_function(fn, tuple(args), dict(kwargs), rank_first=False))
+    base = getattr(fn, "__name__", "job")
+    return _create([(name, base, packed, {})], gpus, min_free, ddp, after, backend, timeout, f"{base}()")[0]
+
+
+def submit_cell(
+    source: str,
+    namespace: Mapping[str, Any],
+    *,
+    filename: str,
+    hidden: Collection[str] = (),
+    name: str | None = None,
+    gpus: int | str | None = None,
+    min_free: str | int | None = None,
+    ddp: int | None = None,
+    after: str | Iterable[str] | None = None,
+    backend: str | None = None,
+    timeout: str | float = "30m",
+) -> Job:
+    """A notebook cell as a background job (``%%launch_bg``): its code with the notebook names it uses; the
+    value of its last expression is the job's result. Options as ``submit``'s."""
+    from gpumagic.launch.shipping import pack, ship_cell
+
+    packed = pack(ship_cell(source, namespace, filename, hidden))
+    return _create([(name, "job", packed, {})], gpus, min_free, ddp, after, backend, timeout, "cell")[0]
+
+
+def sweep(
+    fn: Callable[..., Any],
+    grid: Mapping[str, Sequence[Any]],
+    gpus_per_job: int | str = 1,
+    *,
+    name: str | None = None,
+    min_free: str | int | None = None,
+    ddp: int | None = None,
+    after: str | Iterable[str] | None = None,
+    **fixed: Any,
+) -> list[Job]:
+    """One job per point of ``grid`` (every combination): ``fn(**point, **fixed)``, named ``name-k=v,...``.
+
+    Example: ``sweep(train, {"lr": [1e-3, 1e-4], "width": [64, 128]})`` submits four jobs, queued on free GPUs.
+    All names are taken together: if one exists already, no job is submitted.
+    """
+    from gpumagic.launch.shipping import pack, ship_function
+
+    if not isinstance(grid, Mapping) or not grid:
+        raise InvalidArgument("grid must be a non-empty dict of parameter name -> list of values")
+    for key, values in grid.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise InvalidArgument(f"grid keys are argument names of fn, got {key!r}")
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+            raise InvalidArgument(f"grid[{key!r}] must be a non-empty list of values, got {values!r}")
+    base = name or getattr(fn, "__name__", "job")
+    entries = []
+    for combination in itertools.product(*grid.values()):
+        point = dict(zip(grid.keys(), combination, strict=True))
+        label = ",".join(f"{k}={_short(v)}" for k, v in point.items())
+        packed = pack(ship_function(fn, (), {**point, **fixed}, rank_first=False))
+        entries.append((_sanitize(f"{base}-{label}"), base, packed, {k: _short(v) for k, v in point.items()}))
+    return _create(entries, gpus_per_job, min_free, ddp, after, None, "30m", f"{getattr(fn, '__name__', 'fn')}()")
+
+
+def job(name: str) -> Job:
+    """The job called ``name`` (of this user, from any kernel). Raises InvalidArgument if there is none."""
+    if isinstance(name, Job):
+        return name
+    return Job(records.find(str(name)))
+
+
+def list_jobs() -> list[Job]:
+    """Every job of this user, oldest first."""
+    return [Job(path) for path in records.all_jobs()]
+
+
+def _create(
+    entries: list[tuple[str | None, str, bytes, dict[str, Any]]],
+    gpus: int | str | None,
+    min_free: str | int | None,
+    ddp: int | None,
+    after: Any,
+    backend: str | None,
+    timeout: str | float,
+    description: str,
+) -> list[Job]:
+    """Validate the options once, take every name (all or none), write the jobs and start their runners."""
+    from gpumagic.launch.plan import check_backend
+
+    ddp = _check_ddp(ddp)
+    request = _request(gpus, min_free, ddp)
+    check_backend(backend)
+    timeout_s = parse_duration(timeout)
+    if timeout_s <= 0:
+        raise InvalidArgument("timeout must be more than 0 seconds")
+    dependencies = _dependencies(after)
+    paths: list[Path] = []
+    tickets: list[Ticket] = []
+    with records.names_locked():
+        names = []
+        for explicit, base, _, _ in entries:
+            if explicit is not None:
+                records.check_name(explicit)
+                if records.exists(explicit) or explicit in names:
+                    raise InvalidArgument(
+                        f"a job named {explicit!r} exists already; choose another name, or remove it "
+                        f"(%jobs rm {explicit})"
+                    )
+                names.append(explicit)
+            else:
+                names.append(_free_name(_sanitize(base), taken=names))
+        for job_name, (_, _, packed, params) in zip(names, entries, strict=True):
+            paths.append(
+                records.create(
+                    job_name,
+                    packed,
+                    ranks=ddp or 1,
+                    request=request.to_json(),
+                    ddp=ddp,
+                    after=dependencies,
+                    backend=backend,
+                    timeout_s=timeout_s,
+                    params=params,
+                    description=description,
+                    uid=os.getuid(),
+                    sys_path=[p for p in sys.path if p],
+                    cwd=os.getcwd(),
+                )
+            )
+            if request.wants and not dependencies:  # its place in the queue is its submission, from now
+                info = records.read(paths[-1])
+                tickets.append(Ticket.create(job_name, request, info["submitted"], paths[-1].name, provisional=True))
+    _say_who_waits(paths, tickets)
+    for path in paths:
+        _start_runner(path)
+    return [Job(path) for path in paths]
+
+
+def _say_who_waits(paths: list[Path], tickets: list[Ticket]) -> None:
+    """Record at once why a new job will wait (its runner says so too, a moment later), so a ``%jobs`` run
+    right after the submission already tells."""
+    from gpumagic.devices import leases
+    from gpumagic.devices.inventory import read_inventory
+    from gpumagic.jobs.queue import place
+
+    if not tickets:
+        return
+    inventory = read_inventory()
+    with leases.pick_lock(exclusive=False):
+        for ticket in tickets:
+            chosen, reason = place(ticket, inventory, leases.book())
+            if not chosen:
+                path = next(p for p in paths if p.name in ticket.path.name)
+                records.update(path, reason=reason)
+
+
+def _check_ddp(ddp: Any) -> int | None:
+    if ddp is None:
+        return None
+    if isinstance(ddp, bool) or not isinstance(ddp, int) or not 1 <= ddp <= MAX_RANKS:
+        raise InvalidArgument(f"ddp is the number of ranks, a whole number from 1 to {MAX_RANKS}, got {ddp!r}")
+    return ddp
+
+
+def _request(gpus: int | str | None, min_free: str | int | None, ddp: int | None) -> Request:
+    """What the job asks of the queue, checked against this machine's GPUs."""
+    from gpumagic.devices.inventory import read_inventory
+    from gpumagic.devices.spec import parse_spec, resolve
+
+    if gpus is None:
+        gpus = ddp or 1
+    if isinstance(gpus, str) and gpus.strip().isdigit():
+        gpus = int(gpus.strip())
+    if isinstance(gpus, bool) or not isinstance(gpus, (int, str)):
+        raise InvalidArgument(f"gpus is a number of GPUs or a device spec like 'GPU:1', got {gpus!r}")
+    if isinstance(gpus, int) and not 0 <= gpus <= MAX_GPUS:
+        raise InvalidArgument(f"gpus must be from 0 to {MAX_GPUS}, got {gpus}")
+    free = parse_size(min_free) if min_free is not None else None
+    if free is not None and free <= 0:
+        raise InvalidArgument("min_free must be more than 0 bytes")
+    spec = parse_spec(gpus) if isinstance(gpus, str) else None
+    if gpus == 0 or (spec is not None and spec.none):
+        if free is not None:
+            raise InvalidArgument("min_free needs GPUs; leave it out for a CPU job (gpus=0)")
+        return Request(0)
+    inventory = read_inventory()
+    if not inventory.gpus:
+        why = f" ({inventory.problem})" if inventory.problem else ""
+        raise InvalidArgument(
+            f"this machine has no GPU{why}; submit with gpus=0 (--gpus 0) to run on the CPU, "
+            "or set GPUMAGIC_SIMULATE=4xA100-80GB to try the queue with simulated GPUs"
+        )
+    if spec is not None:
+        uuids = tuple(g.uuid for g in resolve(spec, inventory))
+        wants = len(uuids)
+        request = Request(wants, uuids, free)
+    else:
+        wants = int(gpus)
+        if wants > len(inventory.gpus):
+            raise InvalidArgument(f"the job asks for {wants} GPUs; this machine has {len(inventory.gpus)}")
+        request = Request(wants, (), free)
+    if free is not None:
+        biggest = max((g.memory_total or 0) for g in inventory.gpus)
+        if free > biggest:
+            raise InvalidArgument(
+                f"min_free {format_bytes(free)} is more than any GPU here has ({format_bytes(biggest)})"
+            )
+    if ddp is not None and wants % ddp:
+        raise InvalidArgument(f"{wants} GPUs cannot be split evenly among {ddp} ranks; ask for a multiple of {ddp}")
+    return request
+
+
+def _dependencies(after: Any) -> list[str]:
+    if after is None:
+        return []
+    items = [after] if isinstance(after, (str, Job)) else list(after)
+    names = []
+    for item in items:
+        if isinstance(item, Job):
+            names.append(item.name)
+            continue
+        for part in str(item).split(","):
+            part = part.strip()
+            if part:
+                records.find(part)  # raises for an unknown job
+                names.append(part)
+    return names
+
+
+def _free_name(base: str, taken: Collection[str] = ()) -> str:
+    if not records.exists(base) and base not in taken:
+        return base
+    for number in itertools.count(2):
+        candidate = f"{base}-{number}"
+        if not records.exists(candidate) and candidate not in taken:
+            return candidate
+    raise AssertionError("unreachable")
+
+
+def _sanitize(text: str) -> str:
+    cleaned = re.sub(r"[^A-Za-z0-9_.,=+-]", "_", text).lstrip("_.,=+-")[:80]
+    return cleaned or "job"
+
+
+def _short(value: Any) -> str:
+    return value if isinstance(value, str) else repr(value) if not isinstance(value, float) else f"{value:g}"
+
+
+def _start_runner(path: Path) -> None:
+    """Start the job's runner, detached (it forks again and leaves its parent, which exits at once)."""
+    import gpumagic
+    from gpumagic.telemetry.store import runs_root
+
+    env = {k: v for k, v in os.environ.items() if k not in _KERNEL_ONLY and not k.startswith("JPY_")}
+    env["GPUMAGIC_RUNS_DIR"] = str(runs_root())
+    env["MPLBACKEND"] = "Agg"  # the kernel's inline backend needs a kernel
+    package_root = str(Path(gpumagic.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH", "")]))
+    with open(path / "runner.log", "ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gpumagic.jobs.runner", str(path)],
+            cwd=os.getcwd(),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            close_fds=True,
+        )
+    process.wait(timeout=60)
+
+
+def _process_tree(pid: int) -> list[Any]:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _wait_gone(processes: list[Any], deadline: float) -> list[Any]:
+    """Wait until ``deadline`` for the processes to end (a zombie has ended); those still running."""
+    import psutil
+
+    def running(process: Any) -> bool:
+        try:
+            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    alive = [p for p in processes if running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = [p for p in alive if running(p)]
+    return alive
+
+
+def _signal_all(pid: int | None, processes: list[Any], how: int) -> None:
+    import contextlib
+
+    import psutil
+
+    if pid:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, how)  # the runner leads its own session and group: the ranks are in it
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.send_signal(how)
+
+
+def _format_metrics(latest: Mapping[str, tuple[float, float]]) -> str:
+    if not latest:
+        return ""
+    step = max(s for s, _ in latest.values())
+    shown = " ".join(f"{name}={value:.4g}" for name, (_, value) in list(latest.items())[:3])
+    return f"{shown} @ step {step:,.0f}"
+
+
+def _print(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()

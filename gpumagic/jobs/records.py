@@ -1,0 +1,155 @@
+"""A background job's directory: a run directory (``telemetry.store``) of kind ``job`` with a few more files.
+
+    run.json      the run's fields, plus name, request, status, reason, GPUs, runner pid, started, settled,
+                  ended, exit (why it ended), exitcode
+    payload.pkl   the shipped code (cloudpickle)
+    output.log    the job's stdout and stderr (``[rank N]`` prefixes with --ddp)
+    result.pkl    the return value (rank 0's; ``{rank: value}`` with --ddp)
+    error.txt     the failure: the failing rank's traceback and every rank's fate
+    kill.json     written by ``kill`` before it signals the job, so the job records who stopped it
+    runner.log    the runner's own messages (empty unless gpumagic itself failed)
+
+Only the runner writes ``run.json`` while the job lives; a job whose runner died without a word reads as
+``lost``. The directory is private to its user (0700), like every run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from gpumagic.errors import InvalidArgument
+from gpumagic.telemetry import store
+
+ACTIVE = ("queued", "running")
+ENDED = ("finished", "failed", "killed", "cancelled", "lost")
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.,=+-]{0,79}$")
+_update_lock = threading.Lock()
+
+
+def check_name(name: str) -> str:
+    """Raises InvalidArgument unless ``name`` is a usable job name."""
+    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        raise InvalidArgument(
+            f"job names are 1-80 letters, digits and _ . , = + - (starting with a letter or digit), got {name!r}"
+        )
+    return name
+
+
+@contextlib.contextmanager
+def names_locked() -> Iterator[None]:
+    """Held while a name is checked and taken, so two kernels cannot take the same name."""
+    root = store.runs_root()
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(root / ".jobs.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def create(name: str, packed: bytes, **fields: Any) -> Path:
+    """A new job directory holding ``packed``, status ``queued``. Call under ``names_locked()``."""
+    path = store.new_run("job", ranks=fields.pop("ranks", 1), name=name, submitted=time.time(), **fields)
+    info = read(path)
+    info["status"] = "queued"
+    info["reason"] = "starting"
+    _write(path, info)
+    (path / "payload.pkl").write_bytes(packed)
+    (path / "output.log").touch(mode=0o600)
+    return path
+
+
+def read(path: Path) -> dict[str, Any]:
+    return json.loads((path / "run.json").read_text())
+
+
+def update(path: Path, **fields: Any) -> dict[str, Any]:
+    """Change some fields of ``run.json`` (atomically; one writer thread at a time)."""
+    with _update_lock:
+        info = read(path)
+        info.update(fields)
+        _write(path, info)
+        return info
+
+
+def _write(path: Path, info: dict[str, Any]) -> None:
+    temporary = path / f".run.json.{os.getpid()}.{threading.get_ident()}.tmp"
+    temporary.write_text(json.dumps(info))
+    os.replace(temporary, path / "run.json")
+
+
+def all_jobs() -> list[Path]:
+    """Every job directory of this user, in submission order."""
+    root = store.runs_root()
+    if not root.exists():
+        return []
+    found = []
+    for path in root.iterdir():
+        if "-job-" in path.name:
+            submitted = _submitted.get(path)
+            if submitted is None:
+                try:
+                    submitted = _submitted[path] = float(read(path).get("submitted", 0))
+                except (OSError, ValueError):
+                    continue
+            found.append((submitted, path.name, path))
+    return [path for _, _, path in sorted(found)]
+
+
+_submitted: dict[Path, float] = {}  # a job's submission time never changes: read it once
+
+
+def find(name: str) -> Path:
+    """The directory of the job called ``name``.
+
+    Raises:
+        InvalidArgument: no such job (the message lists the jobs there are).
+    """
+    for path in all_jobs():
+        with contextlib.suppress(OSError, ValueError):
+            if read(path).get("name") == name:
+                return path
+    known = ", ".join(_names()) or "none yet"
+    raise InvalidArgument(f"no job named {name!r} (jobs: {known}); %jobs lists them")
+
+
+def exists(name: str) -> bool:
+    return name in _names()
+
+
+def _names() -> list[str]:
+    names = []
+    for path in all_jobs():
+        with contextlib.suppress(OSError, ValueError):
+            names.append(read(path).get("name", ""))
+    return names
+
+
+def effective_status(info: dict[str, Any]) -> str:
+    """The recorded status, or ``lost`` when the job should be alive but its runner is gone."""
+    status = info.get("status", "?")
+    if status in ACTIVE and not runner_alive(info):
+        return "lost"
+    return status
+
+
+def runner_alive(info: dict[str, Any]) -> bool:
+    """True while the job's runner runs (a young job whose runner has not written its pid yet counts)."""
+    from gpumagic.devices.processes import process_start_time
+
+    pid = info.get("runner_pid")
+    if pid is None:
+        return time.time() - float(info.get("submitted", 0)) < 30
+    started = process_start_time(int(pid))
+    recorded = info.get("runner_start")
+    return started is not None and (recorded is None or abs(started - float(recorded)) <= 1.0)

@@ -1,0 +1,277 @@
+"""The process that carries one background job: ``python -m gpumagic.jobs.runner RUN_DIR``.
+
+It detaches from the kernel (double fork, its own session: the kernel's interrupt, restart or shutdown do
+not reach it), waits for the jobs named with ``after``, queues for GPUs (``jobs.queue``), holds their leases
+while the job runs, starts the job's ranks with the launcher of ``%%launch_ddp`` (``spawn``: the ranks start
+fresh, carrying their GPUs in their environment), and records everything in the job's directory
+(``jobs.records``). Its process group is the job's: ``kill`` signals the group.
+
+Kept light at import: the ``spawn`` ranks import this module as their main module.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        sys.stderr.write("usage: python -m gpumagic.jobs.runner RUN_DIR  (gpumagic.submit starts it for you)\n")
+        return 2
+    if os.fork():  # the kernel waits only for this first process; the job runs in the grandchild
+        os._exit(0)
+    os.setsid()
+    from pathlib import Path
+
+    _Runner(Path(argv[0])).run()
+    return 0
+
+
+SETTLE_AFTER_LOG_S = 2.0  # memory steady this long after the job's first gpumagic.log: it has allocated
+SETTLE_WITHOUT_LOG_S = 10.0  # ... or this long for a job that never logs
+SETTLE_LIMIT_S = 600.0  # stop waiting for a job that keeps growing
+SETTLE_TOLERANCE = 64 << 20
+
+
+class _Runner:
+    def __init__(self, run_dir: Any) -> None:
+        self.run_dir = run_dir
+        self.signal: int | None = None
+        self.name = "?"
+
+    def run(self) -> None:
+        import signal
+        import traceback
+
+        from gpumagic.devices.processes import process_start_time
+        from gpumagic.jobs import records
+
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, self._on_signal)
+        info = records.update(
+            self.run_dir, runner_pid=os.getpid(), runner_start=process_start_time(os.getpid()), reason="starting"
+        )
+        self.name = info["name"]
+        sys.path[:0] = [p for p in info.get("sys_path", []) if p not in sys.path]  # the ranks inherit it
+        try:
+            if not self._wait_for_dependencies(info):
+                return
+            gpus, simulated = self._wait_for_gpus(info)
+            self._run(info, gpus, simulated)
+        except KeyboardInterrupt:
+            started = records.read(self.run_dir).get("started")
+            self._finish("killed", self._kill_reason("" if started else "while queued"))
+        except BaseException as err:  # noqa: BLE001 - whatever happens, the job's record must say it
+            (self.run_dir / "error.txt").write_text(
+                "gpumagic could not run the job:\n" + "".join(traceback.format_exception(err))
+            )
+            self._finish("failed", f"gpumagic could not run the job: {type(err).__name__}: {err}")
+        finally:
+            from gpumagic.devices import leases
+
+            leases.book().release_all()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.signal is None:
+            self.signal = signum
+            raise KeyboardInterrupt
+
+    def _kill_reason(self, when: str = "") -> str:
+        import signal
+
+        if (self.run_dir / "kill.json").exists():
+            return "killed with %jobs kill" + (f" {when}" if when else "")
+        name = signal.Signals(self.signal).name if self.signal else "a signal"
+        return f"killed by {name} sent to its runner" + (f" {when}" if when else "")
+
+    def _finish(self, status: str, why: str, **fields: Any) -> None:
+        import time
+
+        from gpumagic.jobs import records
+
+        records.update(self.run_dir, status=status, reason="", exit=why, ended=time.time(), **fields)
+
+    def _wait_for_dependencies(self, info: dict[str, Any]) -> bool:
+        """Block until every ``after`` job has finished; False (job cancelled) if one did not."""
+        import time
+
+        from gpumagic.errors import InvalidArgument
+        from gpumagic.jobs import records
+
+        pending = list(info.get("after") or [])
+        last = None
+        while pending:
+            for name in list(pending):
+                try:
+                    status = records.effective_status(records.read(records.find(name)))
+                except (InvalidArgument, OSError, ValueError):
+                    status = "removed"
+                if status == "finished":
+                    pending.remove(name)
+                elif status in records.ENDED or status == "removed":
+                    self._finish("cancelled", f"cancelled: job {name}, which it runs after, {status}")
+                    return False
+            if pending:
+                reason = "waiting for job " + ", ".join(pending) + " to finish"
+                if reason != last:
+                    records.update(self.run_dir, reason=reason)
+                    last = reason
+                time.sleep(0.25)
+        return True
+
+    def _wait_for_gpus(self, info: dict[str, Any]) -> tuple[list[Any], bool]:
+        from gpumagic.devices.inventory import read_inventory
+        from gpumagic.jobs import queue, records
+
+        request = queue.Request.from_json(info["request"])
+        if request.wants == 0:
+            return [], False
+        simulated = read_inventory().simulated
+        gpus = queue.wait_for_gpus(
+            self.name,
+            request,
+            float(info["submitted"]),
+            self.run_dir.name,
+            lambda why: records.update(self.run_dir, reason=why),
+        )
+        return gpus, simulated
+
+    def _run(self, info: dict[str, Any], gpus: list[Any], simulated: bool) -> None:
+        import shutil
+        import time
+
+        import cloudpickle
+
+        from gpumagic.jobs import records
+        from gpumagic.jobs.queue import Request
+        from gpumagic.launch.ddp import _loopback_port
+        from gpumagic.launch.failures import LaunchError, LaunchInterrupted
+        from gpumagic.launch.local import run_local
+        from gpumagic.launch.output import RankOutput
+        from gpumagic.launch.plan import LaunchPlan, assign_gpus, threads_per_rank
+        from gpumagic.telemetry.store import RUN_DIR_VARIABLE
+
+        ddp = info.get("ddp")
+        nprocs = ddp or 1
+        uuids = [g.uuid for g in gpus]
+        rank_gpus = assign_gpus(uuids, nprocs, len(uuids) // nprocs) if uuids else tuple(() for _ in range(nprocs))
+        use_cuda = bool(uuids) and not simulated
+        backend = (info.get("backend") or ("nccl" if use_cuda else "gloo")) if ddp else None
+        listener, port = _loopback_port(None, keep=ddp is not None)
+        job_dir = self.run_dir / "launch"
+        job_dir.mkdir(exist_ok=True)
+        plan = LaunchPlan(
+            job_dir=str(job_dir),
+            nprocs=nprocs,
+            master_port=port,
+            backend=backend,
+            rank_gpus=rank_gpus,
+            use_cuda=use_cuda,
+            threads_per_rank=threads_per_rank(nprocs),
+            timeout_s=float(info.get("timeout_s", 1800.0)),
+            launcher_pid=os.getpid(),
+            extra_env={RUN_DIR_VARIABLE: str(self.run_dir)},
+        )
+        records.update(
+            self.run_dir,
+            status="running",
+            reason="",
+            started=time.time(),
+            gpus=[g.nvml_index for g in gpus],
+            gpu_uuids=uuids,
+            backend=backend,
+        )
+        log = open(self.run_dir / "output.log", "ab", buffering=0)
+        sink = RankOutput(lambda text: log.write(text.encode()), "all", nprocs) if ddp else None
+        settle = _Settler(self.run_dir, uuids) if Request.from_json(info["request"]).shares else None
+        try:
+            results = run_local(
+                plan,
+                (self.run_dir / "payload.pkl").read_bytes(),
+                start_method="spawn",
+                listener=listener,
+                on_output=sink.feed if sink else (lambda rank, data: log.write(data)),
+                on_start=settle.start if settle else None,
+            )
+            value = results if ddp else results.get(0)
+            (self.run_dir / "result.pkl").write_bytes(cloudpickle.dumps(value))
+            self._finish("finished", "finished", exitcode=0)
+        except LaunchError as err:
+            (self.run_dir / "error.txt").write_text(err.report() + "\n")
+            log.write(f"\n{err.report()}\n".encode())  # where a script's traceback would be
+            root = err.root_cause
+            self._finish("failed", err.headline(), exitcode=root.exitcode, signal=root.signal_name)
+        except (LaunchInterrupted, KeyboardInterrupt):
+            self._finish("killed", self._kill_reason())
+        finally:
+            if settle is not None:
+                settle.stop()
+            if sink is not None:
+                sink.flush()
+            log.close()
+            shutil.rmtree(job_dir, ignore_errors=True)
+
+
+class _Settler:
+    """Watches a sharing job's GPU memory and marks its leases settled once it has allocated (see queue)."""
+
+    def __init__(self, run_dir: Any, uuids: list[str]) -> None:
+        import threading
+
+        self.run_dir = run_dir
+        self.uuids = set(uuids)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="gpumagic-settle", daemon=True)
+
+    def start(self, plan: Any, pids: list[int]) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        import time
+
+        from gpumagic.devices import leases
+        from gpumagic.jobs import records
+
+        started = time.monotonic()
+        history: list[tuple[float, int]] = []
+        first_log = self.run_dir / "metrics" / "rank-0.bin"
+        while not self._stop.wait(0.5):
+            now = time.monotonic()
+            memory = self._memory()
+            if memory is None:
+                continue
+            history.append((now, memory))
+            window = SETTLE_AFTER_LOG_S if first_log.exists() else SETTLE_WITHOUT_LOG_S
+            recent = [m for t, m in history if t >= now - window]
+            steady = history[0][0] <= now - window and max(recent) - min(recent) <= max(
+                SETTLE_TOLERANCE, 0.02 * max(recent)
+            )
+            if steady or now - started > SETTLE_LIMIT_S:
+                for uuid in self.uuids:
+                    leases.book().mark_settled(uuid)
+                records.update(self.run_dir, settled=time.time(), settled_memory=memory)
+                return
+
+    def _memory(self) -> int | None:
+        """GPU memory the job's processes hold on its GPUs now."""
+        import psutil
+
+        from gpumagic.devices.inventory import read_inventory
+
+        try:
+            mine = {p.pid for p in psutil.Process().children(recursive=True)}
+            inventory = read_inventory()
+        except Exception:  # noqa: BLE001 - a failed look is skipped
+            return None
+        return sum(
+            p.gpu_memory or 0 for g in inventory.gpus if g.uuid in self.uuids for p in g.processes if p.pid in mine
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

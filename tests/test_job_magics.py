@@ -1,0 +1,226 @@
+"""%%launch_bg and %jobs on one IPython shell: every form, help, and random input that must either work or
+raise a one-line UsageError."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+import gpumagic
+from gpumagic.jobs import records
+
+
+@pytest.fixture(scope="module")
+def shell():
+    ip = InteractiveShell.instance()
+    ip.extension_manager.load_extension("gpumagic")
+    return ip
+
+
+@pytest.fixture(autouse=True)
+def no_job_left_running():
+    yield
+    for job in gpumagic.list_jobs():
+        if job.status in records.ACTIVE:
+            job.kill(grace_s=1)
+
+
+def jobs(shell, line):
+    return shell.run_line_magic("jobs", line)
+
+
+def launch_bg(shell, line, cell="x = 1\nx + 1"):
+    return shell.run_cell_magic("launch_bg", line, cell)
+
+
+def test_a_cell_becomes_a_job_with_the_notebook_names_it_uses(shell, simulated):
+    shell.user_ns["offset"] = 40
+    assert str(launch_bg(shell, "--name cell1 --gpus 0", "offset + 2")).startswith("Submitted job cell1")
+    assert str(jobs(shell, "wait cell1")).startswith("cell1: finished on the CPU")
+    assert jobs(shell, "result cell1") == 42
+    assert "cell1" in repr(jobs(shell, "")) and "finished" in repr(jobs(shell, "list"))
+    assert "Removed cell1" in jobs(shell, "rm cell1") and gpumagic.list_jobs() == []
+
+
+def test_a_failed_cells_result_is_its_traceback(shell, simulated):
+    launch_bg(shell, "--name broken --gpus 0", "def step():\n    return 1 / 0\nstep()")
+    jobs(shell, "wait broken")
+    with pytest.raises(gpumagic.JobFailed) as caught:
+        jobs(shell, "result broken")
+    text = caught.value._render_traceback_()[0]
+    assert "ZeroDivisionError: division by zero" in text and "return 1 / 0" in text
+
+
+def test_logs_kill_and_the_errors_a_user_meets(shell, simulated, capsys):
+    gpumagic.use("GPU:*")  # every GPU held here: the job stays queued
+    launch_bg(shell, "--name waiting --gpus 2 --min-free 10GB")
+    with pytest.raises(UsageError, match="job waiting is queued; %jobs wait waiting first"):
+        jobs(shell, "result waiting")
+    with pytest.raises(UsageError, match="still queued after 100ms"):
+        jobs(shell, "wait waiting --timeout 0.1s")
+    with pytest.raises(UsageError, match="waiting still active; %jobs kill them first"):
+        jobs(shell, "rm waiting")
+    with pytest.raises(UsageError, match="a job named 'waiting' exists already"):
+        launch_bg(shell, "--name waiting")
+    with pytest.raises(UsageError, match="no job named 'nobody' \\(jobs: waiting\\)"):
+        jobs(shell, "kill waiting nobody")
+    assert gpumagic.job("waiting").status == "queued", "no job is touched when one name is wrong"
+    assert "waiting: killed (killed with %jobs kill while queued)" in jobs(shell, "kill waiting")
+    jobs(shell, "logs waiting --tail 5")
+    assert capsys.readouterr().out == ""
+    with pytest.raises(UsageError, match="magics and !shell commands do not run in launched cells"):
+        launch_bg(shell, "--gpus 0", "!ls")
+
+
+def test_help_everywhere(shell):
+    assert "%jobs logs NAME [-f]" in jobs(shell, "help") and "%jobs watch" in jobs(shell, "--help")
+    assert "--min-free SIZE" in launch_bg(shell, "--help") and "--min-free SIZE" in jobs(shell, "help launch_bg")
+    assert "-f, --follow" in jobs(shell, "logs --help") and "--metric" in jobs(shell, "help watch")
+    assert "%%launch_bg" in shell.find_cell_magic("launch_bg").__doc__
+    assert "%jobs kill" in shell.find_line_magic("jobs").__doc__
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("bogus", "%jobs has no subcommand 'bogus'"),
+        ("logs", "the following arguments are required: name"),
+        ("logs A --tail x", "--tail needs a number of lines"),
+        ("wait A --timeout soon", "no job named 'A'"),
+        ("watch --interval 0", "at least 100ms"),
+        ("help nothing", "no subcommand 'nothing'"),
+        ("logs 'A", "No closing quotation"),
+    ],
+)
+def test_bad_jobs_input_is_a_one_line_usage_error(shell, simulated, line, message):
+    with pytest.raises(UsageError, match=message) as caught:
+        jobs(shell, line)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("--ddp two", "--ddp needs a number of ranks"),
+        ("--gpus 9", "asks for 9 GPUs; this machine has 4"),
+        ("--min-free 1000GB", "more than any GPU here has"),
+        ("--after nobody", "no job named 'nobody'"),
+        ("--name 'a b'", "job names are"),
+        ("--bogus", "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_launch_bg_input_is_a_one_line_usage_error(shell, simulated, line, message):
+    with pytest.raises(UsageError, match=message) as caught:
+        launch_bg(shell, line)
+    assert "\n" not in str(caught.value)
+    assert gpumagic.list_jobs() == []
+
+
+WORDS = st.one_of(
+    st.sampled_from(
+        [
+            "A",
+            "nobody",
+            "-f",
+            "--follow",
+            "--tail",
+            "3",
+            "-1",
+            "--timeout",
+            "0s",
+            "1ms",
+            "--metric",
+            "loss",
+            "--interval",
+            "--name",
+            "--gpus",
+            "0",
+            "2",
+            "99",
+            "GPU:1",
+            "GPU:*",
+            "--min-free",
+            "20GB",
+            "--ddp",
+            "--backend",
+            "gloo",
+            "'",
+            "[",
+            "-h",
+        ]
+    ),
+    st.text(max_size=10),
+)
+
+
+@pytest.fixture(scope="module")
+def blocker(shell, tmp_path_factory):
+    """A job that never starts (its GPU has too little memory free); random valid submissions wait after it.
+    Yields the environment the random submissions run in."""
+    scenario = tmp_path_factory.mktemp("fuzz") / "full.json"
+    scenario.write_text('{"gpus": [{"model": "A100-80GB", "used": "79GB"}, {"count": 3}]}')
+    env = {
+        "GPUMAGIC_SIMULATE": str(scenario),
+        "GPUMAGIC_LEASE_DIR": str(tmp_path_factory.mktemp("fuzz-leases")),
+        "GPUMAGIC_RUNS_DIR": str(tmp_path_factory.mktemp("fuzz-runs")),
+    }
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        gpumagic.submit(sum, [1], gpus="GPU:0", min_free="5GB", name="blocker")
+    yield env
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        submitted = len(gpumagic.list_jobs()) - 1
+        assert submitted >= 10, f"only {submitted} random %%launch_bg lines were valid: the strategy is too narrow"
+        for each in gpumagic.list_jobs():
+            if each.status in records.ACTIVE:
+                each.kill(grace_s=1)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.sampled_from(["", "list", "logs", "kill", "wait", "result", "rm", "watch", "help"]),
+    st.lists(WORDS, max_size=5),
+)
+def test_random_jobs_arguments_work_or_raise_usage_error(shell, blocker, monkeypatch, subcommand, words):
+    for key, value in blocker.items():
+        monkeypatch.setenv(key, value)
+    try:
+        jobs(shell, " ".join([subcommand, *words]))
+    except UsageError as err:
+        assert str(err).strip()
+    assert gpumagic.job("blocker").status == "queued"
+
+
+OPTIONS = st.tuples(
+    st.sampled_from(["--name", "--gpus", "--min-free", "--ddp", "--backend", "--timeout", "--bogus"]),
+    st.one_of(
+        st.sampled_from(["1", "0", "2", "4", "5", "-1", "x", "GPU:1", "GPU:*", "none", "20GB", "79GB", "gloo"]),
+        st.sampled_from(["nccl", "1s", "0s", "v1", "v-2", "a b", "'", "", "99999999999", "1.5", "GPU:0,1"]),
+        st.text(max_size=8),
+    ),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(OPTIONS, max_size=4), st.sampled_from(["x = 1", "offset + 1", "!ls", "def f(:", "%time 1"]))
+def test_random_launch_bg_arguments_submit_or_raise_usage_error(shell, blocker, monkeypatch, options, cell):
+    import shlex
+
+    for key, value in blocker.items():
+        monkeypatch.setenv(key, value)
+    shell.user_ns["offset"] = 1
+    before = len(gpumagic.list_jobs())
+    line = " ".join(f"{flag} {shlex.quote(value)}" for flag, value in options)
+    try:
+        submitted = launch_bg(shell, line + " --after blocker")  # a valid job waits behind the blocker
+    except UsageError as err:
+        assert str(err).strip() and "\n" not in str(err)
+        assert len(gpumagic.list_jobs()) == before, "a refused cell submits nothing"
+    else:
+        assert str(submitted).startswith("Submitted job ")
+        job = gpumagic.list_jobs()[-1]
+        assert job.info["after"] == ["blocker"] and job.status == "queued"

@@ -157,6 +157,14 @@ def test_the_saved_state_catches_up_so_a_browser_reload_shows_the_history(simula
     assert len(json.dumps(watch.plots.render_bundle)) > empty + 1000  # the samples are in the saved state
 
 
+def test_the_saved_state_catches_up_soon_after_start_for_a_view_that_missed_the_first_pushes(simulated, watch_factory):
+    from gpumagic.widgets.plots import FIRST_REFRESH_S
+
+    watch = watch_factory(interval=0.05, push_interval=0.05)  # the default 30 s between full re-saves
+    assert wait_for(lambda: watch.refreshes >= 1, timeout=FIRST_REFRESH_S + 3)
+    assert watch.refreshes == 1
+
+
 WATCH_IN_A_TERMINAL = """
 ip = get_ipython()
 ip.run_line_magic('load_ext', 'gpumagic')

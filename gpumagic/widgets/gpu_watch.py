@@ -16,7 +16,7 @@ from collections import deque
 from typing import Any
 
 from gpumagic.telemetry.samplers import GpuSample, GpuSampler
-from gpumagic.widgets.plots import PALETTE, load_bokehjs, refresh, time_figure
+from gpumagic.widgets.plots import FIRST_REFRESH_S, PALETTE, load_bokehjs, refresh, time_figure
 
 GIB = float(1 << 30)
 COLUMNS = ("time", "used", "mine", "others", "total", "utilization", "temperature")
@@ -156,7 +156,7 @@ class GpuWatch:
             self._record(samples)
 
     def _push_loop(self) -> None:
-        last_refresh = time.monotonic()
+        last_refresh = time.monotonic() - self.refresh_every + min(FIRST_REFRESH_S, self.refresh_every)
         while True:
             stopping = self._stop.wait(self.push_interval)
             self.push()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumagic.widgets.gpu_watch import REFRESH_EVERY_S, _owned_box_class
-from gpumagic.widgets.plots import PALETTE, load_bokehjs, refresh, step_figure
+from gpumagic.widgets.plots import FIRST_REFRESH_S, PALETTE, load_bokehjs, refresh, step_figure
 
 LOG_LINES = 30
 
@@ -45,7 +45,6 @@ class JobWatch:
         self._metrics_seen: set[str] = {metric}
         self._menu_changing = False
         self._switch_to: str | None = None
-        self._update_lock = threading.Lock()  # tailing readers must not be read by two threads at once
         self._stop = threading.Event()
         self._closed = False
         self._close_widget = ipywidgets.DOMWidget.close
@@ -57,10 +56,11 @@ class JobWatch:
         self.table = ipywidgets.VBox([self._row_widgets(("name", "status", "GPUs", "elapsed", "latest / why"))])
         self.log_view = ipywidgets.HTML()
         self.message = ipywidgets.HTML()
+        self._update_lock = threading.Lock()  # tailing readers must not be read by two threads at once
+        self.update()  # before the plot widget exists: its first state has every job's curve
         self.plots = BokehModel(self.layout)
         controls = ipywidgets.HBox([self.header, self.metric_menu])
         self.widget = _owned_box_class()([controls, self.table, self.message, self.plots, self.log_view], owner=self)
-        self.update()
         self._thread = threading.Thread(target=self._loop, name="gpumagic-job-watch", daemon=True)
         self._thread.start()
 
@@ -86,7 +86,7 @@ class JobWatch:
         self._close_widget(self.plots)
 
     def _loop(self) -> None:
-        last_refresh = time.monotonic()
+        last_refresh = time.monotonic() - REFRESH_EVERY_S + FIRST_REFRESH_S
         while not self._stop.wait(self.interval):
             try:
                 self.update()

@@ -7,6 +7,9 @@ from typing import Any
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 TOOLS = "pan,wheel_zoom,box_zoom,reset"
+# Patches sent before the browser has built the widget's view are dropped by BokehJS: a full re-save this
+# long after a live dashboard starts catches up a view that missed its first updates.
+FIRST_REFRESH_S = 2.0
 _bokehjs_loaded = False
 
 

@@ -5,6 +5,7 @@
     import gpumagic
     gpumagic.pick(2, min_free="20GB")   # lease the 2 best free GPUs, set CUDA_VISIBLE_DEVICES
     gpumagic.status()                   # table of GPUs, processes, leases and what this kernel sees
+    gpumagic.submit(train, cfg, gpus=1) # a background job, queued until a GPU is free; gpumagic.job(name)
 
 Importing gpumagic is fast: it never imports torch, bokeh or pynvml, and never initializes CUDA.
 """

@@ -24,7 +24,7 @@ PR_SET_PDEATHSIG = 1
 
 
 def run_rank(local_rank: int, plan: LaunchPlan, outputs: list[Any], listener: Any) -> None:
-    """The target of every rank process (called as ``fn(i, *args)`` by torch.multiprocessing)."""
+    """The target of every rank process (``local.run_local`` starts it with the rank's local index)."""
     _die_with(plan.launcher_pid)
     _route_output(local_rank, outputs)
     rank = plan.global_rank(local_rank)

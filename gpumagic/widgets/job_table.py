@@ -8,7 +8,7 @@ from typing import Any
 
 from gpumagic.units import format_duration
 
-COLUMNS = ("name", "status", "GPUs", "elapsed", "why", "latest")
+COLUMNS = ("name", "status", "GPUs", "elapsed", "latest", "why")  # why last: it can be long
 STATUS_COLOURS = {
     "running": "#1a7f37",
     "queued": "#9a6700",
@@ -30,7 +30,7 @@ class JobRow:
     latest: str
 
     def cells(self) -> tuple[str, ...]:
-        return (self.name, self.status, self.gpus, self.elapsed, self.why, self.latest)
+        return (self.name, self.status, self.gpus, self.elapsed, self.latest, self.why)
 
 
 def job_row(

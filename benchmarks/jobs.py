@@ -94,39 +94,24 @@ for step in range(100000):
 
 def watch_cost(seconds: float) -> None:
     """The kernel's CPU, % of one core, idle and while %jobs watch follows 8 jobs logging 20 points/s each."""
-    import psutil
-    from jupyter_client.manager import KernelManager
+    from kernel_cpu import measured_kernel
 
     import gpumagic
 
-    env = dict(os.environ, GPUMAGIC_SIMULATE="8xA100-80GB")
     os.environ["GPUMAGIC_SIMULATE"] = "8xA100-80GB"
-    manager = KernelManager(kernel_name="python3")
-    manager.start_kernel(env=env)
-    client = manager.client()
-    client.start_channels()
     try:
-        client.wait_for_ready(timeout=60)
-        kernel = psutil.Process(manager.provisioner.process.pid)
-
-        def cpu_percent_over(duration: float) -> float:
-            before, began = kernel.cpu_times(), time.monotonic()
-            time.sleep(duration)
-            after = kernel.cpu_times()
-            spent = (after.user - before.user) + (after.system - before.system)
-            return 100 * spent / (time.monotonic() - began)
-
-        client.execute_interactive("%load_ext gpumagic", timeout=60)
-        for number in range(8):
-            client.execute_interactive(f"%%launch_bg --name w{number}\n{WATCHED_JOB}", timeout=60)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and sum(j.status == "running" for j in gpumagic.list_jobs()) < 8:
-            time.sleep(0.2)
-        time.sleep(2.0)
-        idle = cpu_percent_over(seconds)
-        client.execute_interactive("watch = %jobs watch --interval 1s\nwatch", timeout=60)
-        time.sleep(2.0)
-        watching = cpu_percent_over(seconds)
+        with measured_kernel(dict(os.environ)) as kernel:
+            kernel.run("%load_ext gpumagic")
+            for number in range(8):
+                kernel.run(f"%%launch_bg --name w{number}\n{WATCHED_JOB}")
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and sum(j.status == "running" for j in gpumagic.list_jobs()) < 8:
+                time.sleep(0.2)
+            time.sleep(2.0)
+            idle = kernel.cpu_percent_over(seconds)
+            kernel.run("watch = %jobs watch --interval 1s\nwatch")
+            time.sleep(2.0)
+            watching = kernel.cpu_percent_over(seconds)
         points = sum(len(s) for j in gpumagic.list_jobs() for s in j.metrics().get(0, {}).values())
         print(
             f"\nkernel CPU, % of one core over {seconds:g}s, 8 jobs logging 20 points/s each ({points:,} points "
@@ -137,8 +122,6 @@ def watch_cost(seconds: float) -> None:
         for job in gpumagic.list_jobs():
             if job.status in ("queued", "running"):
                 job.kill(grace_s=2)
-        client.stop_channels()
-        manager.shutdown_kernel(now=True)
 
 
 def main() -> None:

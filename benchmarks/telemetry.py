@@ -93,37 +93,19 @@ def main() -> None:
 
 def watch_cost(seconds: float) -> None:
     """The kernel's CPU use, in % of one core, idle and while %gpu watch streams 8 simulated GPUs at 2 Hz."""
-    import psutil
-    from jupyter_client.manager import KernelManager
+    from kernel_cpu import measured_kernel
 
     env = dict(os.environ, GPUMAGIC_SIMULATE="8xA100-80GB", GPUMAGIC_LEASE_DIR=tempfile.mkdtemp())
-    manager = KernelManager(kernel_name="python3")
-    manager.start_kernel(env=env)
-    client = manager.client()
-    client.start_channels()
-    try:
-        client.wait_for_ready(timeout=60)
-        kernel = psutil.Process(manager.provisioner.process.pid)
-
-        def cpu_percent_over(duration: float) -> float:
-            before, began = kernel.cpu_times(), time.monotonic()
-            time.sleep(duration)
-            after = kernel.cpu_times()
-            spent = (after.user - before.user) + (after.system - before.system)
-            return 100 * spent / (time.monotonic() - began)
-
-        client.execute_interactive("%load_ext gpumagic", timeout=60)
-        idle = cpu_percent_over(seconds)
-        client.execute_interactive("%gpu watch --interval 0.5", timeout=60)
+    with measured_kernel(env) as kernel:
+        kernel.run("%load_ext gpumagic")
+        idle = kernel.cpu_percent_over(seconds)
+        kernel.run("%gpu watch --interval 0.5")
         time.sleep(1.0)
-        watching = cpu_percent_over(seconds)
-        print(
-            f"\nkernel CPU, % of one core over {seconds:g}s: idle {idle:.2f}; while %gpu watch streams 8 simulated "
-            f"GPUs at 2 Hz {watching:.2f}; the dashboard's own share {watching - idle:.2f} (target < 2)"
-        )
-    finally:
-        client.stop_channels()
-        manager.shutdown_kernel(now=True)
+        watching = kernel.cpu_percent_over(seconds)
+    print(
+        f"\nkernel CPU, % of one core over {seconds:g}s: idle {idle:.2f}; while %gpu watch streams 8 simulated "
+        f"GPUs at 2 Hz {watching:.2f}; the dashboard's own share {watching - idle:.2f} (target < 2)"
+    )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from gpumagic.errors import GpumagicError
-from gpumagic.magics import _Help, _in_kernel, _Parser, _split
+from gpumagic.magics import _Help, _in_kernel, _parse, _Parser, _split, _subcommand
 
 
 def _launch_bg_parser() -> _Parser:
@@ -125,21 +125,15 @@ class JobMagics(Magics):
 
     @line_magic
     def jobs(self, line: str) -> Any:
-        words = line.strip().split(None, 1)
-        name = words[0] if words else "list"
-        rest = words[1] if len(words) > 1 else ""
-        if name in ("-h", "--help"):
+        name, rest = _subcommand(line, "%jobs", "list", _JOBS)
+        if name is None:
             return _Help(_OVERVIEW)
-        handler = _HANDLERS.get(name)
-        if handler is None:
-            raise UsageError(f"%jobs has no subcommand {name!r}; use one of: {', '.join(_JOBS)} (see %jobs help)")
         parser = _JOBS[name]
-        words = _split(rest, parser.prog)
-        if "-h" in words or "--help" in words:  # before parsing: required arguments would fail first
+        args = _parse(parser, rest)
+        if args is None:
             return _Help(parser.format_help())
-        args = parser.parse_args(words)
         try:
-            return handler(args)
+            return _HANDLERS[name](args)
         except (GpumagicError, TimeoutError) as err:
             if type(err).__name__ == "JobFailed":
                 raise  # renders as the job's own traceback

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -122,23 +122,15 @@ class GpuMagics(Magics):
 
     @line_magic
     def gpu(self, line: str) -> Any:
-        words = line.strip().split(None, 1)
-        name = words[0] if words else "status"
-        rest = words[1] if len(words) > 1 else ""
-        if name in ("-h", "--help"):
+        name, rest = _subcommand(line, "%gpu", "status", _PARSERS)
+        if name is None:
             return _Help(_OVERVIEW)
-        handler = _HANDLERS.get(name)
-        if handler is None:
-            raise UsageError(f"%gpu has no subcommand {name!r}; use one of: {', '.join(_PARSERS)} (see %gpu help)")
         parser = _PARSERS[name]
         try:
-            if name == "use":
-                args = _parse_use(rest)
-            else:
-                args = parser.parse_args(_split(rest, parser.prog))
-            if args.help:
+            args = _parse_use(rest) if name == "use" else _parse(parser, rest)
+            if args is None or args.help:
                 return _Help(parser.format_help())
-            return handler(args)
+            return _HANDLERS[name](args)
         except GpumagicError as err:
             raise UsageError(str(err)) from None
         except KeyboardInterrupt:
@@ -156,6 +148,31 @@ class _Help(str):
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
+
+
+def _subcommand(line: str, magic: str, default: str, parsers: Mapping[str, _Parser]) -> tuple[str | None, str]:
+    """(subcommand, the rest of the line) of a line magic with subcommands; ``None`` for ``-h``/``--help``.
+
+    Raises:
+        UsageError: no such subcommand (the message lists them).
+    """
+    words = line.strip().split(None, 1)
+    name = words[0] if words else default
+    rest = words[1] if len(words) > 1 else ""
+    if name in ("-h", "--help"):
+        return None, rest
+    if name not in parsers:
+        raise UsageError(f"{magic} has no subcommand {name!r}; use one of: {', '.join(parsers)} (see {magic} help)")
+    return name, rest
+
+
+def _parse(parser: _Parser, rest: str) -> argparse.Namespace | None:
+    """A subcommand's arguments, or ``None`` when the line asks for help: checked before parsing, where a
+    missing required argument would fail first."""
+    words = _split(rest, parser.prog)
+    if "-h" in words or "--help" in words:
+        return None
+    return parser.parse_args(words)
 
 
 def _split(rest: str, prog: str) -> list[str]:

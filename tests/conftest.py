@@ -52,6 +52,18 @@ def fake_nvml(monkeypatch):
 
 
 @pytest.fixture
+def no_job_left_running():
+    """Whatever a test does, the background jobs it started end with it."""
+    yield
+    import gpumagic
+    from gpumagic.jobs import records
+
+    for job in gpumagic.list_jobs():
+        if job.status in records.ACTIVE:
+            job.kill(grace_s=1)
+
+
+@pytest.fixture
 def no_leftover_children():
     """After the test, no process started during it is still alive."""
     before = {p.pid for p in psutil.Process().children(recursive=True)}

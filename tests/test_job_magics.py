@@ -10,20 +10,14 @@ from IPython.core.interactiveshell import InteractiveShell
 import gpumagic
 from gpumagic.jobs import records
 
+pytestmark = pytest.mark.usefixtures("no_job_left_running")
+
 
 @pytest.fixture(scope="module")
 def shell():
     ip = InteractiveShell.instance()
     ip.extension_manager.load_extension("gpumagic")
     return ip
-
-
-@pytest.fixture(autouse=True)
-def no_job_left_running():
-    yield
-    for job in gpumagic.list_jobs():
-        if job.status in records.ACTIVE:
-            job.kill(grace_s=1)
 
 
 def jobs(shell, line):

@@ -11,14 +11,7 @@ import pytest
 import gpumagic
 from gpumagic.jobs import records
 
-
-@pytest.fixture(autouse=True)
-def no_job_left_running():
-    """Whatever a test does, its jobs end with it."""
-    yield
-    for job in gpumagic.list_jobs():
-        if job.status in records.ACTIVE:
-            job.kill(grace_s=1)
+pytestmark = pytest.mark.usefixtures("no_job_left_running")
 
 
 def wait_until(predicate, timeout=60.0, every=0.05):

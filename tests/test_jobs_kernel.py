@@ -9,9 +9,8 @@ import psutil
 import pytest
 
 import gpumagic
-from gpumagic.jobs import records
 
-pytestmark = pytest.mark.kernel
+pytestmark = [pytest.mark.kernel, pytest.mark.usefixtures("no_job_left_running")]
 
 TRAIN_CELL = """%%launch_bg --name A1 --gpus 1
 for step in range(12):
@@ -20,14 +19,6 @@ for step in range(12):
     time.sleep(0.4)
 {"final": scale / 12, "rank": rank}
 """
-
-
-@pytest.fixture(autouse=True)
-def no_job_left_running():
-    yield
-    for job in gpumagic.list_jobs():
-        if job.status in records.ACTIVE:
-            job.kill(grace_s=1)
 
 
 def test_a_job_outlives_its_kernel_and_a_new_kernel_follows_it(start_kernel, simulated):

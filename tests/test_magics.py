@@ -85,6 +85,7 @@ def test_help_everywhere(shell):
     assert "%gpu pick" in gpu(shell, "help") and "%gpu use SPEC" in gpu(shell, "--help")
     assert "--min-free SIZE" in gpu(shell, "pick --help")
     assert "GPU:*" in gpu(shell, "help use")
+    assert "the process id" in gpu(shell, "kill --help") and "0 to 2**32-1" in gpu(shell, "seed -h")  # required
     doc = shell.find_line_magic("gpu").__doc__
     assert "--deterministic" in doc and "--wait DURATION" in doc  # %gpu? shows every subcommand
 

@@ -123,15 +123,29 @@ def test_kill_stops_the_whole_tree_of_a_running_job(simulated):
     job = gpumagic.submit(spawner, name="tree")
     wait_until(lambda: job.logs().strip().isdigit())
     grandchild = int(job.logs())
-    runner = job.info["runner_pid"]
+    runner, (rank,) = job.info["runner_pid"], job.info["pids"]
+    assert psutil.Process(grandchild).ppid() == rank and psutil.Process(rank).ppid() == runner
     started = time.monotonic()
     assert job.kill() == "killed"
     assert time.monotonic() - started < 5
     assert job.reason == "killed with %jobs kill"
-    for pid in (grandchild, runner):
+    for pid in (grandchild, rank, runner):
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     with pytest.raises(gpumagic.InvalidArgument, match="already ended"):
         job.kill()
+
+
+def test_only_the_jobs_user_can_kill_it(simulated):
+    gpumagic.use("GPU:*")
+    job = gpumagic.submit(variant, 1)
+    state = job.path / "run.json"
+    os.chown(state, 65534, 65534)  # as if another user's job (its directory would also be private to them)
+    try:
+        with pytest.raises(gpumagic.KillRefused, match="belongs to another user"):
+            job.kill()
+        assert job.status == "queued"
+    finally:
+        os.chown(state, os.getuid(), os.getgid())
 
 
 def test_kill_falls_back_to_sigkill_for_a_job_that_ignores_signals(simulated):

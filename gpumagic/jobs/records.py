@@ -1,7 +1,7 @@
 """A background job's directory: a run directory (``telemetry.store``) of kind ``job`` with a few more files.
 
-    run.json      the run's fields, plus name, request, status, reason, GPUs, runner pid, started, settled,
-                  ended, exit (why it ended), exitcode
+    run.json      the run's fields, plus name, request, status, reason, GPUs, runner pid, the job's process
+                  pids, started, settled, ended, exit (why it ended), exitcode, signal
     payload.pkl   the shipped code (cloudpickle)
     output.log    the job's stdout and stderr (``[rank N]`` prefixes with --ddp)
     result.pkl    the return value (rank 0's; ``{rank: value}`` with --ddp)

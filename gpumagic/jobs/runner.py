@@ -193,7 +193,7 @@ class _Runner:
                 start_method="spawn",
                 listener=listener,
                 on_output=sink.feed if sink else (lambda rank, data: log.write(data)),
-                on_start=settle.start if settle else None,
+                on_start=lambda plan, pids: self._started(pids, settle),
             )
             value = results if ddp else results.get(0)
             (self.run_dir / "result.pkl").write_bytes(cloudpickle.dumps(value))
@@ -213,6 +213,13 @@ class _Runner:
             log.close()
             shutil.rmtree(job_dir, ignore_errors=True)
 
+    def _started(self, pids: list[int], settle: _Settler | None) -> None:
+        from gpumagic.jobs import records
+
+        records.update(self.run_dir, pids=pids)
+        if settle is not None:
+            settle.start()
+
 
 class _Settler:
     """Watches a sharing job's GPU memory and marks its leases settled once it has allocated (see queue)."""
@@ -225,7 +232,7 @@ class _Settler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="gpumagic-settle", daemon=True)
 
-    def start(self, plan: Any, pids: list[int]) -> None:
+    def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:

@@ -53,19 +53,21 @@ def test_four_variants_run_at_once_and_a_fifth_waits_for_a_free_gpu(simulated):
 def test_sharing_jobs_start_once_the_previous_one_has_allocated(monkeypatch):
     monkeypatch.setenv("GPUMAGIC_SIMULATE", "1xA100-4GB")  # a job's memory is its resident memory here
 
-    def hold(mb):
+    def hold(mb, seconds, until_settled=None):
         import time
 
         import numpy
 
         block = numpy.ones(mb << 17)
         gpumagic.log(loss=1.0)
-        time.sleep(8)
+        while until_settled and not gpumagic.job(until_settled).info.get("settled"):
+            time.sleep(0.1)  # keep the GPU shared until the other job has allocated too
+        time.sleep(seconds)
         return block.nbytes >> 20
 
-    first = gpumagic.submit(hold, 400, min_free="1GB", name="s1")
-    second = gpumagic.submit(hold, 400, min_free="1GB", name="s2")
-    third = gpumagic.submit(hold, 400, min_free="3GB", name="s3")
+    first = gpumagic.submit(hold, 400, 1.5, "s2", min_free="1GB", name="s1")
+    second = gpumagic.submit(hold, 400, 4.0, min_free="1GB", name="s2")
+    third = gpumagic.submit(hold, 400, 0.5, min_free="3GB", name="s3")
     reasons = set()
     while third.status == "queued":
         reasons.add(second.reason if second.status == "queued" else "")

@@ -83,6 +83,17 @@ def test_sharing_jobs_start_once_the_previous_one_has_allocated(monkeypatch):
     assert first.result() == 400
 
 
+def test_a_job_sees_exactly_its_gpus_and_a_cpu_job_none(simulated):
+    def visible():
+        import os
+
+        return os.environ["CUDA_VISIBLE_DEVICES"]
+
+    on_gpu, on_cpu = gpumagic.submit(visible, gpus="GPU:2"), gpumagic.submit(visible, gpus=0)
+    assert on_gpu.result("1m") == gpumagic.gpus()[2].uuid and on_gpu.gpus == (2,)
+    assert on_cpu.result("1m") == "" and on_cpu.gpus == ()
+
+
 def test_failure_records_the_traceback_and_the_exit(simulated):
     def diverge():
         raise FloatingPointError("loss is nan at step 7")

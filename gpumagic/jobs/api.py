@@ -103,7 +103,10 @@ class Job:
             raise JobFailed(self, self._failure_report(status))
         import cloudpickle
 
-        return cloudpickle.loads((self.path / "result.pkl").read_bytes())
+        from gpumagic.launch.signing import read_sealed
+
+        path = self.path / "result.pkl"
+        return cloudpickle.loads(read_sealed(path, f"job {self.name}'s result ({path})"))
 
     def _failure_report(self, status: str) -> str:
         error = self.path / "error.txt"

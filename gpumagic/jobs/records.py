@@ -2,9 +2,9 @@
 
     run.json      the run's fields, plus name, request, status, reason, GPUs, runner pid, the job's process
                   pids, started, settled, ended, exit (why it ended), exitcode, signal
-    payload.pkl   the shipped code (cloudpickle)
+    payload.pkl   the shipped code (cloudpickle, sealed: ``launch.signing``)
     output.log    the job's stdout and stderr (``[rank N]`` prefixes with --ddp)
-    result.pkl    the return value (rank 0's; ``{rank: value}`` with --ddp)
+    result.pkl    the return value (rank 0's; ``{rank: value}`` with --ddp), sealed
     error.txt     the failure: the failing rank's traceback and every rank's fate
     kill.json     written by ``kill`` before it signals the job, so the job records who stopped it
     runner.log    the runner's own messages (empty unless gpumagic itself failed)
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumagic.errors import InvalidArgument
+from gpumagic.launch.signing import write_sealed
 from gpumagic.telemetry import store
 
 ACTIVE = ("queued", "running")
@@ -64,7 +65,7 @@ def create(name: str, packed: bytes, **fields: Any) -> Path:
     info["status"] = "queued"
     info["reason"] = "starting"
     _write(path, info)
-    (path / "payload.pkl").write_bytes(packed)
+    write_sealed(path / "payload.pkl", packed)
     (path / "output.log").touch(mode=0o600)
     return path
 

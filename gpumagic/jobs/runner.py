@@ -151,6 +151,7 @@ class _Runner:
         from gpumagic.launch.local import run_local
         from gpumagic.launch.output import RankOutput
         from gpumagic.launch.plan import LaunchPlan, assign_gpus, threads_per_rank
+        from gpumagic.launch.signing import PayloadRejected, read_sealed, write_sealed
         from gpumagic.telemetry.store import RUN_DIR_VARIABLE
 
         ddp = info.get("ddp")
@@ -188,16 +189,17 @@ class _Runner:
         sink = RankOutput(lambda text: log.write(text.encode()), "all", nprocs) if ddp else None
         settle = _Settler(self.run_dir, uuids) if Request.from_json(info["request"]).shares else None
         try:
+            packed = read_sealed(self.run_dir / "payload.pkl", f"job {self.name}'s code ({self.run_dir}/payload.pkl)")
             results = run_local(
                 plan,
-                (self.run_dir / "payload.pkl").read_bytes(),
+                packed,
                 start_method="spawn",
                 listener=listener,
                 on_output=sink.feed if sink else (lambda rank, data: log.write(data)),
                 on_start=lambda plan, pids: self._started(pids, settle),
             )
             value = results if ddp else results.get(0)
-            (self.run_dir / "result.pkl").write_bytes(cloudpickle.dumps(value))
+            write_sealed(self.run_dir / "result.pkl", cloudpickle.dumps(value))
             self._finish("finished", "finished", exitcode=0)
         except LaunchError as err:
             (self.run_dir / "error.txt").write_text(err.report() + "\n")
@@ -206,6 +208,10 @@ class _Runner:
             self._finish("failed", err.headline(), exitcode=root.exitcode, signal=root.signal_name)
         except (LaunchInterrupted, KeyboardInterrupt):
             self._finish("killed", self._kill_reason())
+        except PayloadRejected as err:
+            (self.run_dir / "error.txt").write_text(f"{err}\n")
+            log.write(f"{err}\n".encode())
+            self._finish("failed", str(err))
         finally:
             if settle is not None:
                 settle.stop()

@@ -47,9 +47,10 @@ def run_local(
         LaunchError: a rank failed (raised, exited non-zero, was killed); all ranks are gone when it is raised.
         LaunchInterrupted: KeyboardInterrupt (the kernel's interrupt); all ranks are gone when it is raised.
     """
+    from gpumagic.launch.signing import write_sealed
     from gpumagic.launch.worker import run_rank
 
-    Path(plan.job_dir, "payload.pkl").write_bytes(packed)
+    write_sealed(Path(plan.job_dir, "payload.pkl"), packed)
     if start_method == "forkserver":
         multiprocessing.forkserver.set_forkserver_preload(_FORKSERVER_PRELOAD)
     context = multiprocessing.get_context(start_method)
@@ -119,8 +120,10 @@ def _initial_environment(plan: LaunchPlan, local_rank: int, start_method: str) -
 def _result(plan: LaunchPlan, rank: int) -> Any:
     import cloudpickle
 
+    from gpumagic.launch.signing import read_sealed
+
     path = Path(plan.job_dir, f"rank-{rank}.result.pkl")
-    return cloudpickle.loads(path.read_bytes()) if path.exists() else None
+    return cloudpickle.loads(read_sealed(path, f"rank {rank}'s result ({path})")) if path.exists() else None
 
 
 class _Cancelled(Exception):

@@ -38,7 +38,10 @@ def run_rank(local_rank: int, plan: LaunchPlan, outputs: list[Any], listener: An
         import torch
 
         torch.set_num_threads(plan.threads_per_rank)
-        payload = cloudpickle.loads(Path(plan.job_dir, "payload.pkl").read_bytes())
+        from gpumagic.launch.signing import read_sealed
+
+        payload_path = Path(plan.job_dir, "payload.pkl")
+        payload = cloudpickle.loads(read_sealed(payload_path, f"the code sent to the ranks ({payload_path})"))
         payload.prepare()
         device = torch.device("cuda", 0) if plan.use_cuda else torch.device("cpu")
         if plan.use_cuda:
@@ -57,7 +60,9 @@ def run_rank(local_rank: int, plan: LaunchPlan, outputs: list[Any], listener: An
             "gpumagic": gpumagic,
         }  # gpumagic.log() works in a cell even if the notebook never imported it
         value = payload.run(context)
-        _write(plan, f"rank-{rank}.result.pkl", cloudpickle.dumps(value))
+        from gpumagic.launch.signing import seal
+
+        _write(plan, f"rank-{rank}.result.pkl", seal(cloudpickle.dumps(value)))
         if plan.backend is not None:
             _leave_process_group()
     except BaseException as err:  # noqa: BLE001 - every way a rank ends must be reported

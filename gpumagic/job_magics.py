@@ -160,35 +160,10 @@ def _logs(args: argparse.Namespace) -> Any:
             raise UsageError("%jobs logs: --tail needs a number of lines of 0 or more")
     job = gpumagic.job(args.name)
     if args.follow:
-        if tail is not None:
-            print(job.logs(tail), end="", flush=True)
-        status = job.follow() if tail is None else _follow_from_end(job)
-        return _Help(f"[job {job.name}: {status}]")
+        return _Help(f"[job {job.name}: {job.follow(tail=tail)}]")
     text = job.logs(tail)
     print(text, end="" if text.endswith("\n") or not text else "\n", flush=True)
     return None
-
-
-def _follow_from_end(job: Any) -> str:
-    import sys
-    import time
-
-    offset = (job.path / "output.log").stat().st_size
-    try:
-        while True:
-            ended = job.status not in ("queued", "running")
-            with open(job.path / "output.log", "rb") as handle:
-                handle.seek(offset)
-                data = handle.read()
-            offset += len(data)
-            sys.stdout.write(data.decode(errors="replace"))
-            sys.stdout.flush()
-            if ended:
-                break
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        pass
-    return job.status
 
 
 def _kill(args: argparse.Namespace) -> Any:

@@ -109,6 +109,30 @@ def test_failure_records_the_traceback_and_the_exit(simulated):
     assert 'raise FloatingPointError("loss is nan at step 7")' in log and log.startswith("rank 0 failed")
 
 
+def test_follow_from_the_last_lines_misses_nothing_after_them(simulated, tmp_path):
+    import threading
+
+    flag = tmp_path / "go"
+
+    def count(flag):
+        import os
+        import time
+
+        for line in range(3):
+            print(line, flush=True)
+        while not os.path.exists(flag):
+            time.sleep(0.05)
+        for line in range(3, 6):
+            print(line, flush=True)
+
+    job = gpumagic.submit(count, str(flag), gpus=0)
+    wait_until(lambda: job.logs() == "0\n1\n2\n")
+    threading.Timer(0.5, flag.touch).start()  # the rest is written while follow() runs
+    seen = []
+    assert job.follow(seen.append, tail=2) == "finished"
+    assert "".join(seen) == "1\n2\n3\n4\n5\n"
+
+
 def test_a_job_killed_by_a_signal_records_which(simulated):
     def crash():
         import os
@@ -253,6 +277,7 @@ def test_names_are_unique_and_sweeps_name_their_points(simulated):
         ({"gpus": -1}, "gpus must be from 0 to 64"),
         ({"gpus": "GPU:9"}, "GPU 9"),
         ({"gpus": 1.5}, "number of GPUs or a device spec"),
+        ({"gpus": "²"}, "²"),  # str.isdigit says yes; it is no number of GPUs
         ({"min_free": "500GB"}, "more than any GPU here has"),
         ({"min_free": "lots"}, "size"),
         ({"gpus": 0, "min_free": "1GB"}, "min_free needs GPUs"),

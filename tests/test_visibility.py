@@ -20,6 +20,7 @@ from gpumagic.devices.visibility import cuda_initialized
         ("-1", "PCI_BUS_ID", (), True),
         ("1,7,2", "PCI_BUS_ID", (1,), True),  # CUDA stops at the first invalid entry
         ("1,1", "PCI_BUS_ID", (1,), True),
+        ("0,²", "PCI_BUS_ID", (0,), True),  # a digit to str.isdigit, not to int() or CUDA
     ],
 )
 def test_cuda_numbering(simulated, monkeypatch, value, order, indices, certain):

@@ -74,14 +74,14 @@ def current_visibility(inventory: Inventory) -> Visibility:
         gpu = _resolve_token(token, inventory)
         if gpu is None or gpu.nvml_index in indices:
             break  # CUDA stops at the first entry it cannot use
-        if token.isdigit() and not pci_order:
+        if token.isascii() and token.isdigit() and not pci_order:
             certain = False
         indices.append(gpu.nvml_index)
     return Visibility(tuple(indices), variable, certain, None if certain else order_note)
 
 
 def _resolve_token(token: str, inventory: Inventory) -> GpuInfo | None:
-    if token.isdigit():
+    if token.isascii() and token.isdigit():  # "²".isdigit() is True, int("²") fails
         position = int(token)
         return inventory.gpus[position] if position < len(inventory.gpus) else None
     if token.upper().startswith("GPU-"):

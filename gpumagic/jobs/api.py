@@ -121,13 +121,20 @@ class Job:
             text = "".join(text.splitlines(True)[-tail:])
         return text
 
-    def follow(self, write: Callable[[str], None] | None = None, poll_s: float = 0.2) -> str:
-        """Write its output as it comes until it ends (an interrupt stops following, not the job).
+    def follow(self, write: Callable[[str], None] | None = None, poll_s: float = 0.2, tail: int | None = None) -> str:
+        """Write its output as it comes until it ends (an interrupt stops following, not the job); with
+        ``tail``, start from the last ``tail`` lines written so far.
 
         Returns the job's status when following stopped.
         """
         write = write or _print
         offset = 0
+        if tail is not None:
+            so_far = (self.path / "output.log").read_bytes()
+            offset = len(so_far)
+            shown = "".join(so_far.decode(errors="replace").splitlines(True)[-tail:] if tail else [])
+            if shown:
+                write(shown)
         try:
             while True:
                 ended = self.status in records.ENDED  # read before the log: nothing written after it is missed
@@ -430,7 +437,7 @@ def _request(gpus: int | str | None, min_free: str | int | None, ddp: int | None
 
     if gpus is None:
         gpus = ddp or 1
-    if isinstance(gpus, str) and gpus.strip().isdigit():
+    if isinstance(gpus, str) and gpus.strip().isascii() and gpus.strip().isdigit():
         gpus = int(gpus.strip())
     if isinstance(gpus, bool) or not isinstance(gpus, (int, str)):
         raise InvalidArgument(f"gpus is a number of GPUs or a device spec like 'GPU:1', got {gpus!r}")

@@ -95,7 +95,8 @@ def test_a_process_started_on_a_simulated_gpu_uses_its_memory_and_utilization(si
         deadline = time.time() + 10
         while time.time() < deadline:
             now = gpumagic.gpus()[gpu.nvml_index]
-            if now.memory_used >= 400 * 2**20 and now.utilization > 20:
+            seen = any(p.pid == child.pid for p in now.processes)
+            if seen and now.memory_used >= 400 * 2**20 and now.utilization > 20:
                 break
             time.sleep(0.3)
         assert any(p.pid == child.pid for p in now.processes)

@@ -162,6 +162,8 @@ def test_kill_stops_the_whole_tree_of_a_running_job(simulated):
     grandchild = int(job.logs())
     runner, (rank,) = job.info["runner_pid"], job.info["pids"]
     assert psutil.Process(grandchild).ppid() == rank and psutil.Process(rank).ppid() == runner
+    on_its_gpu = {p.pid for p in gpumagic.gpus()[job.gpus[0]].processes}
+    assert on_its_gpu == {rank, grandchild}, "the job's processes, and nothing of gpumagic's own"
     started = time.monotonic()
     assert job.kill() == "killed"
     assert time.monotonic() - started < 5

@@ -54,6 +54,10 @@ def run_local(
     if start_method == "forkserver":
         multiprocessing.forkserver.set_forkserver_preload(_FORKSERVER_PRELOAD)
     context = multiprocessing.get_context(start_method)
+    if start_method == "spawn":  # start it now, so it does not inherit a rank's GPUs (_initial_environment)
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
     pipes = [context.Pipe(duplex=False) for _ in range(plan.nprocs)]
     readers = {reader.fileno(): (rank, reader) for rank, (reader, _) in enumerate(pipes)}
     processes = []

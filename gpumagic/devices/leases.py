@@ -35,7 +35,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpumagic.devices.processes import current_user, process_start_time
+from gpumagic.devices.processes import current_user, is_same_process, process_start_time
 from gpumagic.errors import LeaseDirectoryError
 
 DEFAULT_LEASE_DIR = "/tmp/gpumagic-leases"
@@ -242,18 +242,23 @@ class LeaseBook:
             "shared": shared,
             "settled": settled,
         }
-        path = directory / f"{uuid}.{_safe(user)}.{pid}.json"
-        fd, temporary = tempfile.mkstemp(dir=directory, prefix=".lease-", suffix=".tmp")
-        try:
-            os.fchmod(fd, 0o644)
-            with os.fdopen(fd, "w") as handle:
-                json.dump(record, handle)
-            os.replace(temporary, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
+        path = directory / f"{uuid}.{safe_name(user)}.{pid}.json"
+        publish(path, record)
         return path
+
+
+def publish(path: Path, record: dict) -> None:
+    """Write ``record`` as JSON at ``path`` in the lease directory, atomically and readable by all (0644)."""
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".lease-", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w") as handle:
+            json.dump(record, handle)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
 
 
 def holders(uuids: Iterable[str], mine: LeaseBook) -> dict[str, Lease]:
@@ -336,9 +341,7 @@ def _live_records(directory: Path, uuid: str, names: Iterable[str]) -> list[Leas
             continue
         if owner != uid:  # someone wrote a record in another user's name
             continue
-        started = process_start_time(pid)
-        recorded = data.get("process_start")
-        if started is None or (recorded is not None and abs(started - float(recorded)) > 1.0):
+        if not is_same_process(pid, data.get("process_start")):
             continue
         live.append(
             Lease(
@@ -372,7 +375,8 @@ def _check_uuid(uuid: str) -> None:
         raise ValueError(f"not a GPU UUID: {uuid!r}")
 
 
-def _safe(text: str) -> str:
+def safe_name(text: str) -> str:
+    """``text`` as a file-name part: letters, digits, ``_`` and ``-`` only."""
     return re.sub(r"[^A-Za-z0-9_-]", "_", text)
 
 

@@ -68,6 +68,12 @@ def process_start_time(pid: int) -> float | None:
         return None
 
 
+def is_same_process(pid: int, recorded_start: float | None) -> bool:
+    """True while ``pid`` runs and (if known) started when recorded: a dead holder's reused PID is not it."""
+    started = process_start_time(pid)
+    return started is not None and (recorded_start is None or abs(started - float(recorded_start)) <= 1.0)
+
+
 @dataclass(frozen=True)
 class KillReport:
     pid: int

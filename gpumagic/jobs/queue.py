@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 
 from gpumagic.devices import leases as leasing
 from gpumagic.devices.model import GpuInfo, Inventory
-from gpumagic.devices.processes import process_start_time
+from gpumagic.devices.processes import is_same_process, process_start_time
 from gpumagic.units import format_bytes
 
 PROVISIONAL_S = 30.0
@@ -108,7 +107,7 @@ class Ticket:
         directory = leasing.lease_dir()
         submitted_ns = int(submitted * 1e9)
         pid = os.getpid()
-        path = directory / f"queue.{submitted_ns:020d}.{_safe(key)}.json"
+        path = directory / f"queue.{submitted_ns:020d}.{leasing.safe_name(key)}.json"
         record = {
             "name": name,
             "request": request.to_json(),
@@ -118,11 +117,7 @@ class Ticket:
             "submitted_ns": submitted_ns,
             "provisional_until": time.time() + PROVISIONAL_S if provisional else None,
         }
-        fd, temporary = tempfile.mkstemp(dir=directory, prefix=".queue-", suffix=".tmp")
-        with os.fdopen(fd, "w") as handle:
-            json.dump(record, handle)
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)
+        leasing.publish(path, record)
         return cls(path, name, request, submitted_ns, pid)
 
     def remove(self) -> None:
@@ -135,7 +130,7 @@ def remove_tickets(key: str) -> None:
     over, must not hold a place."""
     directory = leasing.lease_dir()
     for name in os.listdir(directory):
-        if name.startswith("queue.") and name.endswith(f".{_safe(key)}.json"):
+        if name.startswith("queue.") and name.endswith(f".{leasing.safe_name(key)}.json"):
             with contextlib.suppress(OSError):
                 (directory / name).unlink()
 
@@ -152,8 +147,7 @@ def waiting_tickets() -> list[Ticket]:
             owner = path.lstat().st_uid
             data = json.loads(path.read_text())
             pid, uid = int(data["pid"]), int(data["uid"])
-            started, recorded = process_start_time(pid), data.get("process_start")
-            alive = started is not None and (recorded is None or abs(started - float(recorded)) <= 1.0)
+            alive = is_same_process(pid, data.get("process_start"))
             until = data.get("provisional_until")
             if until is not None and time.time() > float(until):  # its runner never took it over
                 alive = False
@@ -263,9 +257,3 @@ def wait_for_gpus(
             time.sleep(poll_s)
     finally:
         ticket.remove()
-
-
-def _safe(text: str) -> str:
-    import re
-
-    return re.sub(r"[^A-Za-z0-9_-]", "_", text)

@@ -146,11 +146,9 @@ def effective_status(info: dict[str, Any]) -> str:
 
 def runner_alive(info: dict[str, Any]) -> bool:
     """True while the job's runner runs (a young job whose runner has not written its pid yet counts)."""
-    from gpumagic.devices.processes import process_start_time
+    from gpumagic.devices.processes import is_same_process
 
     pid = info.get("runner_pid")
     if pid is None:
         return time.time() - float(info.get("submitted", 0)) < 30
-    started = process_start_time(int(pid))
-    recorded = info.get("runner_start")
-    return started is not None and (recorded is None or abs(started - float(recorded)) <= 1.0)
+    return is_same_process(int(pid), info.get("runner_start"))

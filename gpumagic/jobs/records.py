@@ -20,7 +20,6 @@ import fcntl
 import json
 import os
 import re
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +32,6 @@ from gpumagic.telemetry import store
 ACTIVE = ("queued", "running")
 ENDED = ("finished", "failed", "killed", "cancelled", "lost")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.,=+-]{0,79}$")
-_update_lock = threading.Lock()
 
 
 def check_name(name: str) -> str:
@@ -60,11 +58,15 @@ def names_locked() -> Iterator[None]:
 
 def create(name: str, packed: bytes, **fields: Any) -> Path:
     """A new job directory holding ``packed``, status ``queued``. Call under ``names_locked()``."""
-    path = store.new_run("job", ranks=fields.pop("ranks", 1), name=name, submitted=time.time(), **fields)
-    info = read(path)
-    info["status"] = "queued"
-    info["reason"] = "starting"
-    _write(path, info)
+    path = store.new_run(
+        "job",
+        ranks=fields.pop("ranks", 1),
+        name=name,
+        submitted=time.time(),
+        status="queued",
+        reason="starting",
+        **fields,
+    )
     write_sealed(path / "payload.pkl", packed)
     (path / "output.log").touch(mode=0o600)
     return path
@@ -74,19 +76,7 @@ def read(path: Path) -> dict[str, Any]:
     return json.loads((path / "run.json").read_text())
 
 
-def update(path: Path, **fields: Any) -> dict[str, Any]:
-    """Change some fields of ``run.json`` (atomically; one writer thread at a time)."""
-    with _update_lock:
-        info = read(path)
-        info.update(fields)
-        _write(path, info)
-        return info
-
-
-def _write(path: Path, info: dict[str, Any]) -> None:
-    temporary = path / f".run.json.{os.getpid()}.{threading.get_ident()}.tmp"
-    temporary.write_text(json.dumps(info))
-    os.replace(temporary, path / "run.json")
+update = store.update_run  # change some fields of run.json, atomically
 
 
 def all_jobs() -> list[Path]:

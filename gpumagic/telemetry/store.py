@@ -17,6 +17,7 @@ import json
 import os
 import socket
 import struct
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ RUNS_VARIABLE = "GPUMAGIC_RUNS_DIR"
 RUN_DIR_VARIABLE = "GPUMAGIC_RUN_DIR"
 _HEADER = struct.Struct("<I")
 FIELDS = 4  # time, step, name id, value
+_update_lock = threading.Lock()
 
 
 def runs_root() -> Path:
@@ -64,13 +66,20 @@ def new_run(kind: str, ranks: int = 1, **details: Any) -> Path:
 
 def finish_run(path: Path, status: str, **details: Any) -> None:
     """Record how the run ended (``finished``, ``failed``, ``interrupted``)."""
-    info = json.loads((path / "run.json").read_text())
-    info.update(status=status, ended=time.time(), **details)
-    _write_json(path / "run.json", info)
+    update_run(path, status=status, ended=time.time(), **details)
+
+
+def update_run(path: Path, **fields: Any) -> dict[str, Any]:
+    """Change some fields of a run's ``run.json``, atomically, one thread of this process at a time."""
+    with _update_lock:
+        info = json.loads((path / "run.json").read_text())
+        info.update(fields)
+        _write_json(path / "run.json", info)
+        return info
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    temporary = path.with_suffix(".tmp")
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # writers never share it
     temporary.write_text(json.dumps(data))
     os.replace(temporary, path)
 

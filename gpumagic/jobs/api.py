@@ -61,11 +61,7 @@ class Job:
     @property
     def reason(self) -> str:
         """Why it waits (queued), or why it ended."""
-        info = self.info
-        status = records.effective_status(info)
-        if status == "lost":
-            return f"its runner (pid {info.get('runner_pid')}) is gone without recording an end"
-        return info.get("exit") or info.get("reason") or ""
+        return records.why(self.info)
 
     @property
     def gpus(self) -> tuple[int, ...]:
@@ -75,9 +71,7 @@ class Job:
     @property
     def elapsed(self) -> float:
         """Seconds it has run (so far, or in all), or waited if it never started."""
-        from gpumagic.widgets.job_table import _elapsed
-
-        return _elapsed(self.info)
+        return records.elapsed(self.info)
 
     def wait(self, timeout: str | float | None = None, poll_s: float = 0.2) -> str:
         """Block until the job ends; returns its status. Raises TimeoutError after ``timeout`` ("10m", s)."""
@@ -215,9 +209,10 @@ class Job:
         status = records.effective_status(info)
         gpus = ",".join(map(str, info.get("gpus") or ()))
         where = f" on GPU {gpus}" if gpus else " on the CPU" if info.get("started") else ""
-        text = f"{info['name']}: {status}{where}, {format_duration(self.elapsed)}"
-        if status != "finished" and self.reason:
-            text += f" ({self.reason})"
+        text = f"{info['name']}: {status}{where}, {format_duration(records.elapsed(info))}"
+        reason = records.why(info)
+        if status != "finished" and reason:
+            text += f" ({reason})"
         latest = _format_metrics(self.last_metrics())
         return text + (f" · {latest}" if latest else "")
 

@@ -134,6 +134,19 @@ def effective_status(info: dict[str, Any]) -> str:
     return status
 
 
+def why(info: dict[str, Any]) -> str:
+    """Why the job waits (queued), or why it ended."""
+    if effective_status(info) == "lost":
+        return f"its runner (pid {info.get('runner_pid')}) is gone without recording an end"
+    return info.get("exit") or info.get("reason") or ""
+
+
+def elapsed(info: dict[str, Any]) -> float:
+    """Seconds the job has run (so far, or in all), or waited if it never started."""
+    start = info.get("started") or info.get("submitted") or time.time()
+    return max(0.0, (info.get("ended") or time.time()) - start)
+
+
 def runner_alive(info: dict[str, Any]) -> bool:
     """True while the job's runner runs (a young job whose runner has not written its pid yet counts)."""
     from gpumagic.devices.processes import is_same_process

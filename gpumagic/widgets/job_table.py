@@ -52,14 +52,7 @@ def job_row(
     shown = ""
     if status not in ("queued", "cancelled"):
         shown = _format_metrics(latest if latest is not None else job.last_metrics())
-    return JobRow(info["name"], status, gpus, format_duration(_elapsed(info)), why, shown)
-
-
-def _elapsed(info: dict[str, Any]) -> float:
-    import time
-
-    start = info.get("started") or info.get("submitted") or time.time()
-    return max(0.0, (info.get("ended") or time.time()) - start)
+    return JobRow(info["name"], status, gpus, format_duration(records.elapsed(info)), why, shown)
 
 
 class JobTable:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from gpumagic.devices.model import Inventory
 from gpumagic.errors import GpumagicError, InvalidArgument, KillRefused
 from gpumagic.jobs import records
 from gpumagic.jobs.queue import Request, Ticket, remove_tickets
@@ -351,7 +352,7 @@ def _create(
     from gpumagic.launch.plan import check_backend
 
     ddp = _check_ddp(ddp)
-    request = _request(gpus, min_free, ddp)
+    request, inventory = _request(gpus, min_free, ddp)
     check_backend(backend)
     timeout_s = parse_duration(timeout)
     if timeout_s <= 0:
@@ -360,18 +361,20 @@ def _create(
     paths: list[Path] = []
     tickets: list[Ticket] = []
     with records.names_locked():
+        taken = set(records.names())  # read once: each job's run.json
         names = []
         for explicit, base, _, _ in entries:
             if explicit is not None:
                 records.check_name(explicit)
-                if records.exists(explicit) or explicit in names:
+                if explicit in taken:
                     raise InvalidArgument(
                         f"a job named {explicit!r} exists already; choose another name, or remove it "
                         f"(%jobs rm {explicit})"
                     )
                 names.append(explicit)
             else:
-                names.append(_free_name(_sanitize(base), taken=names))
+                names.append(_free_name(_sanitize(base), taken))
+            taken.add(names[-1])
         for job_name, (_, _, packed, params) in zip(names, entries, strict=True):
             paths.append(
                 records.create(
@@ -393,22 +396,20 @@ def _create(
             if request.wants and not dependencies:  # its place in the queue is its submission, from now
                 info = records.read(paths[-1])
                 tickets.append(Ticket.create(job_name, request, info["submitted"], paths[-1].name, provisional=True))
-    _say_who_waits(paths, tickets)
+    _say_who_waits(paths, tickets, inventory)
     for path in paths:
         _start_runner(path)
     return [Job(path) for path in paths]
 
 
-def _say_who_waits(paths: list[Path], tickets: list[Ticket]) -> None:
+def _say_who_waits(paths: list[Path], tickets: list[Ticket], inventory: Inventory | None) -> None:
     """Record at once why a new job will wait (its runner says so too, a moment later), so a ``%jobs`` run
     right after the submission already tells."""
     from gpumagic.devices import leases
-    from gpumagic.devices.inventory import read_inventory
     from gpumagic.jobs.queue import place
 
-    if not tickets:
+    if not tickets or inventory is None:
         return
-    inventory = read_inventory()
     with leases.pick_lock(exclusive=False):
         for ticket in tickets:
             chosen, reason = place(ticket, inventory, leases.book())
@@ -425,8 +426,8 @@ def _check_ddp(ddp: Any) -> int | None:
     return ddp
 
 
-def _request(gpus: int | str | None, min_free: str | int | None, ddp: int | None) -> Request:
-    """What the job asks of the queue, checked against this machine's GPUs."""
+def _request(gpus: int | str | None, min_free: str | int | None, ddp: int | None) -> tuple[Request, Inventory | None]:
+    """What the job asks of the queue, checked against this machine's GPUs (read for it, and returned)."""
     from gpumagic.devices.inventory import read_inventory
     from gpumagic.devices.spec import parse_spec, resolve
 
@@ -445,7 +446,7 @@ def _request(gpus: int | str | None, min_free: str | int | None, ddp: int | None
     if gpus == 0 or (spec is not None and spec.none):
         if free is not None:
             raise InvalidArgument("min_free needs GPUs; leave it out for a CPU job (gpus=0)")
-        return Request(0)
+        return Request(0), None
     inventory = read_inventory()
     if not inventory.gpus:
         why = f" ({inventory.problem})" if inventory.problem else ""
@@ -470,7 +471,7 @@ def _request(gpus: int | str | None, min_free: str | int | None, ddp: int | None
             )
     if ddp is not None and wants % ddp:
         raise InvalidArgument(f"{wants} GPUs cannot be split evenly among {ddp} ranks; ask for a multiple of {ddp}")
-    return request
+    return request, inventory
 
 
 def _dependencies(after: Any) -> list[str]:
@@ -490,12 +491,12 @@ def _dependencies(after: Any) -> list[str]:
     return names
 
 
-def _free_name(base: str, taken: Collection[str] = ()) -> str:
-    if not records.exists(base) and base not in taken:
+def _free_name(base: str, taken: Collection[str]) -> str:
+    if base not in taken:
         return base
     for number in itertools.count(2):
         candidate = f"{base}-{number}"
-        if not records.exists(candidate) and candidate not in taken:
+        if candidate not in taken:
             return candidate
     raise AssertionError("unreachable")
 

@@ -110,20 +110,21 @@ def find(name: str) -> Path:
         with contextlib.suppress(OSError, ValueError):
             if read(path).get("name") == name:
                 return path
-    known = ", ".join(_names()) or "none yet"
+    known = ", ".join(names()) or "none yet"
     raise InvalidArgument(f"no job named {name!r} (jobs: {known}); %jobs lists them")
 
 
 def exists(name: str) -> bool:
-    return name in _names()
+    return name in names()
 
 
-def _names() -> list[str]:
-    names = []
+def names() -> list[str]:
+    """The names of this user's jobs, in submission order."""
+    found = []
     for path in all_jobs():
         with contextlib.suppress(OSError, ValueError):
-            names.append(read(path).get("name", ""))
-    return names
+            found.append(read(path).get("name", ""))
+    return found
 
 
 def effective_status(info: dict[str, Any]) -> str:

@@ -58,8 +58,7 @@ class _Runner:
         try:
             if not self._wait_for_dependencies(info):
                 return
-            gpus, simulated = self._wait_for_gpus(info)
-            self._run(info, gpus, simulated)
+            self._run(info, self._wait_for_gpus(info))
         except KeyboardInterrupt:
             started = records.read(self.run_dir).get("started")
             self._finish("killed", self._kill_reason("" if started else "while queued"))
@@ -121,24 +120,21 @@ class _Runner:
                 time.sleep(0.25)
         return True
 
-    def _wait_for_gpus(self, info: dict[str, Any]) -> tuple[list[Any], bool]:
-        from gpumagic.devices.inventory import read_inventory
+    def _wait_for_gpus(self, info: dict[str, Any]) -> list[Any]:
         from gpumagic.jobs import queue, records
 
         request = queue.Request.from_json(info["request"])
         if request.wants == 0:
-            return [], False
-        simulated = read_inventory().simulated
-        gpus = queue.wait_for_gpus(
+            return []
+        return queue.wait_for_gpus(
             self.name,
             request,
             float(info["submitted"]),
             self.run_dir.name,
             lambda why: records.update(self.run_dir, reason=why),
         )
-        return gpus, simulated
 
-    def _run(self, info: dict[str, Any], gpus: list[Any], simulated: bool) -> None:
+    def _run(self, info: dict[str, Any], gpus: list[Any]) -> None:
         import shutil
         import time
 
@@ -158,7 +154,7 @@ class _Runner:
         nprocs = ddp or 1
         uuids = [g.uuid for g in gpus]
         rank_gpus = assign_gpus(uuids, nprocs, len(uuids) // nprocs) if uuids else tuple(() for _ in range(nprocs))
-        use_cuda = bool(uuids) and not simulated
+        use_cuda = bool(uuids) and not any(g.simulated for g in gpus)
         backend = (info.get("backend") or ("nccl" if use_cuda else "gloo")) if ddp else None
         listener, port = _loopback_port(None, keep=ddp is not None)
         job_dir = self.run_dir / "launch"

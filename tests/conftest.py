@@ -51,6 +51,16 @@ def fake_nvml(monkeypatch):
     nvml.reset()
 
 
+@pytest.fixture(scope="module")
+def shell():
+    """One in-process IPython shell with gpumagic loaded, for a test module's magics."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    ip = InteractiveShell.instance()
+    ip.extension_manager.load_extension("gpumagic")
+    return ip
+
+
 @pytest.fixture
 def no_job_left_running():
     """Whatever a test does, the background jobs it started end with it."""

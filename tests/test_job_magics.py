@@ -5,19 +5,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 
 import gpumagic
 from gpumagic.jobs import records
 
 pytestmark = pytest.mark.usefixtures("no_job_left_running")
-
-
-@pytest.fixture(scope="module")
-def shell():
-    ip = InteractiveShell.instance()
-    ip.extension_manager.load_extension("gpumagic")
-    return ip
 
 
 def jobs(shell, line):

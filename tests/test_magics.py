@@ -8,14 +8,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
-
-
-@pytest.fixture(scope="module")
-def shell():
-    ip = InteractiveShell.instance()
-    ip.extension_manager.load_extension("gpumagic")
-    return ip
 
 
 def gpu(shell, line):

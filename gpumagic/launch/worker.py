@@ -60,9 +60,9 @@ def run_rank(local_rank: int, plan: LaunchPlan, outputs: list[Any], listener: An
             "gpumagic": gpumagic,
         }  # gpumagic.log() works in a cell even if the notebook never imported it
         value = payload.run(context)
-        from gpumagic.launch.signing import seal
+        from gpumagic.launch.signing import write_sealed
 
-        _write(plan, f"rank-{rank}.result.pkl", seal(cloudpickle.dumps(value)))
+        write_sealed(Path(plan.job_dir, f"rank-{rank}.result.pkl"), cloudpickle.dumps(value))
         if plan.backend is not None:
             _leave_process_group()
     except BaseException as err:  # noqa: BLE001 - every way a rank ends must be reported

@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from gpumagic.errors import GpumagicError
-from gpumagic.magics import _Help, _in_kernel, _parse, _Parser, _split, _subcommand
+from gpumagic.magics import _Help, _in_kernel, _parse, _Parser, _split, _subcommand, add_slurm_arguments, slurm_options
 
 
 def _launch_bg_parser() -> _Parser:
@@ -36,6 +36,7 @@ def _launch_bg_parser() -> _Parser:
     parser.add_argument("--after", metavar="NAME", help="start after these jobs finish (A or A,B)")
     parser.add_argument("--backend", help="process group backend with --ddp: nccl, gloo, mpi, ucc")
     parser.add_argument("--timeout", default="30m", metavar="DURATION", help="process group timeout (30m)")
+    add_slurm_arguments(parser, shape=True)
     return parser
 
 
@@ -88,6 +89,11 @@ _OVERVIEW = (
 )
 
 
+def _executor(args: argparse.Namespace, prog: str) -> dict[str, Any]:
+    slurm = slurm_options(args, prog)
+    return {} if slurm is None else {"executor": "slurm", "slurm": slurm}
+
+
 @magics_class
 class JobMagics(Magics):
     """``%%launch_bg`` (a cell as a background job) and ``%jobs`` (list, follow, kill, ...)."""
@@ -118,6 +124,7 @@ class JobMagics(Magics):
                 after=args.after,
                 backend=args.backend,
                 timeout=args.timeout,
+                **_executor(args, _LAUNCH_BG.prog),
             )
         except GpumagicError as err:
             raise UsageError(f"%%launch_bg: {err}") from None

@@ -345,6 +345,49 @@ class _WaitLine:
             self._handle.update(_Help(""))
 
 
+_SLURM_FLAGS = ("partition", "time", "nodes", "tasks_per_node", "gres", "account", "qos", "constraint")
+
+
+def add_slurm_arguments(parser: argparse.ArgumentParser, shape: bool) -> None:
+    """``--executor slurm`` and the Slurm options (``shape``: --nodes and --tasks-per-node too)."""
+    group = parser.add_argument_group("on Slurm (submitit; docs/multi-node.md)")
+    group.add_argument("--executor", default="local", choices=("local", "slurm"), help="where the job runs (local)")
+    group.add_argument("--partition", help="Slurm partition")
+    group.add_argument("--time", metavar="DURATION", help="Slurm time limit: 90m, 2h (default 1h)")
+    if shape:
+        group.add_argument("--nodes", metavar="N", help="nodes (1)")
+        group.add_argument("--tasks-per-node", metavar="K", help="tasks (ranks) per node (1, or --ddp / nodes)")
+    group.add_argument("--gres", metavar="GRES", help="generic resources instead of --gpus: gpu:a100:4")
+    group.add_argument("--account", help="Slurm account")
+    group.add_argument("--qos", help="Slurm QOS")
+    group.add_argument("--constraint", help="Slurm node features")
+    group.add_argument("--cpus-per-task", metavar="N", help="CPUs per task")
+    group.add_argument("--mem", metavar="SIZE", help="memory per node: 64GB")
+    group.add_argument(
+        "--sbatch", action="append", metavar="KEY=VALUE", help="any other sbatch option, repeatable: exclusive=1"
+    )
+
+
+def slurm_options(args: argparse.Namespace, prog: str) -> dict[str, Any] | None:
+    """The ``slurm=`` dict of the Slurm options given; None without --executor slurm (which then allows none)."""
+    given = {key: getattr(args, key, None) for key in (*_SLURM_FLAGS, "cpus_per_task", "mem")}
+    given = {key: value for key, value in given.items() if value is not None}
+    extra = {}
+    for item in args.sbatch or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"{prog}: --sbatch takes KEY=VALUE (exclusive=1, mail-type=END), got {item!r}")
+        extra[key.strip()] = value.strip()
+    if args.executor != "slurm":
+        if given or extra:
+            flags = ", ".join("--" + key.replace("_", "-") for key in [*given, *(["sbatch"] if extra else [])])
+            raise UsageError(f"{prog}: {flags} need --executor slurm")
+        return None
+    if extra:
+        given["additional"] = extra
+    return given
+
+
 def _launch_parser() -> _Parser:
     parser = _Parser(
         "%%launch_ddp",
@@ -371,10 +414,36 @@ def _launch_parser() -> _Parser:
         action="store_true",
         help="return at once; the dashboard (with Stop) stays live and -o VAR is set when done",
     )
+    elastic = parser.add_argument_group("multi-node and elastic (torch.distributed.elastic; docs/multi-node.md)")
+    elastic.add_argument("--nnodes", type=int, default=1, metavar="N", help="nodes, each running -n ranks (1)")
+    elastic.add_argument(
+        "--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous on this machine's HOST:PORT (0: a free port)"
+    )
+    elastic.add_argument("--rdzv-id", metavar="ID", help="c10d rendezvous id (default: the run's id)")
+    elastic.add_argument("--node-rank", type=int, metavar="R", help="fixed node numbers: this node is R")
+    elastic.add_argument(
+        "--max-restarts", type=int, default=0, metavar="K", help="restart the whole group up to K times (0)"
+    )
+    elastic.add_argument("--runs-dir", metavar="DIR", help="make the run directory here: a filesystem all nodes share")
+    add_slurm_arguments(parser, shape=False)
     return parser
 
 
 _LAUNCH_PARSER = _launch_parser()
+
+
+def _elastic_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The multi-node options given (none given: the local launcher)."""
+    given = {
+        "nnodes": args.nnodes,
+        "rdzv_endpoint": args.rdzv_endpoint,
+        "node_rank": args.node_rank,
+        "rdzv_id": args.rdzv_id,
+        "max_restarts": args.max_restarts,
+        "runs_dir": args.runs_dir,
+    }
+    defaults = {"nnodes": 1, "max_restarts": 0}
+    return {k: v for k, v in given.items() if v != defaults.get(k)}
 
 
 def _first_line(err: BaseException) -> str:
@@ -399,6 +468,9 @@ class LaunchMagics(Magics):
         if args.o is not None and not args.o.isidentifier():
             raise UsageError(f"%%launch_ddp: -o needs a variable name, got {args.o!r}")
         filename = f"<%%launch_ddp cell In[{self.shell.execution_count}]>"
+        slurm = slurm_options(args, _LAUNCH_PARSER.prog)
+        if slurm is not None:
+            return self._launch_on_slurm(args, slurm, cell, filename)
         dashboard = None
         if not args.no_dashboard and _in_kernel():
             from gpumagic.widgets.launch_dashboard import LaunchDashboard
@@ -415,6 +487,7 @@ class LaunchMagics(Magics):
             start_method=args.start_method,
             output=args.output,
             dashboard=dashboard,
+            **_elastic_options(args),
         )
         try:
             packed = prepare_cell(
@@ -434,6 +507,52 @@ class LaunchMagics(Magics):
             raise UsageError(str(err)) from None
         if args.o is not None:
             self.shell.user_ns[args.o] = results
+        return None
+
+    def _launch_on_slurm(self, args: argparse.Namespace, slurm: dict[str, Any], cell: str, filename: str) -> Any:
+        """--executor slurm: submit the cell as a Slurm job of --nnodes × -n ranks, follow its output here, and
+        set -o VAR at the end; an interrupt cancels the job."""
+        from gpumagic.jobs.api import submit_cell
+
+        local_only = {
+            "--rdzv-endpoint": args.rdzv_endpoint,
+            "--rdzv-id": args.rdzv_id,
+            "--node-rank": args.node_rank,
+            "--max-restarts": args.max_restarts or None,
+            "--runs-dir": args.runs_dir,
+            "--port": args.port,
+            "--no-wait": args.no_wait or None,
+        }
+        given = [flag for flag, value in local_only.items() if value is not None]
+        if given:
+            raise UsageError(
+                f"%%launch_ddp: with --executor slurm, Slurm places the ranks: leave out {', '.join(given)} "
+                "(%%launch_bg --executor slurm submits and returns at once)"
+            )
+        ranks_per_node = args.nprocs or 1
+        try:
+            job = submit_cell(
+                self.shell.transform_cell(cell),
+                self.shell.user_ns,
+                filename=filename,
+                hidden=set(self.shell.user_ns_hidden),
+                gpus=args.gpus,
+                ddp=args.nnodes * ranks_per_node,
+                backend=args.backend,
+                timeout=args.timeout,
+                executor="slurm",
+                slurm={**slurm, "nodes": args.nnodes, "tasks_per_node": ranks_per_node},
+            )
+        except GpumagicError as err:
+            raise UsageError(f"%%launch_ddp: {err}") from None
+        print(f"[gpumagic] submitted as job {job.name} ({job.reason}); its output follows, an interrupt cancels it")
+        status = job.follow(tail=None)
+        if status in ("queued", "running"):  # the follow was interrupted
+            job.kill()
+            raise LaunchInterrupted(f"interrupted; job {job.name} was cancelled through Slurm")
+        results = job.result()  # raises JobFailed with the failing rank's traceback
+        if args.o is not None:
+            self.shell.user_ns[args.o] = results if isinstance(results, dict) else {0: results}
         return None
 
     def _launch_in_background(self, packed: bytes, variable: str | None, dashboard: Any, options: dict) -> Any:

@@ -259,7 +259,8 @@ def test_fifty_launches_leak_no_processes_threads_or_descriptors(kernel):
         timeout=300,
     )
     after = (kernel_process.num_fds(), kernel_process.num_threads(), len(rank_processes(kernel.pid_)))
-    assert after == before, f"fds, threads, children before {before} after {after}"
+    # a leak grows; fewer descriptors after is an earlier test's leftovers collected meanwhile
+    assert after[0] <= before[0] and after[1:] == before[1:], f"fds, threads, children before {before} after {after}"
     assert float(out.stdout) < 2.0
 
 

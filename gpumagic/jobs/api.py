@@ -21,6 +21,7 @@ from gpumagic.jobs import records
 from gpumagic.jobs.queue import Request, Ticket, remove_tickets
 from gpumagic.units import format_bytes, format_duration, parse_duration, parse_size
 
+EXECUTORS = ("local", "slurm")
 MAX_GPUS = 64
 MAX_RANKS = 256
 KILL_GRACE_S = 5.0
@@ -109,11 +110,31 @@ class Job:
             return f"job {self.name} {status}: " + error.read_text().rstrip()
         return f"job {self.name} {status}: {self.reason}"
 
+    def _outputs(self) -> list[tuple[int | None, Path]]:
+        """Where its output is: ``output.log``, or each rank's own file for a Slurm job (rank given when there
+        are several, for the ``[rank N]`` prefix)."""
+        info = self.info
+        if info.get("executor") != "slurm":
+            return [(None, self.path / "output.log")]
+        ranks = int(info.get("ranks") or 1)
+        return [(rank if ranks > 1 else None, self.path / "ranks" / f"rank-{rank}.log") for rank in range(ranks)]
+
     def logs(self, tail: int | None = None) -> str:
-        """Its stdout and stderr so far (the last ``tail`` lines)."""
-        text = (self.path / "output.log").read_text(errors="replace")
+        """Its stdout and stderr so far (the last ``tail`` lines); a Slurm job's ranks one after another."""
+        from gpumagic.launch.output import RankOutput
+
+        parts: list[str] = []
+        sink = RankOutput(parts.append, "all", len(self._outputs()))
+        for rank, path in self._outputs():
+            data = path.read_bytes() if path.exists() else b""
+            if rank is None:
+                parts.append(data.decode(errors="replace"))
+            else:
+                sink.feed(rank, data)
+                sink.flush()
+        text = "".join(parts)
         if tail is not None:
-            text = "".join(text.splitlines(True)[-tail:])
+            text = "".join(text.splitlines(True)[-tail:] if tail else [])
         return text
 
     def follow(self, write: Callable[[str], None] | None = None, poll_s: float = 0.2, tail: int | None = None) -> str:
@@ -122,24 +143,35 @@ class Job:
 
         Returns the job's status when following stopped.
         """
+        from gpumagic.launch.output import RankOutput
+
         write = write or _print
-        offset = 0
+        sources = self._outputs()
+        offsets = {path: 0 for _, path in sources}
         if tail is not None:
-            so_far = (self.path / "output.log").read_bytes()
-            offset = len(so_far)
-            shown = "".join(so_far.decode(errors="replace").splitlines(True)[-tail:] if tail else [])
+            for _, path in sources:
+                offsets[path] = path.stat().st_size if path.exists() else 0
+            shown = self.logs(tail)  # may repeat a line written between the two reads, never miss one
             if shown:
                 write(shown)
+        sink = RankOutput(write, "all", len(sources))
         try:
             while True:
-                ended = self.status in records.ENDED  # read before the log: nothing written after it is missed
-                with open(self.path / "output.log", "rb") as handle:
-                    handle.seek(offset)
-                    data = handle.read()
-                offset += len(data)
-                if data:
-                    write(data.decode(errors="replace"))
+                ended = self.status in records.ENDED  # read before the logs: nothing written after it is missed
+                for rank, path in sources:
+                    try:
+                        with open(path, "rb") as handle:
+                            handle.seek(offsets[path])
+                            data = handle.read()
+                    except FileNotFoundError:
+                        continue
+                    offsets[path] += len(data)
+                    if data and rank is None:
+                        write(data.decode(errors="replace"))
+                    elif data:
+                        sink.feed(rank, data)
                 if ended:
+                    sink.flush()
                     break
                 time.sleep(poll_s)
         except KeyboardInterrupt:
@@ -169,6 +201,8 @@ class Job:
             raise InvalidArgument(f"job {info['name']} has already ended ({status}); nothing to kill")
         if (self.path / "run.json").stat().st_uid != os.getuid():
             raise KillRefused(f"job {info['name']} belongs to another user; only they can stop it")
+        if info.get("executor") == "slurm":
+            return self._cancel_on_slurm(info)
         deadline = time.monotonic() + 10
         while info.get("runner_pid") is None and time.monotonic() < deadline:  # submitted a moment ago
             time.sleep(0.05)
@@ -192,6 +226,17 @@ class Job:
                 reason="",
                 exit=f"killed with %jobs kill (SIGKILL: still running {grace_s:g}s after SIGTERM)",
                 ended=time.time(),
+            )
+        return self.status
+
+    def _cancel_on_slurm(self, info: dict[str, Any]) -> str:
+        from gpumagic.jobs import slurm
+
+        (self.path / "kill.json").write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
+        done = slurm.cancel(info)
+        if records.read(self.path).get("status") in records.ACTIVE:
+            records.update(
+                self.path, status="killed", reason="", exit=f"killed with %jobs kill: {done}", ended=time.time()
             )
         return self.status
 
@@ -240,6 +285,8 @@ def submit(
     after: str | Iterable[str] | Job | None = None,
     backend: str | None = None,
     timeout: str | float = "30m",
+    executor: str = "local",
+    slurm: Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> Job:
     """Run ``fn(*args, **kwargs)`` as a background job; returns its ``Job`` at once.
@@ -257,6 +304,9 @@ def submit(
         ddp: run as a DDP group of this many ranks (process group initialized, as ``launch_ddp``).
         after: name(s) or Job(s) that must finish first; if one fails, this job is cancelled.
         backend, timeout: of the process group with ``ddp``.
+        executor: ``"local"`` (this machine's queue) or ``"slurm"``: submitted through submitit with the
+            options in ``slurm`` (``partition``, ``time``, ``nodes``, ``tasks_per_node``, ``gres`` ...: see
+            ``gpumagic.jobs.slurm.parameters``); every task is a rank of one DDP group; ``gpus`` is per node.
 
     Raises:
         InvalidArgument: a malformed option, an unknown ``after`` job, a name already taken, more GPUs than
@@ -266,7 +316,9 @@ def submit(
 
     packed = pack(ship_function(fn, tuple(args), dict(kwargs), rank_first=False))
     base = getattr(fn, "__name__", "job")
-    return _create([(name, base, packed, {})], gpus, min_free, ddp, after, backend, timeout, f"{base}()")[0]
+    return _create(
+        [(name, base, packed, {})], gpus, min_free, ddp, after, backend, timeout, f"{base}()", executor, slurm
+    )[0]
 
 
 def submit_cell(
@@ -282,13 +334,17 @@ def submit_cell(
     after: str | Iterable[str] | None = None,
     backend: str | None = None,
     timeout: str | float = "30m",
+    executor: str = "local",
+    slurm: Mapping[str, Any] | None = None,
 ) -> Job:
     """A notebook cell as a background job (``%%launch_bg``): its code with the notebook names it uses; the
     value of its last expression is the job's result. Options as ``submit``'s."""
     from gpumagic.launch.shipping import pack, ship_cell
 
     packed = pack(ship_cell(source, namespace, filename, hidden))
-    return _create([(name, "job", packed, {})], gpus, min_free, ddp, after, backend, timeout, "cell")[0]
+    return _create([(name, "job", packed, {})], gpus, min_free, ddp, after, backend, timeout, "cell", executor, slurm)[
+        0
+    ]
 
 
 def sweep(
@@ -347,11 +403,19 @@ def _create(
     backend: str | None,
     timeout: str | float,
     description: str,
+    executor: str = "local",
+    slurm: Mapping[str, Any] | None = None,
 ) -> list[Job]:
     """Validate the options once, take every name (all or none), write the jobs and start their runners."""
     from gpumagic.launch.plan import check_backend
 
     ddp = _check_ddp(ddp)
+    if executor not in EXECUTORS:
+        raise InvalidArgument(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    if executor == "slurm":
+        return _create_on_slurm(entries, gpus, min_free, ddp, after, backend, timeout, description, slurm)
+    if slurm is not None:
+        raise InvalidArgument("slurm options need executor='slurm' (--executor slurm)")
     request, inventory = _request(gpus, min_free, ddp)
     check_backend(backend)
     timeout_s = parse_duration(timeout)
@@ -361,20 +425,7 @@ def _create(
     paths: list[Path] = []
     tickets: list[Ticket] = []
     with records.names_locked():
-        taken = set(records.names())  # read once: each job's run.json
-        names = []
-        for explicit, base, _, _ in entries:
-            if explicit is not None:
-                records.check_name(explicit)
-                if explicit in taken:
-                    raise InvalidArgument(
-                        f"a job named {explicit!r} exists already; choose another name, or remove it "
-                        f"(%jobs rm {explicit})"
-                    )
-                names.append(explicit)
-            else:
-                names.append(_free_name(_sanitize(base), taken))
-            taken.add(names[-1])
+        names = _take_names(entries)
         for job_name, (_, _, packed, params) in zip(names, entries, strict=True):
             paths.append(
                 records.create(
@@ -400,6 +451,107 @@ def _create(
     for path in paths:
         _start_runner(path)
     return [Job(path) for path in paths]
+
+
+def _take_names(entries: list[tuple[str | None, str, bytes, dict[str, Any]]]) -> list[str]:
+    """The jobs' names: the explicit ones checked, the others made unique. Call under ``names_locked()``."""
+    taken = set(records.names())  # read once: each job's run.json
+    names = []
+    for explicit, base, _, _ in entries:
+        if explicit is not None:
+            records.check_name(explicit)
+            if explicit in taken:
+                raise InvalidArgument(
+                    f"a job named {explicit!r} exists already; choose another name, or remove it (%jobs rm {explicit})"
+                )
+            names.append(explicit)
+        else:
+            names.append(_free_name(_sanitize(base), taken))
+        taken.add(names[-1])
+    return names
+
+
+def _create_on_slurm(
+    entries: list[tuple[str | None, str, bytes, dict[str, Any]]],
+    gpus: int | str | None,
+    min_free: Any,
+    ddp: int | None,
+    after: Any,
+    backend: str | None,
+    timeout: str | float,
+    description: str,
+    options: Mapping[str, Any] | None,
+) -> list[Job]:
+    """Write the jobs' directories as for local jobs and submit each through submitit."""
+    from gpumagic.jobs import slurm
+    from gpumagic.launch.external import write_spec
+    from gpumagic.launch.plan import check_backend
+
+    if min_free is not None:
+        raise InvalidArgument("min_free is for this machine's queue; on Slurm ask for whole GPUs (gpus, gres)")
+    if isinstance(gpus, str) and not (gpus.strip().isascii() and gpus.strip().isdigit()):
+        raise InvalidArgument(f"on Slurm, gpus is a number of GPUs per node, got {gpus!r}")
+    where = slurm.cluster()
+    slurm.check_available(where)
+    check_backend(backend)
+    timeout_s = parse_duration(timeout)
+    if timeout_s <= 0:
+        raise InvalidArgument("timeout must be more than 0 seconds")
+    dependencies = _dependencies(after)
+    params, ranks = slurm.parameters("check", options, gpus, ddp, where)  # validated before anything is written
+    if dependencies:
+        if where == "local":
+            raise InvalidArgument("after= needs a real Slurm cluster (GPUMAGIC_SLURM=local cannot chain jobs)")
+        ids = []
+        for name in dependencies:
+            info = records.read(records.find(name))
+            if not info.get("slurm_job_id") or info.get("slurm_cluster") == "local":
+                raise InvalidArgument(f"job {name} is not a Slurm job; a Slurm job can only run after Slurm jobs")
+            ids.append(info["slurm_job_id"])
+        extra = dict(params.get("slurm_additional_parameters") or {})
+        extra["dependency"] = "afterok:" + ":".join(ids)
+        params["slurm_additional_parameters"] = extra
+    use_cuda = slurm.uses_gpus(params)
+    jobs = []
+    with records.names_locked():
+        names = _take_names(entries)
+        paths = []
+        for job_name, (_, _, packed, point) in zip(names, entries, strict=True):
+            path = records.create(
+                job_name,
+                packed,
+                ranks=ranks,
+                executor="slurm",
+                slurm_cluster=where,
+                request=Request(0).to_json(),
+                ddp=ranks if ranks > 1 else None,
+                after=dependencies,
+                backend=backend,
+                timeout_s=timeout_s,
+                params=point,
+                description=description,
+                uid=os.getuid(),
+                cwd=os.getcwd(),
+                runner_pid=None,
+            )
+            spec = {
+                "backend": (backend or ("nccl" if use_cuda else "gloo")) if ranks > 1 or ddp else None,
+                "use_cuda": use_cuda,
+                "timeout_s": timeout_s,
+                "threads_per_rank": int(params.get("cpus_per_task") or 1),
+                "sys_path": [p for p in sys.path if p],
+            }
+            write_spec(path, spec, packed)
+            paths.append((job_name, path))
+    for job_name, path in paths:
+        try:
+            fields = slurm.submit(path, {**params, "name": job_name}, where)
+        except Exception as err:  # noqa: BLE001 - sbatch's own refusal (partition, limits) is the user's answer
+            records.update(path, status="failed", reason="", exit=f"submission failed: {err}", ended=time.time())
+            raise InvalidArgument(f"submitting job {job_name} failed: {err}") from None
+        records.update(path, reason=f"submitted as Slurm job {fields['slurm_job_id']}", slurm=params, **fields)
+        jobs.append(Job(path))
+    return jobs
 
 
 def _say_who_waits(paths: list[Path], tickets: list[Ticket], inventory: Inventory | None) -> None:

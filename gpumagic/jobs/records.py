@@ -130,6 +130,10 @@ def names() -> list[str]:
 def effective_status(info: dict[str, Any]) -> str:
     """The recorded status, or ``lost`` when the job should be alive but its runner is gone."""
     status = info.get("status", "?")
+    if status in ACTIVE and info.get("executor") == "slurm":
+        from gpumagic.jobs import slurm
+
+        return slurm.effective_status(info)
     if status in ACTIVE and not runner_alive(info):
         return "lost"
     return status
@@ -137,6 +141,10 @@ def effective_status(info: dict[str, Any]) -> str:
 
 def why(info: dict[str, Any]) -> str:
     """Why the job waits (queued), or why it ended."""
+    if info.get("executor") == "slurm" and info.get("status") in ACTIVE:
+        from gpumagic.jobs import slurm
+
+        return slurm.why(info)
     if effective_status(info) == "lost":
         return f"its runner (pid {info.get('runner_pid')}) is gone without recording an end"
     return info.get("exit") or info.get("reason") or ""

@@ -38,6 +38,12 @@ def launch_ddp(
     ``timeout`` (of the process group, default ``"30m"``), ``start_method`` (``forkserver``/``spawn``),
     ``output`` (``all``/``rank0``/``none``).
 
+    Multi-node and elastic (torch.distributed.elastic, ``docs/multi-node.md``): ``nnodes`` with
+    ``rdzv_endpoint`` (``"HOST:PORT"``, an address of this machine; the other nodes' agent command is printed),
+    ``rdzv_id`` (c10d rendezvous, the default) or ``node_rank`` (fixed node numbers), ``max_restarts``
+    (restart the whole group when a rank fails, this many times) and ``runs_dir`` (where the run directory
+    goes: a filesystem every node shares). ``max_restarts`` alone runs an elastic group on this machine.
+
     Raises:
         LaunchError: a rank failed; it names the root cause with that rank's traceback.
         LaunchInterrupted: interrupted; every rank was stopped. ShippingError, InvalidArgument.
@@ -134,6 +140,12 @@ def _launch(
     output: str = "all",
     write: Callable[[str], None] | None = None,
     dashboard: Any = None,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    node_rank: int | None = None,
+    rdzv_id: str | None = None,
+    max_restarts: int = 0,
+    runs_dir: str | None = None,
 ) -> dict[int, Any]:
     from gpumagic.launch.local import START_METHODS, run_local
 
@@ -156,6 +168,32 @@ def _launch(
     use_cuda = bool(available) and not simulated
     if process_group and backend is None:
         backend = "nccl" if use_cuda else "gloo"
+    elastic = (nnodes, rdzv_endpoint, node_rank, rdzv_id, max_restarts, runs_dir) != (1, None, None, None, 0, None)
+    if elastic:
+        from gpumagic.launch.elastic import launch_elastic
+
+        if not process_group:
+            raise InvalidArgument("spawn runs on this machine only; use launch_ddp for a multi-node or elastic run")
+        if port is not None:
+            raise InvalidArgument("with an elastic launch the port is --rdzv-endpoint's; leave out --port")
+        return launch_elastic(
+            packed,
+            nprocs,
+            nnodes=nnodes,
+            rdzv_endpoint=rdzv_endpoint or ("127.0.0.1:0" if nnodes == 1 else None),
+            node_rank=node_rank,
+            rdzv_id=rdzv_id,
+            max_restarts=max_restarts,
+            backend=backend or "gloo",
+            use_cuda=use_cuda,
+            gpu_uuids=[g for gpus in rank_gpus for g in gpus],
+            threads_per_rank=threads_per_rank(nprocs),
+            timeout_s=timeout_s,
+            runs_dir=runs_dir,
+            output=output,
+            write=write or _stdout_writer(),
+            dashboard=dashboard,
+        )
     listener, chosen_port = _loopback_port(port, keep=process_group)
     run_dir = store.new_run("ddp", ranks=nprocs, backend=backend, gpus=[list(g) for g in rank_gpus])
     job_dir = run_dir / "launch"

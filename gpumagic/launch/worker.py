@@ -48,7 +48,9 @@ def run_rank(local_rank: int, plan: LaunchPlan, outputs: list[Any], listener: An
             torch.cuda.set_device(0)
         if plan.backend is not None:
             phase = "rendezvous"
-            _join_process_group(plan, rank, listener)
+            join_process_group(
+                plan.backend, plan.master_addr, plan.master_port, rank, plan.world_size, plan.timeout_s, listener
+            )
         phase = "user code"
         import gpumagic
 
@@ -64,43 +66,55 @@ def run_rank(local_rank: int, plan: LaunchPlan, outputs: list[Any], listener: An
 
         write_sealed(Path(plan.job_dir, f"rank-{rank}.result.pkl"), cloudpickle.dumps(value))
         if plan.backend is not None:
-            _leave_process_group()
+            leave_process_group()
     except BaseException as err:  # noqa: BLE001 - every way a rank ends must be reported
-        code = _report(plan, rank, phase, err)
+        code = report_failure(Path(plan.job_dir), f"rank-{rank}.error.json", rank, phase, err)
         _flush()
         os._exit(code)
     _flush()
     os._exit(0)  # skip interpreter teardown: a finished rank must not hang in a library's destructor
 
 
-def _join_process_group(plan: LaunchPlan, rank: int, listener: Any) -> None:
+def join_process_group(
+    backend: str,
+    addr: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    listener: Any = None,
+    served_prefix: str | None = None,
+) -> None:
+    """Join the process group through a TCPStore at ``addr:port``. Rank 0 serves it: on ``listener`` (a socket
+    bound already) when given, else on a socket it binds to ``addr`` itself, never on every interface.
+    ``served_prefix``: an elastic agent serves the store already; every rank is a client under that prefix."""
     import datetime
+    import socket
 
     import torch.distributed as dist
 
-    timeout = datetime.timedelta(seconds=plan.timeout_s)
-    if listener is not None:  # rank 0 serves the rendezvous on the loopback socket the launcher bound
-        store = dist.TCPStore(
-            plan.master_addr,
-            plan.master_port,
-            plan.world_size,
-            True,
-            timeout=timeout,
-            master_listen_fd=listener.detach(),
-        )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if served_prefix is not None:
+        client = dist.TCPStore(addr, port, world_size, False, timeout=timeout)
+        store = dist.PrefixStore(served_prefix, client)
+    elif rank == 0:
+        if listener is None:
+            listener = socket.create_server((addr, port), backlog=256)
+        store = dist.TCPStore(addr, port, world_size, True, timeout=timeout, master_listen_fd=listener.detach())
     else:
-        store = dist.TCPStore(plan.master_addr, plan.master_port, plan.world_size, False, timeout=timeout)
-    dist.init_process_group(plan.backend, store=store, rank=rank, world_size=plan.world_size, timeout=timeout)
+        store = dist.TCPStore(addr, port, world_size, False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def _leave_process_group() -> None:
+def leave_process_group() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _report(plan: LaunchPlan, rank: int, phase: str, err: BaseException) -> int:
+def report_failure(directory: Path, name: str, rank: int, phase: str, err: BaseException) -> int:
+    """Write how a rank failed to ``directory/name`` (JSON); its exit code (0 for ``sys.exit(0)``)."""
     if isinstance(err, SystemExit):
         code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
         if code == 0:
@@ -121,7 +135,7 @@ def _report(plan: LaunchPlan, rank: int, phase: str, err: BaseException) -> int:
         "timestamp": time.time(),
         "exitcode": code,
     }
-    _write(plan, f"rank-{rank}.error.json", json.dumps(report).encode())
+    _write(directory / name, json.dumps(report).encode())
     sys.stderr.write(f"rank {rank} failed: {type(err).__name__}: {message}\n")
     return code
 
@@ -135,8 +149,7 @@ def _user_traceback(err: BaseException) -> str:
     return "".join(traceback.format_exception(type(err), err, tb or err.__traceback__))
 
 
-def _write(plan: LaunchPlan, name: str, data: bytes) -> None:
-    final = Path(plan.job_dir, name)
+def _write(final: Path, data: bytes) -> None:
     temporary = final.with_suffix(final.suffix + ".tmp")
     temporary.write_bytes(data)
     os.replace(temporary, final)
@@ -145,10 +158,7 @@ def _write(plan: LaunchPlan, name: str, data: bytes) -> None:
 def _die_with(launcher_pid: int) -> None:
     """End this rank if the kernel that launched it dies: a parent-death signal (the forkserver's death,
     which follows the kernel's) and a watchdog on the kernel itself."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    die_with_parent()
 
     _release_forkserver()
 
@@ -159,6 +169,14 @@ def _die_with(launcher_pid: int) -> None:
                 os._exit(1)
 
     threading.Thread(target=watch, name="gpumagic-watchdog", daemon=True).start()
+
+
+def die_with_parent(how: int = signal.SIGKILL) -> None:
+    """Have the kernel send ``how`` to this process when its parent dies (Linux; elsewhere a no-op)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, how, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _release_forkserver() -> None:

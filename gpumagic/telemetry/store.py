@@ -41,9 +41,10 @@ def runs_root() -> Path:
     return Path(platformdirs.user_state_dir("gpumagic")) / "runs"
 
 
-def new_run(kind: str, ranks: int = 1, **details: Any) -> Path:
-    """Create a run directory (private to this user) and its ``run.json``; returns its path."""
-    root = runs_root()
+def new_run(kind: str, ranks: int = 1, root: Path | None = None, **details: Any) -> Path:
+    """Create a run directory (private to this user) and its ``run.json`` under ``root`` (default
+    ``runs_root()``); returns its path."""
+    root = Path(root) if root is not None else runs_root()
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{kind}-{uuid.uuid4().hex[:6]}"
     path = root / run_id

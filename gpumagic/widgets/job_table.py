@@ -43,16 +43,26 @@ def job_row(
     info = info if info is not None else job.info
     status = records.effective_status(info)
     gpus = ",".join(map(str, info.get("gpus") or ())) or ("-" if status in ("queued", "cancelled") else "cpu")
-    if status == "lost":
+    if info.get("executor") == "slurm":
+        gpus = _slurm_resources(info)
+    if status == "lost" and info.get("executor") != "slurm":
         why = f"runner (pid {info.get('runner_pid')}) gone"
     elif status == "finished":
         why = ""
     else:
-        why = info.get("exit") or info.get("reason") or ""
+        why = records.why(info)
     shown = ""
     if status not in ("queued", "cancelled"):
         shown = _format_metrics(latest if latest is not None else job.last_metrics())
     return JobRow(info["name"], status, gpus, format_duration(records.elapsed(info)), why, shown)
+
+
+def _slurm_resources(info: dict[str, Any]) -> str:
+    """e.g. ``slurm 2×4, 4 GPU/node``."""
+    params = info.get("slurm") or {}
+    shape = f"{params.get('nodes', 1)}×{params.get('tasks_per_node', 1)}"
+    gpus = params.get("gpus_per_node") or params.get("slurm_gres")
+    return f"slurm {shape}" + (f", {gpus} GPU/node" if isinstance(gpus, int) else f", {gpus}" if gpus else "")
 
 
 class JobTable:

@@ -67,8 +67,9 @@ class LaunchDashboard:
         load_bokehjs()
         display(self.widget)
 
-    def attach(self, plan: Any, pids: list[int]) -> None:
-        """The ranks of ``plan`` (a ``LaunchPlan``) started: follow their metrics and processes until ``finish``."""
+    def attach(self, plan: Any, pids: list[int | None]) -> None:
+        """The ranks of ``plan`` (a ``LaunchPlan``) started: follow their metrics and processes until ``finish``
+        (``None`` for a rank on another node: its metrics only)."""
         from gpumagic.telemetry.store import RankReader
 
         self.run_dir = Path(plan.job_dir).parent  # the launch's files live in <run dir>/launch
@@ -109,6 +110,8 @@ class LaunchDashboard:
 
         processes = {}
         for rank, pid in enumerate(self.pids):
+            if pid is None:  # a rank on another node
+                continue
             try:
                 processes[rank] = psutil.Process(pid)
                 processes[rank].cpu_percent(None)
@@ -172,7 +175,7 @@ class LaunchDashboard:
 
     def _status_text(self) -> str:
         elapsed = time.monotonic() - self.started
-        alive = sum(1 for pid in self.pids if _alive(pid)) if self.state == "running" else 0
+        alive = sum(1 for pid in self.pids if pid is not None and _alive(pid)) if self.state == "running" else 0
         progress = ""
         if self._steps:
             (t0, s0), (t1, s1) = self._steps[0], self._steps[-1]

@@ -1,0 +1,357 @@
+"""Background jobs on a Slurm cluster, through submitit (``executor="slurm"``, ``%%launch_bg --executor slurm``).
+
+gpumagic does not schedule anything here: it writes the job's directory as for a local job (sealed payload,
+``run.json``), hands submitit a small task that names that directory, and reads the directory back. Every
+Slurm task becomes one rank with the environment torchrun gives (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR`` = the first node, ``MASTER_PORT`` derived from the job id) and runs the shipped code
+(``launch.external``); with more than one task the ranks form one DDP group across the allocation. Output,
+metrics and results come back through the job directory, so it must be on a filesystem the nodes share.
+
+``GPUMAGIC_SLURM=local`` puts submitit's local executor in Slurm's place (one node, tasks as processes): the
+same job, end to end, on a machine without Slurm.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from gpumagic.errors import InvalidArgument
+from gpumagic.units import parse_duration, parse_size
+
+LOCAL_VARIABLE = "GPUMAGIC_SLURM"
+DEFAULT_TIME = "1h"
+KEYS = (
+    "partition",
+    "time",
+    "nodes",
+    "tasks_per_node",
+    "gpus_per_node",
+    "gres",
+    "cpus_per_task",
+    "mem",
+    "account",
+    "qos",
+    "constraint",
+    "additional",
+)
+QUEUED_STATES = ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED")
+RUNNING_STATES = ("RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING", "RESIZING")
+STATE_CACHE_S = 10.0
+
+
+def cluster() -> str:
+    """``slurm``, or ``local`` when ``GPUMAGIC_SLURM=local`` asks for submitit's local stand-in."""
+    return "local" if os.environ.get(LOCAL_VARIABLE, "").strip().lower() == "local" else "slurm"
+
+
+def parameters(
+    name: str, slurm: Mapping[str, Any] | None, gpus: Any, ddp: int | None, where: str = "slurm"
+) -> tuple[dict[str, Any], int]:
+    """submitit's ``update_parameters`` keywords for a job, and its number of ranks (nodes × tasks per node).
+
+    ``slurm`` takes ``partition``, ``time`` ("2h", minutes), ``nodes``, ``tasks_per_node``, ``gpus_per_node``,
+    ``gres`` ("gpu:a100:4", instead of ``gpus_per_node``), ``cpus_per_task``, ``mem`` ("64GB", per node),
+    ``account``, ``qos``, ``constraint`` and ``additional`` (any other sbatch option: ``{"exclusive": True}``).
+    ``gpus`` (per node) defaults to one per task; ``ddp`` (ranks in all) sets the tasks per node.
+
+    Raises:
+        InvalidArgument: an unknown key or a malformed value, named.
+    """
+    options = dict(slurm or {})
+    unknown = sorted(set(options) - set(KEYS))
+    if unknown:
+        raise InvalidArgument(f"unknown Slurm option(s) {', '.join(unknown)}; known: {', '.join(KEYS)}")
+    nodes = _whole(options.get("nodes", 1), "nodes", 1, 10_000)
+    if where == "local" and nodes != 1:
+        raise InvalidArgument("submitit's local executor (GPUMAGIC_SLURM=local) runs one node; use nodes=1")
+    tasks = options.get("tasks_per_node")
+    if tasks is None:
+        tasks = 1 if ddp is None else _split(ddp, nodes)
+    tasks = _whole(tasks, "tasks_per_node", 1, 1024)
+    if ddp is not None and ddp != nodes * tasks:
+        raise InvalidArgument(f"ddp={ddp} ranks, but {nodes} node(s) × {tasks} task(s) per node is {nodes * tasks}")
+    time_limit = options.get("time", DEFAULT_TIME)
+    minutes = float(time_limit) if _is_number(time_limit) else parse_duration(time_limit) / 60
+    if minutes <= 0:
+        raise InvalidArgument("time must be more than 0")
+    result: dict[str, Any] = {
+        "name": name,
+        "timeout_min": max(1, round(minutes)),
+        "nodes": nodes,
+        "tasks_per_node": tasks,
+        "stderr_to_stdout": True,
+    }
+    if options.get("gres") is not None:
+        if gpus is not None or options.get("gpus_per_node") is not None:
+            raise InvalidArgument("give gres or a number of GPUs per node, not both")
+        result["slurm_gres"] = _text(options["gres"], "gres")
+    else:
+        per_node = options.get("gpus_per_node", gpus)
+        per_node = tasks if per_node is None else _whole(per_node, "gpus (per node)", 0, 64)
+        if per_node:
+            result["gpus_per_node"] = per_node
+    if options.get("cpus_per_task") is not None:
+        result["cpus_per_task"] = _whole(options["cpus_per_task"], "cpus_per_task", 1, 4096)
+    if options.get("mem") is not None:
+        result["mem_gb"] = max(1, round(parse_size(options["mem"]) / 2**30))
+    for key in ("partition", "account", "qos", "constraint"):
+        if options.get(key) is not None:
+            result[f"slurm_{key}"] = _text(options[key], key)
+    additional = options.get("additional") or {}
+    if not isinstance(additional, Mapping):
+        raise InvalidArgument(f"additional is a dict of sbatch options, got {additional!r}")
+    if additional:
+        result["slurm_additional_parameters"] = {str(k).replace("-", "_"): v for k, v in additional.items()}
+    return result, nodes * tasks
+
+
+def uses_gpus(params: Mapping[str, Any]) -> bool:
+    return bool(params.get("gpus_per_node")) or "gpu" in str(params.get("slurm_gres", ""))
+
+
+def check_available(where: str) -> None:
+    """Raises InvalidArgument (saying what to do) unless jobs can be submitted to ``where`` from here."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("submitit") is None:
+        raise InvalidArgument("the Slurm executor needs submitit: pip install submitit (or gpumagic[slurm])")
+    missing = [c for c in ("sbatch", "srun") if where == "slurm" and shutil.which(c) is None]
+    if missing:
+        raise InvalidArgument(
+            f"cannot submit to Slurm from here ({' and '.join(missing)} not found); run the notebook on a machine "
+            f"with Slurm's commands, or set {LOCAL_VARIABLE}=local to try the job with submitit's local executor"
+        )
+
+
+def executor(folder: Path, where: str) -> Any:
+    """submitit's executor for ``where`` (``slurm`` or ``local``). Raises InvalidArgument without Slurm."""
+    try:
+        import submitit
+    except ImportError:
+        raise InvalidArgument("the Slurm executor needs submitit: pip install submitit") from None
+    try:
+        return submitit.AutoExecutor(folder=folder, cluster=where)
+    except RuntimeError as err:
+        raise InvalidArgument(
+            f"cannot submit to Slurm from here ({err}); run the notebook on a machine with sbatch and srun, or set "
+            f"{LOCAL_VARIABLE}=local to try the job with submitit's local executor"
+        ) from None
+
+
+def submit(path: Path, params: dict[str, Any], where: str) -> dict[str, Any]:
+    """Submit the job in ``path``; the fields ``run.json`` records about it (Slurm job id, folder ...)."""
+    from gpumagic.devices.processes import process_start_time
+
+    folder = path / "slurm"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    chosen = executor(folder, where)
+    chosen.update_parameters(**params)
+    job = chosen.submit(Task(str(path)))
+    fields: dict[str, Any] = {"slurm_job_id": str(job.job_id), "slurm_folder": str(folder), "slurm_cluster": where}
+    if where == "local":  # the local "job" is a controller process of this machine: follow it by pid
+        pid = int(job.job_id)
+        fields.update(runner_pid=pid, runner_start=process_start_time(pid))
+    return fields
+
+
+class Task:
+    """What submitit runs in every Slurm task: one rank of the job in ``run_dir``. Holds only the path, so
+    the code itself travels sealed in the job directory, not in submitit's pickle."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+
+    def __call__(self) -> int:
+        import submitit
+
+        from gpumagic.jobs import records
+        from gpumagic.launch.external import run_rank
+
+        run_dir = Path(self.run_dir)
+        env = submitit.JobEnvironment()
+        rank, world_size = env.global_rank, env.num_tasks
+        master = "127.0.0.1" if cluster_of(run_dir) == "local" else env.hostnames[0]
+        os.environ.update(
+            torchrun_environment(env.job_id, rank, env.local_rank, world_size, env.num_nodes, env.node, master)
+        )
+        if rank == 0:
+            records.update(run_dir, status="running", reason="", started=time.time(), slurm_nodes=list(env.hostnames))
+        code = run_rank(run_dir)
+        if rank == 0:
+            record_outcome(run_dir, world_size)
+        if code:
+            raise RuntimeError(f"rank {rank} failed (exit code {code}); see {run_dir / 'error.txt'}")
+        return code
+
+
+def cluster_of(run_dir: Path) -> str:
+    from gpumagic.jobs import records
+
+    return str(records.read(run_dir).get("slurm_cluster", "slurm"))
+
+
+def torchrun_environment(
+    job_id: str, rank: int, local_rank: int, world_size: int, nodes: int, node: int, master: str
+) -> dict[str, str]:
+    """The variables torchrun would set for a Slurm task (the port is the job id's, as submitit's helper)."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size // max(1, nodes)),
+        "GROUP_RANK": str(node),
+        "NODE_RANK": str(node),
+        "MASTER_ADDR": master,
+        "MASTER_PORT": str(random.Random(str(job_id)).randint(20000, 60000)),
+        "TORCHELASTIC_RUN_ID": str(job_id),
+    }
+
+
+def record_outcome(run_dir: Path, world_size: int, wait_s: float = 60.0) -> None:
+    """Rank 0, once its own code ended: wait for every rank's result or failure, then record the job's end
+    (``result.pkl``: rank 0's value, or ``{rank: value}`` with several ranks; ``error.txt``; the status)."""
+    import cloudpickle
+
+    from gpumagic.jobs import records
+    from gpumagic.launch.external import rank_file, rank_outcomes
+    from gpumagic.launch.failures import LaunchError, root_cause
+    from gpumagic.launch.signing import read_sealed, write_sealed
+
+    def ended(rank: int) -> bool:
+        return rank_file(run_dir, rank, "result.pkl").exists() or any((run_dir / "ranks").glob(f"rank-{rank}.error.*"))
+
+    deadline = time.monotonic() + wait_s
+    while not all(ended(rank) for rank in range(world_size)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    outcomes = rank_outcomes(run_dir, world_size)
+    failure = root_cause(outcomes)
+    if failure is not None:
+        error = LaunchError(outcomes, failure)
+        (run_dir / "error.txt").write_text(error.report() + "\n")
+        records.update(run_dir, status="failed", reason="", exit=error.headline(), ended=time.time())
+        return
+    values = {
+        rank: cloudpickle.loads(read_sealed(rank_file(run_dir, rank, "result.pkl"), f"rank {rank}'s result"))
+        for rank in range(world_size)
+    }
+    write_sealed(run_dir / "result.pkl", cloudpickle.dumps(values if world_size > 1 else values[0]))
+    records.update(run_dir, status="finished", reason="", exit="finished", exitcode=0, ended=time.time())
+
+
+_states: dict[str, tuple[float, str]] = {}
+
+
+def state(info: Mapping[str, Any]) -> str:
+    """The job's Slurm state (``PENDING``, ``RUNNING``, ``COMPLETED``, ``CANCELLED`` ...), asked at most every
+    10 s per job (sacct); ``UNKNOWN`` if Slurm cannot tell."""
+    job_id = str(info.get("slurm_job_id", ""))
+    if info.get("slurm_cluster") == "local":
+        from gpumagic.devices.processes import is_same_process
+
+        alive = is_same_process(int(info.get("runner_pid") or 0), info.get("runner_start"))
+        return "RUNNING" if alive else "ENDED"
+    cached = _states.get(job_id)
+    if cached is not None and time.monotonic() - cached[0] < STATE_CACHE_S:
+        return cached[1]
+    try:
+        import submitit
+
+        found = str(submitit.SlurmJob(folder=info["slurm_folder"], job_id=job_id).state).split()[0].upper()
+    except Exception:  # noqa: BLE001 - sacct missing or failing: Slurm cannot tell now
+        found = "UNKNOWN"
+    _states[job_id] = (time.monotonic(), found)
+    return found
+
+
+def effective_status(info: Mapping[str, Any]) -> str:
+    """A Slurm job's status as gpumagic names them, from run.json and, while it is active there, Slurm."""
+    recorded = str(info.get("status", "?"))
+    found = state(info)
+    if found in QUEUED_STATES:
+        return "queued"
+    if found in RUNNING_STATES:
+        return "running" if recorded == "queued" else recorded
+    if found == "UNKNOWN":
+        return recorded
+    if found.startswith("CANCELLED"):
+        return "killed"
+    if found == "COMPLETED" or found == "ENDED":
+        return "lost"  # ended without rank 0 recording the end
+    return "failed"
+
+
+def why(info: Mapping[str, Any]) -> str:
+    """What Slurm says about an active job, or how it ended without a record."""
+    found = state(info)
+    job = f"Slurm job {info.get('slurm_job_id')}" + (
+        " (local stand-in)" if info.get("slurm_cluster") == "local" else ""
+    )
+    if found in QUEUED_STATES:
+        return f"{job}: {found}"
+    if found in RUNNING_STATES:
+        return f"{job}: {found} on {','.join(info.get('slurm_nodes') or []) or 'its nodes'}"
+    if found == "UNKNOWN":
+        return f"{job}: Slurm cannot tell its state now (sacct)"
+    return f"{job} ended ({found}) without recording a result; see {info.get('slurm_folder')}"
+
+
+def cancel(info: Mapping[str, Any]) -> str:
+    """Cancel through Slurm (scancel); the local stand-in's controller gets SIGTERM. Returns what was done."""
+    job_id = str(info.get("slurm_job_id"))
+    if info.get("slurm_cluster") == "local":
+        import signal
+
+        import psutil
+
+        try:
+            controller = psutil.Process(int(info["runner_pid"]))
+            tree = [controller, *controller.children(recursive=True)]
+        except (psutil.Error, KeyError, ValueError):
+            return "its controller had ended"
+        for process in reversed(tree):
+            try:
+                process.send_signal(signal.SIGTERM)
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(tree, timeout=5)
+        for process in alive:
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+        return f"stopped submitit's local controller (pid {info['runner_pid']})"
+    import submitit
+
+    submitit.SlurmJob(folder=info["slurm_folder"], job_id=job_id).cancel(check=True)
+    _states.pop(job_id, None)
+    return f"cancelled through Slurm (scancel {job_id})"
+
+
+def _whole(value: Any, what: str, lowest: int, highest: int) -> int:
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or not lowest <= value <= highest:
+        raise InvalidArgument(f"{what} must be a whole number from {lowest} to {highest}, got {value!r}")
+    return value
+
+
+def _split(ranks: int, nodes: int) -> int:
+    if ranks % nodes:
+        raise InvalidArgument(f"{ranks} ranks cannot be spread evenly over {nodes} nodes")
+    return ranks // nodes
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value.strip()):
+        raise InvalidArgument(f"{what} must be a word like 'gpu' or 'gpu:a100:4', got {value!r}")
+    return value.strip()
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

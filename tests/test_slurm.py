@@ -1,0 +1,203 @@
+"""Jobs on Slurm through submitit (#6): submitit's local executor runs a --executor slurm job end to end; the
+Slurm path builds the sbatch script through submitit itself, against stand-ins for sbatch, sacct and scancel
+(there is no cluster here)."""
+
+from __future__ import annotations
+
+import stat
+import time
+
+import pytest
+from IPython.core.error import UsageError
+
+import gpumagic
+from gpumagic.errors import InvalidArgument
+from gpumagic.jobs import slurm
+
+pytestmark = pytest.mark.kernel
+
+
+@pytest.fixture
+def local_slurm(monkeypatch, no_job_left_running):
+    monkeypatch.setenv("GPUMAGIC_SLURM", "local")
+
+
+def test_a_slurm_job_runs_end_to_end_on_submitits_local_executor(shell, local_slurm):
+    shell.user_ns["steps"] = 6
+    shell.run_cell_magic(
+        "launch_bg",
+        "--executor slurm --name S1 --tasks-per-node 2 --gpus 0 --time 10m",
+        "import torch, torch.distributed as dist\n"
+        "t = torch.tensor(float(rank + 1))\n"
+        "dist.all_reduce(t)\n"
+        "for step in range(steps):\n"
+        "    gpumagic.log(loss=1.0 / (step + 1))\n"
+        "print('world', world_size, 'sum', t.item())\n"
+        "t.item()",
+    )
+    job = gpumagic.job("S1")
+    info = job.info
+    assert info["executor"] == "slurm" and info["slurm_cluster"] == "local" and info["slurm_job_id"]
+    assert job.status in ("queued", "running") and "Slurm job" in job.reason
+    assert job.wait(timeout="120s") == "finished"
+    assert job.result() == {0: 3.0, 1: 3.0}  # one DDP group of two tasks
+    logs = job.logs()
+    assert "[rank 0] world 2 sum 3.0" in logs and "[rank 1] world 2 sum 3.0" in logs
+    assert job.last_metrics()["loss"] == (5.0, pytest.approx(1 / 6))
+    assert sorted(job.metrics()) == [0, 1]
+    row = shell.run_line_magic("jobs", "")
+    assert "S1" in repr(row) and "slurm 1×2" in repr(row)
+
+
+def test_a_failing_slurm_job_records_the_rank_traceback(local_slurm):
+    def broken():
+        raise KeyError("missing column")
+
+    job = gpumagic.submit(broken, executor="slurm", gpus=0, slurm={"time": "5m"})
+    assert job.wait(timeout="120s") == "failed"
+    with pytest.raises(gpumagic.JobFailed) as caught:
+        job.result()
+    assert "KeyError: 'missing column'" in caught.value.report and "in broken" in caught.value.report
+
+
+def test_killing_a_local_slurm_job_stops_it(local_slurm):
+    def forever():
+        import time
+
+        while True:
+            time.sleep(0.1)
+
+    job = gpumagic.submit(forever, name="K1", executor="slurm", gpus=0, slurm={"time": "5m"})
+    deadline = time.monotonic() + 60
+    while "started" not in job.info and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert job.kill() == "killed"
+    assert "stopped submitit's local controller" in job.info["exit"]
+
+
+SBATCH = """#!/bin/sh
+cp "$1" "{log}/script.sh"
+echo "Submitted batch job 4242"
+"""
+SACCT = """#!/bin/sh
+echo "JobID|State|NodeList"
+echo "4242|$(cat {log}/state)|None assigned"
+"""
+SCANCEL = """#!/bin/sh
+echo "$@" >> "{log}/scancel"
+"""
+
+
+@pytest.fixture
+def slurm_commands(tmp_path, monkeypatch, no_job_left_running):
+    """sbatch, srun, sacct and scancel stand-ins that record what they are given (no cluster here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in {"sbatch": SBATCH, "sacct": SACCT, "scancel": SCANCEL, "srun": "#!/bin/sh\n"}.items():
+        path = bin_dir / name
+        path.write_text(text.format(log=tmp_path))
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    (tmp_path / "state").write_text("PENDING")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    monkeypatch.delenv("GPUMAGIC_SLURM", raising=False)
+    monkeypatch.setattr(slurm, "STATE_CACHE_S", 0.0)
+    return tmp_path
+
+
+def test_the_slurm_path_builds_the_sbatch_script_and_follows_slurm(shell, slurm_commands):
+    shell.run_cell_magic(
+        "launch_bg",
+        "--executor slurm --name big --nodes 2 --tasks-per-node 4 --gpus 4 --partition gpu --time 2h "
+        "--account proj --qos high --cpus-per-task 8 --mem 64GB --sbatch exclusive=1",
+        "rank",
+    )
+    script = (slurm_commands / "script.sh").read_text()
+    for line in (
+        "#SBATCH --partition=gpu",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --cpus-per-task=8",
+        "#SBATCH --mem=64GB",
+        "#SBATCH --time=120",
+        "#SBATCH --account=proj",
+        "#SBATCH --qos=high",
+        "#SBATCH --exclusive=1",
+        "#SBATCH --job-name=big",
+    ):
+        assert line in script, (line, script)
+    assert "submitit.core._submit" in script and "srun" in script
+    job = gpumagic.job("big")
+    assert job.info["slurm_job_id"] == "4242" and job.info["ranks"] == 8
+    assert job.status == "queued" and job.reason == "Slurm job 4242: PENDING"
+    (slurm_commands / "state").write_text("RUNNING")
+    assert job.status == "running"
+    shell.run_line_magic("jobs", "kill big")
+    assert "4242" in (slurm_commands / "scancel").read_text()
+    assert job.status == "killed" and "scancel 4242" in job.info["exit"]
+    (slurm_commands / "state").write_text("CANCELLED by 0")
+    assert job.status == "killed"
+
+
+def test_a_slurm_job_can_run_after_another_slurm_job(slurm_commands):
+    first = gpumagic.submit(print, name="first", executor="slurm", gpus=0)
+    gpumagic.submit(print, name="second", executor="slurm", gpus=0, after=first)
+    assert "#SBATCH --dependency=afterok:4242" in (slurm_commands / "script.sh").read_text()
+
+
+def test_without_slurm_the_error_says_how_to_try_it_locally(monkeypatch):
+    monkeypatch.delenv("GPUMAGIC_SLURM", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(InvalidArgument, match="GPUMAGIC_SLURM=local"):
+        gpumagic.submit(print, executor="slurm", gpus=0)
+    assert gpumagic.list_jobs() == []  # nothing half-written: checked before the job directory exists
+
+
+@pytest.mark.parametrize(
+    ("options", "gpus", "ddp", "says"),
+    [
+        ({"partitoin": "gpu"}, None, None, "unknown Slurm option(s) partitoin"),
+        ({"nodes": 2, "tasks_per_node": 2}, None, 3, "ddp=3 ranks, but 2 node(s)"),
+        ({"nodes": 2}, None, 3, "cannot be spread evenly over 2 nodes"),
+        ({"gres": "gpu:2"}, 2, None, "not both"),
+        ({"time": "soon"}, None, None, "soon"),
+        ({"nodes": 0}, None, None, "nodes must be a whole number"),
+        ({"partition": "a b"}, None, None, "partition must be a word"),
+        ({"additional": ["x"]}, None, None, "additional is a dict"),
+    ],
+)
+def test_bad_slurm_options_are_named(options, gpus, ddp, says):
+    with pytest.raises(InvalidArgument) as caught:
+        slurm.parameters("x", options, gpus, ddp)
+    assert says in str(caught.value)
+
+
+def test_parameters_default_to_one_gpu_per_task_and_an_hour():
+    params, ranks = slurm.parameters("A", {"nodes": 2}, None, 8)
+    assert ranks == 8
+    assert params == {
+        "name": "A",
+        "timeout_min": 60,
+        "nodes": 2,
+        "tasks_per_node": 4,
+        "stderr_to_stdout": True,
+        "gpus_per_node": 4,
+    }
+    with pytest.raises(InvalidArgument, match="local executor"):
+        slurm.parameters("A", {"nodes": 2}, None, None, where="local")
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "--partition gpu",
+        "--executor slurm --sbatch exclusive",
+        "--executor slurm --min-free 2GB",
+        "--executor slurm --gpus GPU:1",
+    ],
+)
+def test_bad_launch_bg_slurm_lines_are_one_line_errors(shell, line, local_slurm):
+    with pytest.raises(UsageError) as caught:
+        shell.run_cell_magic("launch_bg", line, "1")
+    assert "\n" not in str(caught.value)
+    assert gpumagic.list_jobs() == []

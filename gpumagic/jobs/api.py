@@ -124,8 +124,9 @@ class Job:
         from gpumagic.launch.output import RankOutput
 
         parts: list[str] = []
-        sink = RankOutput(parts.append, "all", len(self._outputs()))
-        for rank, path in self._outputs():
+        sources = self._outputs()
+        sink = RankOutput(parts.append, "all", len(sources))
+        for rank, path in sources:
             data = path.read_bytes() if path.exists() else b""
             if rank is None:
                 parts.append(data.decode(errors="replace"))
@@ -209,15 +210,7 @@ class Job:
             info = self.info
         (self.path / "kill.json").write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
         pid = info.get("runner_pid")
-        tree = _process_tree(pid) if pid else []
-        _signal_all(pid, tree, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and self.status not in records.ENDED:
-            time.sleep(0.05)
-        alive = _wait_gone(tree, deadline)
-        if alive:
-            _signal_all(pid, alive, signal.SIGKILL)
-            _wait_gone(alive, time.monotonic() + 5)
+        _stop_tree(pid, _process_tree(pid) if pid else [], time.monotonic() + grace_s, self._ended)
         remove_tickets(self.path.name)
         if records.read(self.path).get("status") in records.ACTIVE:
             records.update(
@@ -229,11 +222,20 @@ class Job:
             )
         return self.status
 
+    def _ended(self) -> bool:
+        return self.status in records.ENDED
+
     def _cancel_on_slurm(self, info: dict[str, Any]) -> str:
         from gpumagic.jobs import slurm
 
         (self.path / "kill.json").write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
-        done = slurm.cancel(info)
+        pid = info.get("runner_pid")
+        if info.get("slurm_cluster") == "local":  # submitit's stand-in: a controller process of this machine
+            tree = _process_tree(pid) if pid else []
+            _stop_tree(None, tree, time.monotonic() + KILL_GRACE_S, self._ended)
+            done = f"stopped submitit's local controller (pid {pid})" if tree else "its controller had ended"
+        else:
+            done = slurm.cancel(info)
         if records.read(self.path).get("status") in records.ACTIVE:
             records.update(
                 self.path, status="killed", reason="", exit=f"killed with %jobs kill: {done}", ended=time.time()
@@ -407,7 +409,7 @@ def _create(
     slurm: Mapping[str, Any] | None = None,
 ) -> list[Job]:
     """Validate the options once, take every name (all or none), write the jobs and start their runners."""
-    from gpumagic.launch.plan import check_backend
+    from gpumagic.launch.plan import check_backend, check_timeout
 
     ddp = _check_ddp(ddp)
     if executor not in EXECUTORS:
@@ -418,9 +420,7 @@ def _create(
         raise InvalidArgument("slurm options need executor='slurm' (--executor slurm)")
     request, inventory = _request(gpus, min_free, ddp)
     check_backend(backend)
-    timeout_s = parse_duration(timeout)
-    if timeout_s <= 0:
-        raise InvalidArgument("timeout must be more than 0 seconds")
+    timeout_s = check_timeout(timeout)
     dependencies = _dependencies(after)
     paths: list[Path] = []
     tickets: list[Ticket] = []
@@ -485,7 +485,7 @@ def _create_on_slurm(
     """Write the jobs' directories as for local jobs and submit each through submitit."""
     from gpumagic.jobs import slurm
     from gpumagic.launch.external import write_spec
-    from gpumagic.launch.plan import check_backend
+    from gpumagic.launch.plan import check_backend, check_timeout
 
     if min_free is not None:
         raise InvalidArgument("min_free is for this machine's queue; on Slurm ask for whole GPUs (gpus, gres)")
@@ -494,9 +494,7 @@ def _create_on_slurm(
     where = slurm.cluster()
     slurm.check_available(where)
     check_backend(backend)
-    timeout_s = parse_duration(timeout)
-    if timeout_s <= 0:
-        raise InvalidArgument("timeout must be more than 0 seconds")
+    timeout_s = check_timeout(timeout)
     dependencies = _dependencies(after)
     params, ranks = slurm.parameters("check", options, gpus, ddp, where)  # validated before anything is written
     if dependencies:
@@ -683,6 +681,18 @@ def _start_runner(path: Path) -> None:
             close_fds=True,
         )
     process.wait(timeout=60)
+
+
+def _stop_tree(pid: int | None, tree: list[Any], deadline: float, ended: Callable[[], bool]) -> None:
+    """SIGTERM to ``pid``'s process group (if given) and every process of ``tree``; wait until ``deadline`` (or
+    until ``ended()``) and for the processes; SIGKILL those still running."""
+    _signal_all(pid, tree, signal.SIGTERM)
+    while time.monotonic() < deadline and not ended():
+        time.sleep(0.05)
+    alive = _wait_gone(tree, deadline)
+    if alive:
+        _signal_all(pid, alive, signal.SIGKILL)
+        _wait_gone(alive, time.monotonic() + 5)
 
 
 def _process_tree(pid: int) -> list[Any]:

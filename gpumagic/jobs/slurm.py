@@ -302,32 +302,10 @@ def why(info: Mapping[str, Any]) -> str:
 
 
 def cancel(info: Mapping[str, Any]) -> str:
-    """Cancel through Slurm (scancel); the local stand-in's controller gets SIGTERM. Returns what was done."""
-    job_id = str(info.get("slurm_job_id"))
-    if info.get("slurm_cluster") == "local":
-        import signal
-
-        import psutil
-
-        try:
-            controller = psutil.Process(int(info["runner_pid"]))
-            tree = [controller, *controller.children(recursive=True)]
-        except (psutil.Error, KeyError, ValueError):
-            return "its controller had ended"
-        for process in reversed(tree):
-            try:
-                process.send_signal(signal.SIGTERM)
-            except psutil.Error:
-                pass
-        _, alive = psutil.wait_procs(tree, timeout=5)
-        for process in alive:
-            try:
-                process.kill()
-            except psutil.Error:
-                pass
-        return f"stopped submitit's local controller (pid {info['runner_pid']})"
+    """Cancel a Slurm job through Slurm (scancel). Returns what was done."""
     import submitit
 
+    job_id = str(info.get("slurm_job_id"))
     submitit.SlurmJob(folder=info["slurm_folder"], job_id=job_id).cancel(check=True)
     _states.pop(job_id, None)
     return f"cancelled through Slurm (scancel {job_id})"

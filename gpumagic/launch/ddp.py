@@ -15,10 +15,9 @@ from typing import Any
 from gpumagic.errors import InvalidArgument
 from gpumagic.launch.failures import LaunchInterrupted
 from gpumagic.launch.output import OUTPUT_MODES, RankOutput
-from gpumagic.launch.plan import LaunchPlan, assign_gpus, check_backend, threads_per_rank
+from gpumagic.launch.plan import LaunchPlan, assign_gpus, check_backend, check_timeout, threads_per_rank
 from gpumagic.launch.shipping import pack, ship_cell, ship_function
 from gpumagic.telemetry import store
-from gpumagic.units import parse_duration
 
 DEFAULT_CPU_RANKS = 2
 MAX_RANKS = 256
@@ -156,9 +155,7 @@ def _launch(
     if isinstance(gpus_per_rank, bool) or not isinstance(gpus_per_rank, int) or gpus_per_rank < 1:
         raise InvalidArgument(f"gpus_per_rank must be a whole number of at least 1, got {gpus_per_rank!r}")
     check_backend(backend)
-    timeout_s = parse_duration(timeout)
-    if timeout_s <= 0:
-        raise InvalidArgument("timeout must be more than 0 seconds")
+    timeout_s = check_timeout(timeout)
     available, simulated = _rank_gpus(gpus, nprocs, gpus_per_rank)
     if nprocs is None:
         nprocs = len(available) // gpus_per_rank if available else DEFAULT_CPU_RANKS

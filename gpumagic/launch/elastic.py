@@ -10,7 +10,6 @@ through the directory: every rank's output (``ranks/rank-R.log``), the agents' r
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -25,7 +24,7 @@ from typing import Any
 
 from gpumagic.errors import GpumagicError, InvalidArgument
 from gpumagic.launch.agent import STOP_FILE, AgentError, agent_command, parse_endpoint, read_events
-from gpumagic.launch.external import RANKS, rank_file, rank_outcome, rank_outcomes, write_spec
+from gpumagic.launch.external import RANKS, _read_json, rank_file, rank_outcome, rank_outcomes, write_spec
 from gpumagic.launch.failures import LaunchError, LaunchInterrupted, root_cause
 from gpumagic.launch.output import RankOutput
 from gpumagic.launch.plan import LaunchPlan
@@ -379,10 +378,3 @@ class _Follower:
 def _first_line(text: str, limit: int = 300) -> str:
     line = text.splitlines()[0] if text else ""
     return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None

@@ -98,7 +98,8 @@ def run_rank(run_dir: Path) -> int:
     Output goes to ``ranks/rank-R.log`` for the time of the call; the value to ``rank-R.result.pkl``; a
     failure to ``rank-R.error.A.json`` with the user's traceback.
     """
-    from gpumagic.launch.worker import join_process_group, leave_process_group, report_failure
+    from gpumagic.devices.leases import publish
+    from gpumagic.launch.worker import _flush, join_process_group, leave_process_group, report_failure
 
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -107,7 +108,7 @@ def run_rank(run_dir: Path) -> int:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     os.environ[RUN_DIR_VARIABLE] = str(run_dir)
     with _output_to(rank_file(run_dir, rank, "log")):
-        _publish(
+        publish(
             rank_file(run_dir, rank, "json"),
             {
                 "rank": rank,
@@ -161,7 +162,7 @@ def run_rank(run_dir: Path) -> int:
         except BaseException as err:  # noqa: BLE001 - every way a rank ends must be reported
             return report_failure(run_dir / RANKS, f"rank-{rank}.error.{attempt}.json", rank, phase, err)
         finally:
-            _flush_metrics()
+            _flush()  # the points logged since the last periodic write
     return 0
 
 
@@ -206,21 +207,6 @@ def _output_to(path: Path) -> Any:
         os.dup2(saved[1], 2)
         for each in (fd, *saved):
             os.close(each)
-
-
-def _publish(path: Path, record: dict[str, Any]) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    temporary.write_text(json.dumps(record))
-    os.replace(temporary, path)
-
-
-def _flush_metrics() -> None:
-    telemetry = sys.modules.get("gpumagic.telemetry.log")
-    if telemetry is not None:
-        try:
-            telemetry.flush()
-        except (OSError, ValueError):
-            pass
 
 
 def main(argv: list[str]) -> int:

@@ -97,3 +97,13 @@ def check_backend(backend: str | None) -> str | None:
     if backend is not None and backend not in BACKENDS:
         raise InvalidArgument(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
     return backend
+
+
+def check_timeout(timeout: str | float) -> float:
+    """A process group timeout ("30m", seconds) in seconds. Raises InvalidArgument unless it is more than 0."""
+    from gpumagic.units import parse_duration
+
+    seconds = parse_duration(timeout)
+    if seconds <= 0:
+        raise InvalidArgument("timeout must be more than 0 seconds")
+    return seconds

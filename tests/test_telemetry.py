@@ -83,6 +83,13 @@ def test_a_reader_tails_only_new_complete_batches(tmp_path):
     assert reader.read()["loss"].values == [0.5, 0.25]
 
 
+def test_runs_are_listed_oldest_first_also_within_one_second():
+    """Run names carry the second and a random part: several launches in one second must still be in order."""
+    created = [store.new_run("ddp", order=k) for k in range(20)]
+    assert [run.path for run in gpumagic.runs()] == created
+    assert gpumagic.runs()[-1].info["order"] == 19
+
+
 def test_bad_values_and_unknown_runs():
     with pytest.raises(TypeError, match=r"gpumagic.log\(loss=...\) needs a number, got str"):
         gpumagic.log(loss="low")
@@ -99,11 +106,11 @@ def test_every_rank_of_a_launch_logs_into_the_launch_run():
             for step in range(steps):
                 gpumagic.log(step=step, loss=1.0 / (step + 1) + dist.get_rank())
         if __name__ == "__main__":
-            gpumagic.launch_ddp(train, 2, args=(500,), output="none")
+            gpumagic.launch_ddp(train, 2, args=(500,), gpus="none", output="none")
             def boom():
                 raise ValueError("x")
             try:
-                gpumagic.launch_ddp(boom, 2, output="none")
+                gpumagic.launch_ddp(boom, 2, gpus="none", output="none")
             except gpumagic.LaunchError:
                 pass
         """

@@ -196,9 +196,10 @@ def list_runs() -> list[Run]:
     if not root.exists():
         return []
     runs = []
-    for path in sorted(root.iterdir()):
+    for path in root.iterdir():
         try:
             runs.append(Run(path, json.loads((path / "run.json").read_text())))
         except (OSError, ValueError):
             continue
-    return runs
+    # by creation time: names sort by the second only, then by their random part
+    return sorted(runs, key=lambda run: (float(run.info.get("created") or 0.0), run.path.name))

@@ -6,7 +6,11 @@
 - warm: later launches in the same process (a fork of the torch-loaded forkserver); target < 0.15 s;
 - gpumagic with start_method=spawn, plain torch.multiprocessing.spawn of an importable function, and
   accelerate's notebook_launcher (fork), all running the same barrier job;
+- the first DistributedDataParallel() in a rank of a warm relaunch (torch._dynamo preloaded in the forkserver)
+  against the same call in a fresh process that has imported torch (it imports torch._dynamo then);
 - steady-state DDP training throughput of one loop under gpumagic and under torchrun; target ratio >= 0.98.
+
+Every launcher runs its ranks on the CPU with gloo, on a GPU machine too.
 """
 
 from __future__ import annotations
@@ -31,6 +35,17 @@ import gpumagic
 from launch_workloads import join_group_and_leave
 gpumagic.launch_ddp(join_group_and_leave, 2, output="none")
 print(time.perf_counter() - t)
+"""
+
+FIRST_DDP_FRESH = """
+import os, sys
+sys.path.insert(0, {here!r})
+import torch, torch.distributed as dist
+from launch_workloads import first_ddp_seconds
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
+dist.init_process_group("gloo", rank=0, world_size=1)
+print(first_ddp_seconds())
+dist.destroy_process_group()
 """
 
 
@@ -76,9 +91,10 @@ def main() -> None:
     parser.add_argument("--throughput-runs", type=int, default=3)
     parser.add_argument("--skip-accelerate", action="store_true")
     options = parser.parse_args()
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo for every launcher, also on a GPU machine
 
     import torch.multiprocessing as mp
-    from launch_workloads import accelerate_job, join_group_and_leave, train
+    from launch_workloads import accelerate_job, first_ddp_seconds, join_group_and_leave, train
 
     import gpumagic
 
@@ -101,6 +117,21 @@ def main() -> None:
         max(3, options.repeat // 4),
     )
     rows.append(("gpumagic with start_method=spawn", statistics.median(spawned), "s"))
+
+    in_rank = [gpumagic.launch_ddp(first_ddp_seconds, 2, output="none")[0] for _ in range(max(3, options.repeat // 4))]
+    fresh = [
+        float(
+            subprocess.run(
+                [sys.executable, "-c", FIRST_DDP_FRESH.format(here=str(HERE), port=free_port())],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
+        for _ in range(options.cold_runs)
+    ]
+    rows.append(("first DDP() in a rank of a warm relaunch", statistics.median(in_rank), "s"))
+    rows.append(("first DDP() in a fresh process with torch imported", statistics.median(fresh), "s"))
 
     def plain_spawn() -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -144,7 +175,8 @@ def main() -> None:
         print(f"{name:<{width}}  {value:>10.3f} {unit}")
     warm_median = rows[1][1]
     print(f"\nwarm relaunch / 0.15 s target: {warm_median / 0.15:.2f}")
-    print(f"warm relaunch vs torch.multiprocessing.spawn: {rows[3][1] / warm_median:.1f}x faster")
+    print(f"warm relaunch vs torch.multiprocessing.spawn: {rows[5][1] / warm_median:.1f}x faster")
+    print(f"first DDP() in a rank / in a fresh process: {rows[3][1] / rows[4][1]:.3f}")
     print(f"throughput gpumagic / torchrun: {statistics.median(ours) / statistics.median(theirs):.3f} (target >= 0.98)")
     if accelerate_note:
         print(accelerate_note)

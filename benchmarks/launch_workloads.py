@@ -20,6 +20,24 @@ def join_group_and_leave(rank: int | None = None, world_size: int | None = None)
     return result
 
 
+def first_ddp_seconds(on_gpu: bool = False) -> float:
+    """How long the first DistributedDataParallel() of this process takes (the process group is initialized);
+    ``on_gpu``: of a model on cuda:0, which is created (with the CUDA context) before the clock starts."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = nn.Linear(8, 1).to("cuda:0" if on_gpu else "cpu")
+    if on_gpu:
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    DDP(model)
+    elapsed = time.perf_counter() - started
+    dist.barrier()
+    return elapsed
+
+
 def train(steps: int = 300, width: int = 256, batch: int = 64) -> float:
     """A DDP training loop of a 3-layer MLP on random data; returns steps per second after warm-up."""
     import torch

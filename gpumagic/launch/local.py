@@ -26,7 +26,9 @@ from gpumagic.launch.failures import LaunchError, LaunchInterrupted, RankOutcome
 from gpumagic.launch.plan import LaunchPlan
 
 START_METHODS = ("forkserver", "spawn")
-_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "gpumagic.launch.worker"]
+# torch._dynamo: the first DistributedDataParallel() in a process imports it (about 1 s on a CPU, more on a GPU
+# machine); imported once in the forkserver, no rank pays it again (benchmarks/launch.py measures both).
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "gpumagic.launch.worker"]
 STOP_GRACE_S = 3.0
 
 

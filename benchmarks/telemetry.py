@@ -72,7 +72,9 @@ def main() -> None:
     rows = []
     for name, function in loggers.items():
         rows.append((name, per_call_us(function, options.calls), throughput(function, options.seconds)))
-    in_rank = gpumagic.launch_ddp(log_cost_in_a_rank, 1, args=(options.calls, options.seconds), output="none")[0]
+    in_rank = gpumagic.launch_ddp(
+        log_cost_in_a_rank, 1, args=(options.calls, options.seconds), gpus="none", output="none"
+    )[0]
     rows.insert(1, ("gpumagic.log(loss=x) in a launched rank", *in_rank))
     devnull.close()
     if writer is not None:

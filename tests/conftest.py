@@ -1,10 +1,23 @@
-"""Shared fixtures: an isolated lease directory, the simulated inventory, the fake NVML, real kernels."""
+"""Shared fixtures: an isolated lease directory, the devices each test states, the fake NVML, real kernels.
+
+Every test states the devices it needs and never depends on the machine's, so the suite passes the same on
+a laptop, in CI and on a GPU server. Outside tests marked ``gpu``, this process and every process it starts
+(kernels, ranks, jobs) import the fake ``pynvml`` from ``tests/fakes``; until a test states its devices it
+answers as a machine without an NVIDIA driver would, and notes the read, which fails the test. A test
+states its devices with the ``simulated`` fixture (or ``GPUMAGIC_SIMULATE``), the ``fake_nvml`` fixture (or
+``FAKE_NVML_SCENARIO`` in a kernel), ``no_gpu_machine``, CPU-only launches (``--gpus none``, ``gpus=0``) or the
+``gpu`` marker, which gives it the real NVML and CUDA of the machine.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +26,115 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKES = ROOT / "tests" / "fakes"
+UNSTATED = "FAKE_NVML_UNSTATED"  # where the fake notes the reads of a test that stated no devices
+STAND_IN_DRIVER = "FAKE_NVML_LIBCUDA"  # the stand-in libcuda.so.1 the fake's nvmlInit loads, as the real one does
+
+
+def build_stand_in_driver(directory: Path) -> Path:
+    """Compile ``tests/fakes/libcuda.c`` into ``directory/libcuda.so.1`` (gcc, about 50 ms)."""
+    library = directory / "libcuda.so.1"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(library), str(FAKES / "libcuda.c")], check=True)
+    return library
+
+
+def load_fake_nvml():
+    """A fresh instance of the fake ``pynvml`` module (its scenario from the environment, see its docstring)."""
+    spec = importlib.util.spec_from_file_location("pynvml", FAKES / "pynvml.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def pytest_configure(config):
+    directory = Path(tempfile.mkdtemp(prefix="gpumagic-tests-"))
+    config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
+    os.environ[STAND_IN_DRIVER] = str(build_stand_in_driver(directory))
+    os.environ[UNSTATED] = str(directory / "unstated-nvml-reads")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAKES), os.environ.get("PYTHONPATH")]))
+    sys.modules["pynvml"] = load_fake_nvml()
+
+
+@pytest.fixture(autouse=True)
+def devices_stated(request, monkeypatch):
+    """Fail a test that read the machine's GPUs (NVML) without stating the devices it needs; give tests
+    marked ``gpu`` the machine's real NVML and CUDA instead of the fake."""
+    from gpumagic.devices import nvml
+
+    if request.node.get_closest_marker("gpu"):
+        machine = machine_environment()
+        for name in (UNSTATED, STAND_IN_DRIVER, "FAKE_NVML_SCENARIO", "PYTHONPATH"):
+            if name in machine:
+                monkeypatch.setenv(name, machine[name])
+            else:
+                monkeypatch.delenv(name, raising=False)
+        monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+        nvml.reset()
+        yield
+        nvml.reset()
+        return
+    reads = Path(os.environ[UNSTATED])
+    before = reads.stat().st_size if reads.exists() else 0
+    nvml.reset()
+    yield
+    nvml.reset()
+    if reads.exists() and reads.stat().st_size > before:
+        with open(reads, "rb") as handle:
+            handle.seek(before)
+            who = handle.read().decode(errors="replace").strip()
+        pytest.fail(
+            "this test read the machine's GPUs without stating the devices it needs (simulated, fake_nvml, "
+            f"no_gpu_machine, --gpus none / gpus=0, or the gpu marker); NVML was read by:\n{who}",
+            pytrace=False,
+        )
+
+
+_GPU_PROBE = """
+import json
+facts = {}
+try:
+    import pynvml
+    pynvml.nvmlInit()
+    facts["gpus"] = pynvml.nvmlDeviceGetCount()
+    facts["driver"] = pynvml.nvmlSystemGetDriverVersion()
+except Exception as err:
+    facts["nvml"] = f"{type(err).__name__}: {err}"
+try:
+    import torch
+    facts["torch"] = torch.__version__
+    facts["cuda"] = torch.version.cuda
+except Exception as err:
+    facts["torch"] = f"{type(err).__name__}: {err}"
+print(json.dumps(facts))
+"""
+
+
+def machine_environment() -> dict[str, str]:
+    """This process's environment with the machine's own NVML: no fake ``pynvml`` on ``PYTHONPATH``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_NVML")}
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != FAKES]
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(path)
+    else:
+        env.pop("PYTHONPATH", None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def real_gpu() -> dict:
+    """For the ``gpu`` set: what the machine has (GPUs, driver, torch and its CUDA), probed once in a child
+    process so that this one never starts CUDA. Skips the test, with the reason, where any is missing."""
+    out = subprocess.run([sys.executable, "-c", _GPU_PROBE], capture_output=True, text=True, env=machine_environment())
+    try:
+        facts = json.loads(out.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        pytest.skip(f"could not probe this machine for a GPU: {out.stderr.strip()[-300:]}")
+    if "nvml" in facts:
+        pytest.skip(f"no NVIDIA driver here ({facts['nvml']})")
+    if not facts.get("gpus"):
+        pytest.skip("the NVIDIA driver reports no GPU here")
+    if not facts.get("cuda"):
+        pytest.skip(f"torch {facts.get('torch')} here is not a CUDA build")
+    return facts
 
 
 @pytest.fixture(autouse=True)
@@ -39,16 +161,23 @@ def simulated(monkeypatch):
 
 @pytest.fixture
 def fake_nvml(monkeypatch):
-    """The fake ``pynvml`` in place of the real one, configured with its default 4-GPU scenario."""
-    spec = importlib.util.spec_from_file_location("pynvml", FAKES / "pynvml.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """The fake ``pynvml`` with its default 4-GPU scenario, here and in the kernels the test starts."""
+    monkeypatch.setenv("FAKE_NVML_SCENARIO", "default")
+    module = load_fake_nvml()
     monkeypatch.setitem(sys.modules, "pynvml", module)
     from gpumagic.devices import nvml
 
     nvml.reset()
     yield module
     nvml.reset()
+
+
+@pytest.fixture
+def no_gpu_machine(fake_nvml, monkeypatch):
+    """A machine without an NVIDIA driver (libnvidia-ml.so.1 missing), here and in the kernels the test starts."""
+    fake_nvml.configure(fake_nvml.NO_DRIVER)
+    monkeypatch.setenv("FAKE_NVML_SCENARIO", "no-driver")
+    return fake_nvml
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +280,7 @@ class Kernel:
 
 
 def kernel_env(lease_dir: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "GPUMAGIC_", "FAKE_NVML", "JPY_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "GPUMAGIC_", "JPY_"))}
     env["GPUMAGIC_LEASE_DIR"] = str(lease_dir)
     env["GPUMAGIC_RUNS_DIR"] = os.environ.get("GPUMAGIC_RUNS_DIR") or str(lease_dir.parent / "runs")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))

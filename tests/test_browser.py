@@ -47,7 +47,7 @@ PLOT_TITLES = """() => {
 
 LAUNCH_CELLS = [
     "%load_ext gpumagic",
-    "%%launch_ddp -n 2\nimport time\nfor step in range(500):\n"
+    "%%launch_ddp -n 2 --gpus none\nimport time\nfor step in range(500):\n"
     "    gpumagic.log(step=step, loss=1.0 / (step + 1) + rank)\n    time.sleep(0.02)",
 ]
 JOB_CELLS = [

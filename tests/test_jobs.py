@@ -298,8 +298,7 @@ def test_bad_options_are_one_line_errors_and_submit_nothing(simulated, options, 
     assert gpumagic.list_jobs() == []
 
 
-def test_no_gpu_machine_says_to_use_the_cpu(fake_nvml):
-    fake_nvml.configure(dict(fake_nvml.DEFAULT_SCENARIO, init_error="LIBRARY_NOT_FOUND"))
+def test_no_gpu_machine_says_to_use_the_cpu(no_gpu_machine):
     with pytest.raises(gpumagic.InvalidArgument, match=r"this machine has no GPU .*submit with gpus=0"):
         gpumagic.submit(variant, 1)
 

@@ -10,7 +10,6 @@ import time
 
 import psutil
 import pytest
-from conftest import FAKES
 
 pytestmark = pytest.mark.kernel
 HEAVY = ("torch", "bokeh", "pynvml", "numpy", "ipywidgets", "jupyter_bokeh")
@@ -55,8 +54,8 @@ def test_status_pick_and_release_in_a_kernel(start_kernel):
     assert "Released GPU 0, 1" in kernel.ok("%gpu release").text[0]
 
 
-def test_fake_nvml_in_a_kernel(start_kernel):
-    kernel = start_kernel(PYTHONPATH=f"{FAKES}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+def test_fake_nvml_in_a_kernel(start_kernel, fake_nvml):
+    kernel = start_kernel()
     kernel.ok("%load_ext gpumagic")
     status = kernel.ok("%gpu status").text[0]
     assert "4 GPUs · driver 550.54.15" in status and "GPU is lost" in status
@@ -65,18 +64,23 @@ def test_fake_nvml_in_a_kernel(start_kernel):
     assert "fakes" in kernel.ok("import pynvml; print(pynvml.__file__)").stdout
 
 
-def test_too_late_is_said_in_one_line(start_kernel, tmp_path):
-    library = tmp_path / "libcuda.so.1"
-    source = tmp_path / "empty.c"
-    source.write_text("int cuInit(unsigned int f) { return 0; }\n")
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
-    kernel = start_kernel(GPUMAGIC_SIMULATE="4xA100-80GB")
-    kernel.ok(f"%load_ext gpumagic\nimport ctypes; ctypes.CDLL({str(library)!r})")
-    text = kernel.ok("%gpu pick 1").text[0]
-    lines = text.splitlines()
-    assert len(lines) == 2 and lines[0].startswith("Picked GPU 0")
-    assert lines[1].startswith("⚠ Too late for this kernel: the CUDA driver is loaded")
-    assert "CUDA driver is loaded" in kernel.ok("%gpu").text[0]
+def test_a_fresh_kernel_on_a_real_driver_picks_freely_until_cuda_starts(start_kernel, fake_nvml):
+    """nvmlInit loads libcuda.so.1 (here the stand-in driver, as the real one on GPU machines) without starting
+    CUDA: no warning and the pick moves the kernel; once cuInit ran (torch.cuda.is_available()), it warns."""
+    kernel = start_kernel()
+    kernel.ok("%load_ext gpumagic\nimport ctypes, os")
+    status = kernel.ok("%gpu").text[0]
+    driver = os.environ["FAKE_NVML_LIBCUDA"]
+    assert driver in open(f"/proc/{kernel.pid}/maps").read()  # loaded by %gpu's nvmlInit, as on a GPU server
+    assert "⚠" not in status and "CUDA has started" not in status
+    picked = kernel.ok("sel = %gpu pick 1\nprint(repr(sel), os.environ['CUDA_VISIBLE_DEVICES'] == sel.uuids[0])")
+    assert picked.stdout.startswith("Picked GPU 2") and picked.stdout.strip().endswith("True")
+    assert len(picked.stdout.splitlines()) == 1  # no warning line
+    kernel.ok(f"assert ctypes.CDLL({driver!r}).cuInit(0) == 0")  # what torch.cuda.is_available() does
+    lines = kernel.ok("%gpu pick 1").text[0].splitlines()
+    assert len(lines) == 2 and lines[0].startswith("Picked GPU 2")
+    assert lines[1].startswith("⚠ Too late for this kernel: CUDA has started in this kernel")
+    assert "⚠ CUDA has started in this kernel" in kernel.ok("%gpu").text[0]
 
 
 RACE = """

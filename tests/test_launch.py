@@ -1,4 +1,5 @@
-"""%%launch_ddp, gpumagic.launch_ddp and gpumagic.spawn in a real kernel, with 2 gloo ranks on the CPU."""
+"""%%launch_ddp, gpumagic.launch_ddp and gpumagic.spawn in a real kernel, with 2 gloo ranks on the CPU: the
+kernels use no GPU (CUDA_VISIBLE_DEVICES empty, as after %gpu use none), on any machine."""
 
 import os
 import re
@@ -46,7 +47,7 @@ def alive(pid: int) -> bool:
 def kernel(tmp_path_factory):
     from conftest import Kernel, kernel_env
 
-    k = Kernel(kernel_env(tmp_path_factory.mktemp("leases")))
+    k = Kernel(kernel_env(tmp_path_factory.mktemp("leases"), CUDA_VISIBLE_DEVICES=""))
     k.ok("%load_ext gpumagic\nimport gpumagic, os")
     k.pid_ = int(k.ok("print(os.getpid())").stdout)
     yield k
@@ -215,6 +216,11 @@ def test_bad_options_are_usage_errors(kernel):
     assert kernel.run("%%launch_ddp -n 2\n%time 1").error[1].startswith("magics and !shell")
 
 
+def test_dist_is_defined_in_the_cell_as_rank_is(kernel):
+    kernel.ok("%%launch_ddp -n 2 -o ranks\n(dist.get_rank(), dist.get_world_size(), dist.get_backend())")
+    assert kernel.ok("print(ranks)").stdout.strip() == "{0: (0, 2, 'gloo'), 1: (1, 2, 'gloo')}"
+
+
 def test_launch_after_the_kernel_did_torch_work(kernel):
     kernel.ok("import torch\nx = torch.randn(256, 256)\ny = (x @ x).sum()\nprint(torch.cuda.is_initialized())")
     kernel.ok("%%launch_ddp -n 2 -o r\nfloat((x @ x).sum())")
@@ -323,7 +329,7 @@ def test_plain_mp_spawn_fails_where_gpumagic_spawn_works(kernel):
 
 
 def test_ranks_die_with_their_kernel(start_kernel, tmp_path):
-    victim = start_kernel()
+    victim = start_kernel(CUDA_VISIBLE_DEVICES="")
     victim.ok("import gpumagic, threading, os")
     pids_file = tmp_path / "pids"
     victim.ok(
@@ -347,7 +353,16 @@ def test_ranks_die_with_their_kernel(start_kernel, tmp_path):
 
 def test_ranks_use_their_simulated_gpus(start_kernel):
     k = start_kernel(GPUMAGIC_SIMULATE="4xA100-80GB")
-    k.ok("%load_ext gpumagic\n%gpu pick 2")
+    k.ok("%load_ext gpumagic\nimport gpumagic, os\n%gpu pick 2")
+    picked = k.ok("print(os.environ['CUDA_VISIBLE_DEVICES'])").stdout.strip()
+    # --gpus none: CPU ranks that see no GPU, and the kernel keeps its own GPUs and leases
+    k.ok("%%launch_ddp -n 2 --gpus none -o cpu\nimport os\n(os.environ['CUDA_VISIBLE_DEVICES'], str(device))")
+    assert k.ok("print(cpu)").stdout.strip() == "{0: ('', 'cpu'), 1: ('', 'cpu')}"
+    assert k.ok("print(os.environ['CUDA_VISIBLE_DEVICES'])").stdout.strip() == picked
+    assert repr(k.ok("%gpu").text[0]).count("leased by this kernel") == 2
+    # spawn, as mp.spawn: every process sees the kernel's GPUs, however many processes there are
+    shared = k.ok("print(gpumagic.spawn(lambda r: os.environ['CUDA_VISIBLE_DEVICES'], nprocs=3))").stdout
+    assert shared.strip() == str({0: picked, 1: picked, 2: picked})
     k.ok("%%launch_ddp -o seen\nimport os\n(os.environ['CUDA_VISIBLE_DEVICES'], str(device), world_size)")
     out = k.ok(
         "import os\nvisible = os.environ['CUDA_VISIBLE_DEVICES'].split(',')\n"
@@ -367,7 +382,7 @@ def test_launching_from_a_script_with_spawn_start_method():
         "import gpumagic\n"
         "def f():\n    import torch.distributed as dist\n    return dist.get_rank()\n"
         "if __name__ == '__main__':\n"
-        "    print(gpumagic.launch_ddp(f, 2, start_method='spawn', output='none'))\n"
+        "    print(gpumagic.launch_ddp(f, 2, gpus='none', start_method='spawn', output='none'))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "{0: 0, 1: 1}", out.stderr

@@ -20,7 +20,7 @@ TRAIN = (
 def kernel(tmp_path_factory):
     from conftest import Kernel, kernel_env
 
-    k = Kernel(kernel_env(tmp_path_factory.mktemp("leases")))
+    k = Kernel(kernel_env(tmp_path_factory.mktemp("leases"), CUDA_VISIBLE_DEVICES=""))  # CPU ranks
     k.ok("%load_ext gpumagic\nimport gpumagic\nfrom gpumagic.magics import LaunchMagics")
     yield k
     k.shutdown()

@@ -38,7 +38,8 @@ def test_the_environment_is_torchruns():
     }
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-b" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert env["OMP_NUM_THREADS"] == "4" and env["GLOO_SOCKET_IFNAME"] == "lo"
-    assert "CUDA_VISIBLE_DEVICES" not in plan(rank_gpus=((), ())).environment(0)
+    cpu_rank = plan(rank_gpus=((), ())).environment(0)
+    assert cpu_rank["CUDA_VISIBLE_DEVICES"] == "" and "CUDA_DEVICE_ORDER" not in cpu_rank  # sees no GPU
     assert plan(node_rank=1, nnodes=2).environment(1)["RANK"] == "3"
 
 

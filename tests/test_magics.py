@@ -82,8 +82,7 @@ def test_help_everywhere(shell):
     assert "--deterministic" in doc and "--wait DURATION" in doc  # %gpu? shows every subcommand
 
 
-def test_no_gpus_says_why_and_what_to_do(shell, fake_nvml):
-    fake_nvml.configure(dict(fake_nvml.DEFAULT_SCENARIO, init_error="LIBRARY_NOT_FOUND"))
+def test_no_gpus_says_why_and_what_to_do(shell, no_gpu_machine):
     assert "No GPUs: no NVIDIA GPU or driver found" in repr(gpu(shell, "status"))
     with pytest.raises(UsageError, match="GPUMAGIC_SIMULATE"):
         gpu(shell, "pick")

@@ -77,7 +77,9 @@ def _env() -> dict[str, str]:
 
 def test_two_elastic_nodes_train_one_model_and_return_both_results(no_leftover_children):
     nodes = OtherNodes()
-    results = gpumagic.launch_ddp(train, 1, args=(40,), nnodes=2, rdzv_endpoint="127.0.0.1:0", write=nodes.write)
+    results = gpumagic.launch_ddp(
+        train, 1, args=(40,), nnodes=2, rdzv_endpoint="127.0.0.1:0", gpus="none", write=nodes.write
+    )
     assert nodes.wait() == [0]
     assert sorted(results) == [0, 1]
     (attempt0, loss0, params0), (attempt1, loss1, params1) = results[0], results[1]
@@ -118,7 +120,7 @@ def test_a_killed_rank_restarts_the_group_once_and_the_run_completes(no_leftover
     killer = threading.Thread(target=kill_rank_1_mid_run, daemon=True)
     killer.start()
     results = gpumagic.launch_ddp(
-        steps_then_train, 1, nnodes=2, rdzv_endpoint="127.0.0.1:0", max_restarts=2, write=nodes.write
+        steps_then_train, 1, nnodes=2, rdzv_endpoint="127.0.0.1:0", max_restarts=2, gpus="none", write=nodes.write
     )
     killer.join()
     assert nodes.wait() == [0]
@@ -138,7 +140,8 @@ def test_a_rank_that_keeps_failing_ends_in_one_error_after_its_restarts(no_lefto
 
     writes: list[str] = []
     with pytest.raises(LaunchError) as caught:
-        gpumagic.launch_ddp(always_fails, 1, max_restarts=1, write=writes.append)  # elastic on this machine
+        # elastic on this machine
+        gpumagic.launch_ddp(always_fails, 1, max_restarts=1, gpus="none", write=writes.append)
     error = caught.value
     assert error.root_cause.exc_type == "ValueError" and "bad batch" in error.root_cause.traceback
     assert "restarted 1 time(s)" in error.report()
@@ -212,7 +215,9 @@ def test_the_rendezvous_listens_only_on_the_address_named(no_leftover_children):
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    gpumagic.launch_ddp(train, 1, args=(20, 0.05), nnodes=2, rdzv_endpoint="127.0.0.1:0", write=nodes.write)
+    gpumagic.launch_ddp(
+        train, 1, args=(20, 0.05), nnodes=2, rdzv_endpoint="127.0.0.1:0", gpus="none", write=nodes.write
+    )
     done.set()
     watcher.join()
     nodes.wait()
@@ -228,7 +233,7 @@ def test_the_rendezvous_listens_only_on_the_address_named(no_leftover_children):
         ("-n 1 --nnodes 0 --rdzv-endpoint 127.0.0.1:0", "nnodes must be"),
         ("-n 1 --max-restarts -1", "max_restarts must be"),
         ("-n 1 --rdzv-endpoint 127.0.0.1:0 --rdzv-id 'a b'", "rdzv_id is"),
-        ("-n 1 --nnodes 2 --rdzv-endpoint 192.0.2.1:29400", "must name an address of this machine"),
+        ("-n 1 --nnodes 2 --rdzv-endpoint 192.0.2.1:29400 --gpus none", "must name an address of this machine"),
         ("-n 1 --rdzv-endpoint 127.0.0.1:0 --port 5000", "leave out --port"),
         ("-n 1 --partition gpu", "--partition need --executor slurm"),
         ("-n 1 --executor slurm --rdzv-endpoint 127.0.0.1:0", "Slurm places the ranks"),
@@ -243,7 +248,7 @@ def test_bad_multi_node_options_are_one_line_errors(shell, line, says):
 
 
 def test_launch_ddp_magic_runs_on_two_nodes_in_a_kernel(start_kernel):
-    kernel = start_kernel()
+    kernel = start_kernel(CUDA_VISIBLE_DEVICES="")  # CPU ranks with gloo, on every machine
     kernel.ok("%load_ext gpumagic")
     kernel.ok("import torch\nscale = torch.tensor(3.0)")
     started: list[subprocess.Popen] = []
@@ -264,11 +269,11 @@ def test_launch_ddp_magic_runs_on_two_nodes_in_a_kernel(start_kernel):
     helper.start()
     cell = kernel.ok(
         "%%launch_ddp -n 1 --nnodes 2 --rdzv-endpoint 127.0.0.1:0 -o out\n"
-        "import torch.distributed as dist\n"
+        "import os\n"
         "t = scale * (rank + 1)\n"
-        "dist.all_reduce(t)\n"
+        "dist.all_reduce(t)\n"  # dist is defined in the cell, as rank is
         "print('sum', t.item())\n"
-        "t.item()",
+        "t.item(), os.environ['CUDA_VISIBLE_DEVICES']",
         timeout=120,
     )
     helper.join()
@@ -276,4 +281,5 @@ def test_launch_ddp_magic_runs_on_two_nodes_in_a_kernel(start_kernel):
     assert "python -m gpumagic.agent --rdzv-endpoint 127.0.0.1:" in cell.stdout
     assert "[rank 1] sum 9.0" in cell.stdout
     assert "application/vnd.jupyter.widget-view+json" in cell.mimetypes  # the dashboard, following both nodes
-    assert kernel.ok("print(out)").stdout.strip() == "{0: 9.0, 1: 9.0}"
+    # the other node's agent had no CUDA_VISIBLE_DEVICES: a CPU group's ranks see no GPU on every node
+    assert kernel.ok("print(out)").stdout.strip() == "{0: (9.0, ''), 1: (9.0, '')}"

@@ -164,8 +164,7 @@ def test_pick_on_fake_nvml_skips_the_lost_and_busy_gpus(fake_nvml):
     assert "lost" in caught.value.reasons[3] and "19.5 GiB free < 30.0 GiB needed" == caught.value.reasons[1]
 
 
-def test_no_driver_is_a_clear_error(fake_nvml):
-    fake_nvml.configure(dict(fake_nvml.DEFAULT_SCENARIO, init_error="LIBRARY_NOT_FOUND"))
+def test_no_driver_is_a_clear_error(no_gpu_machine):
     with pytest.raises(NoGpuError, match=r"no NVIDIA GPU or driver found.*GPUMAGIC_SIMULATE"):
         gpumagic.pick(1)
 

@@ -60,7 +60,7 @@ def test_a_rank_refuses_a_payload_changed_after_it_was_written(monkeypatch):
 
     monkeypatch.setattr(signing, "write_sealed", tampered)
     with pytest.raises(gpumagic.LaunchError) as caught:
-        gpumagic.launch_ddp(print, nprocs=1)
+        gpumagic.launch_ddp(print, nprocs=1, gpus="none")
     report = caught.value.report()
     assert "rank 0 failed: raised PayloadRejected: the code sent to the ranks" in report
     assert "does not carry your key's seal" in report and "(in setup)" in report

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 import gpumagic
-from gpumagic.devices.visibility import cuda_initialized
+from gpumagic.devices.cuda_state import cuda_initialized
 
 
 @pytest.mark.parametrize(
@@ -43,37 +43,62 @@ def test_this_process_has_not_started_cuda():
     assert cuda_initialized() is None
 
 
-@pytest.fixture(scope="module")
-def fake_libcuda(tmp_path_factory):
-    """An empty shared library named like the CUDA driver: loading it is what CUDA's start looks like."""
-    directory = tmp_path_factory.mktemp("libcuda")
-    source = directory / "empty.c"
-    source.write_text("int cuInit(unsigned int flags) { return 0; }\n")
-    library = directory / "libcuda.so.1"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
-    return library
+def run_python(code: str) -> str:
+    """Run ``code`` in a fresh interpreter (CUDA starts once per process); its stdout."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
 
 
-def test_a_loaded_cuda_driver_is_detected(fake_libcuda, simulated):
-    code = textwrap.dedent(
+STAND_IN = "ctypes.CDLL(os.environ['FAKE_NVML_LIBCUDA'])"  # tests/fakes/libcuda.c, as nvmlInit loads the driver
+
+
+def test_a_loaded_driver_that_never_started_leaves_the_kernel_free_to_choose(simulated):
+    out = run_python(
         f"""
-        import ctypes, gpumagic
-        from gpumagic.devices.visibility import cuda_initialized
-        assert cuda_initialized() is None
-        ctypes.CDLL({str(fake_libcuda)!r})
+        import ctypes, os, gpumagic
+        from gpumagic.devices.cuda_state import cuda_initialized, loaded_drivers
+        {STAND_IN}
+        print(loaded_drivers() == [os.environ['FAKE_NVML_LIBCUDA']], cuda_initialized())
+        picked = gpumagic.pick(1)
+        print(repr(picked))
+        print(os.environ['CUDA_VISIBLE_DEVICES'] == picked.uuids[0])
+        """
+    )
+    loaded, picked, moved = out.splitlines()
+    assert loaded == "True None"
+    assert picked.startswith("Picked GPU 0") and "Too late" not in picked
+    assert moved == "True"
+
+
+def test_once_the_driver_started_a_pick_says_it_is_too_late(simulated):
+    out = run_python(
+        f"""
+        import ctypes, os, gpumagic
+        from gpumagic.devices.cuda_state import cuda_initialized
+        assert {STAND_IN}.cuInit(0) == 0
         print(cuda_initialized())
         print(repr(gpumagic.pick(1)))
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "the CUDA driver is loaded in this kernel" in out
+    assert out.startswith("CUDA has started in this kernel (torch.cuda.is_available() or another CUDA call")
     assert "Too late for this kernel" in out and "processes it starts from now on will use 0" in out
 
 
-def test_importing_torch_does_not_count_as_started(simulated):
-    code = (
-        "import torch, gpumagic; torch.randn(3).sum()\n"
-        "from gpumagic.devices.visibility import cuda_initialized; print(cuda_initialized())"
+def test_a_driver_that_is_not_loaded_is_never_loaded_to_answer():
+    out = run_python(
+        """
+        import os
+        from gpumagic.devices.cuda_state import cuda_initialized, driver_status, loaded_drivers
+        print(driver_status(os.environ['FAKE_NVML_LIBCUDA']), cuda_initialized(), loaded_drivers())
+        """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["None", "None", "[]"]
+
+
+def test_importing_torch_does_not_count_as_started():
+    out = run_python(
+        "import torch, gpumagic; torch.randn(3).sum()\n"
+        "from gpumagic.devices.cuda_state import cuda_initialized; print(cuda_initialized())"
+    )
     assert out.strip() == "None"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from gpumagic.devices import leases as leasing
 from gpumagic.devices import visibility
+from gpumagic.devices.cuda_state import cuda_initialized
 from gpumagic.devices.inventory import read_inventory, require_gpus
 from gpumagic.devices.model import GpuInfo, Inventory
 from gpumagic.devices.policy import Requirements, assess
@@ -216,7 +217,7 @@ def _finish(
     environment: dict[str, str],
     shared: tuple[int, ...] = (),
 ) -> Selection:
-    return Selection(gpus, summary, environment, visibility.cuda_initialized(), inventory.simulated, shared)
+    return Selection(gpus, summary, environment, cuda_initialized(), inventory.simulated, shared)
 
 
 def _why_picked(chosen: list[GpuInfo], qualifying: int, needs: Requirements) -> str:

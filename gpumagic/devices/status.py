@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpumagic.devices import leases as leasing
+from gpumagic.devices.cuda_state import cuda_initialized
 from gpumagic.devices.inventory import read_inventory
 from gpumagic.devices.model import Inventory
-from gpumagic.devices.visibility import Visibility, cuda_initialized, current_visibility
+from gpumagic.devices.visibility import Visibility, current_visibility
 from gpumagic.errors import LeaseDirectoryError
 
 

@@ -1,14 +1,13 @@
-"""Which GPUs CUDA will show this kernel and the processes it starts, and whether it is too late to change.
+"""Which GPUs CUDA will show this kernel and the processes it starts.
 
 CUDA reads ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` once, when the driver starts in a process
 (``torch.cuda.is_available()`` is enough to start it). Before that, setting them here decides what
-``cuda:0`` is; after it, only processes started later follow them.
+``cuda:0`` is; after it, only processes started later follow them (``cuda_state`` tells which is the case).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,6 +79,15 @@ def current_visibility(inventory: Inventory) -> Visibility:
     return Visibility(tuple(indices), variable, certain, None if certain else order_note)
 
 
+def hides_every_gpu() -> bool:
+    """True when ``CUDA_VISIBLE_DEVICES`` shows CUDA no GPU whatever the machine has (empty, or ``-1``)."""
+    variable = os.environ.get(VISIBLE)
+    if variable is None:
+        return False
+    first = variable.split(",")[0].strip()
+    return not first or (first.startswith("-") and first[1:].isascii() and first[1:].isdigit())
+
+
 def _resolve_token(token: str, inventory: Inventory) -> GpuInfo | None:
     if token.isascii() and token.isdigit():  # "²".isdigit() is True, int("²") fails
         position = int(token)
@@ -116,28 +124,3 @@ def _remember_original() -> None:
     if not _original:
         for name in (VISIBLE, ORDER):
             _original[name] = os.environ.get(name, _UNSET)
-
-
-def cuda_initialized() -> str | None:
-    """Why CUDA can no longer change its devices in this process, or ``None`` if it still can.
-
-    Never initializes CUDA: it asks torch only if torch is already imported, and otherwise looks for the
-    CUDA driver library among the libraries this process has loaded.
-    """
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        try:
-            if torch.cuda.is_initialized():
-                return "torch has initialized CUDA in this kernel"
-        except Exception:  # noqa: BLE001 - a half-imported torch must not break %gpu
-            pass
-    try:
-        with open("/proc/self/maps", "rb") as maps:
-            if b"libcuda.so" in maps.read():
-                return (
-                    "the CUDA driver is loaded in this kernel "
-                    "(torch.cuda.is_available() or another CUDA call started it)"
-                )
-    except OSError:
-        pass
-    return None

@@ -169,8 +169,7 @@ class _Runner:
             threads_per_rank=threads_per_rank(nprocs),
             timeout_s=float(info.get("timeout_s", 1800.0)),
             launcher_pid=os.getpid(),
-            # a CPU job sees no GPU at all, as it asked (the runner's environment has no CUDA_VISIBLE_DEVICES)
-            extra_env={RUN_DIR_VARIABLE: str(self.run_dir), **({} if uuids else {"CUDA_VISIBLE_DEVICES": ""})},
+            extra_env={RUN_DIR_VARIABLE: str(self.run_dir)},  # a CPU job's ranks see no GPU: the plan hides them
         )
         records.update(
             self.run_dir,

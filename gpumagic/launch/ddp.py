@@ -156,28 +156,35 @@ def _launch(
         raise InvalidArgument(f"gpus_per_rank must be a whole number of at least 1, got {gpus_per_rank!r}")
     check_backend(backend)
     timeout_s = check_timeout(timeout)
-    available, simulated = _rank_gpus(gpus, nprocs, gpus_per_rank)
-    if nprocs is None:
-        nprocs = len(available) // gpus_per_rank if available else DEFAULT_CPU_RANKS
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or not 1 <= nprocs <= MAX_RANKS:
-        raise InvalidArgument(f"the number of ranks must be a whole number from 1 to {MAX_RANKS}, got {nprocs!r}")
-    rank_gpus = assign_gpus(available, nprocs, gpus_per_rank)
-    use_cuda = bool(available) and not simulated
-    if process_group and backend is None:
-        backend = "nccl" if use_cuda else "gloo"
+    _check_port(port)  # every argument is checked before GPUs are read or leased
     elastic = (nnodes, rdzv_endpoint, node_rank, rdzv_id, max_restarts, runs_dir) != (1, None, None, None, 0, None)
     if elastic:
-        from gpumagic.launch.elastic import launch_elastic
+        from gpumagic.launch.elastic import check_options, launch_elastic
 
         if not process_group:
             raise InvalidArgument("spawn runs on this machine only; use launch_ddp for a multi-node or elastic run")
         if port is not None:
             raise InvalidArgument("with an elastic launch the port is --rdzv-endpoint's; leave out --port")
+        rdzv_endpoint = rdzv_endpoint or ("127.0.0.1:0" if nnodes == 1 else None)
+        check_options(nnodes, rdzv_endpoint, node_rank, rdzv_id, max_restarts)
+    available, simulated = _rank_gpus(gpus, nprocs, gpus_per_rank)
+    if nprocs is None:
+        nprocs = len(available) // gpus_per_rank if available else DEFAULT_CPU_RANKS
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or not 1 <= nprocs <= MAX_RANKS:
+        raise InvalidArgument(f"the number of ranks must be a whole number from 1 to {MAX_RANKS}, got {nprocs!r}")
+    if not process_group and gpus is None:  # as under mp.spawn, every process sees the kernel's GPUs
+        rank_gpus = tuple(tuple(available) for _ in range(nprocs))
+    else:
+        rank_gpus = assign_gpus(available, nprocs, gpus_per_rank)
+    use_cuda = bool(available) and not simulated
+    if process_group and backend is None:
+        backend = "nccl" if use_cuda else "gloo"
+    if elastic:
         return launch_elastic(
             packed,
             nprocs,
             nnodes=nnodes,
-            rdzv_endpoint=rdzv_endpoint or ("127.0.0.1:0" if nnodes == 1 else None),
+            rdzv_endpoint=rdzv_endpoint,
             node_rank=node_rank,
             rdzv_id=rdzv_id,
             max_restarts=max_restarts,
@@ -233,31 +240,38 @@ def _launch(
 
 
 def _rank_gpus(spec: str | None, nprocs: int | None, per_rank: int) -> tuple[list[str], bool]:
-    """The GPU UUIDs available to the ranks (cuda order) and whether they are simulated."""
-    import gpumagic
+    """The GPU UUIDs available to the ranks (cuda order) and whether they are simulated.
+
+    ``None``: the GPUs this kernel sees; ``"none"``: no GPU, leaving the kernel's own choice as it is;
+    ``"auto"``: pick and lease free ones; any other spec: lease those (``use``).
+    """
+    from gpumagic.devices import selection
+    from gpumagic.devices.inventory import read_inventory
+    from gpumagic.devices.spec import parse_spec
+    from gpumagic.devices.visibility import current_visibility, hides_every_gpu
 
     if spec is None:
-        inventory = gpumagic.gpus()
+        if hides_every_gpu():
+            return [], False
+        inventory = read_inventory()
         if not inventory.gpus:
             return [], False
-        from gpumagic.devices.visibility import current_visibility
-
         visible = current_visibility(inventory).nvml_indices
         return [inventory[i].uuid for i in visible], inventory.simulated
     if spec == "auto":
         if nprocs is None:
             raise InvalidArgument("with --gpus auto, say how many ranks with -n")
-        chosen = gpumagic.pick(nprocs * per_rank)
+        chosen = selection.pick(nprocs * per_rank)
+    elif parse_spec(spec).none:
+        return [], False
     else:
-        chosen = gpumagic.use(spec)
+        chosen = selection.use(spec)
     return list(chosen.uuids), chosen.simulated
 
 
 def _loopback_port(port: int | None, keep: bool) -> tuple[socket.socket | None, int]:
     """A listening socket on 127.0.0.1 (``keep``: handed to rank 0, so nobody can take the port meanwhile),
     or just a free port number for code that makes its own process group."""
-    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
-        raise InvalidArgument(f"port must be a whole number from 1 to 65535, got {port!r}")
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.bind(("127.0.0.1", port or 0))
@@ -273,6 +287,11 @@ def _loopback_port(port: int | None, keep: bool) -> tuple[socket.socket | None, 
     listener.listen(256)
     listener.set_inheritable(False)
     return listener, chosen
+
+
+def _check_port(port: int | None) -> None:
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+        raise InvalidArgument(f"port must be a whole number from 1 to 65535, got {port!r}")
 
 
 def _stdout_writer() -> Callable[[str], None]:

@@ -99,7 +99,7 @@ def run_rank(run_dir: Path) -> int:
     failure to ``rank-R.error.A.json`` with the user's traceback.
     """
     from gpumagic.devices.leases import publish
-    from gpumagic.launch.worker import _flush, join_process_group, leave_process_group, report_failure
+    from gpumagic.launch.worker import _flush, join_process_group, leave_process_group, rank_namespace, report_failure
 
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -125,6 +125,8 @@ def run_rank(run_dir: Path) -> int:
             use_cuda = bool(spec.get("use_cuda"))
             if use_cuda:
                 _own_gpus(local_rank, local_world_size)
+            else:  # a CPU group on a GPU machine: its ranks see no GPU, on every node
+                os.environ["CUDA_VISIBLE_DEVICES"] = ""
             import cloudpickle
             import torch
 
@@ -146,16 +148,7 @@ def run_rank(run_dir: Path) -> int:
                     backend, addr, port, rank, world_size, float(spec.get("timeout_s", 1800)), served_prefix=prefix
                 )
             phase = "user code"
-            import gpumagic
-
-            context = {
-                "rank": rank,
-                "local_rank": local_rank,
-                "world_size": world_size,
-                "device": device,
-                "gpumagic": gpumagic,
-            }
-            value = payload.run(context)
+            value = payload.run(rank_namespace(rank, local_rank, world_size, device))
             write_sealed(rank_file(run_dir, rank, "result.pkl"), cloudpickle.dumps(value))
             if backend:
                 leave_process_group()

@@ -18,8 +18,9 @@ BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 class LaunchPlan:
     """Everything a rank needs to know before it starts.
 
-    ``rank_gpus[i]`` are the ``CUDA_VISIBLE_DEVICES`` entries (UUIDs) of local rank ``i``; empty tuples mean
-    CPU ranks. ``backend`` ``None`` means no process group is created (``spawn``: the code makes its own).
+    ``rank_gpus[i]`` are the ``CUDA_VISIBLE_DEVICES`` entries (UUIDs) of local rank ``i``; an empty tuple makes
+    it a CPU rank, which sees no GPU at all. ``backend`` ``None`` means no process group is created (``spawn``:
+    the code makes its own).
     """
 
     job_dir: str
@@ -61,10 +62,11 @@ class LaunchPlan:
         if self.nnodes == 1:  # keep gloo/NCCL bootstrap sockets on loopback for single-node runs
             env["GLOO_SOCKET_IFNAME"] = "lo"
             env["NCCL_SOCKET_IFNAME"] = "lo"
-        gpus = self.rank_gpus[local_rank] if self.rank_gpus else ()
-        if gpus:
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        if self.rank_gpus:
+            gpus = self.rank_gpus[local_rank]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # empty for a CPU rank, so it cannot touch a GPU
+            if gpus:
+                env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env.update(self.extra_env)
         return env
 
@@ -88,7 +90,7 @@ def assign_gpus(gpus: list[str], nprocs: int, per_rank: int) -> tuple[tuple[str,
     if len(gpus) < needed:
         raise InvalidArgument(
             f"{nprocs} ranks × {per_rank} GPU(s) need {needed} GPUs but {len(gpus)} are available to this kernel; "
-            "lower -n, or pick more with %gpu pick / --gpus auto"
+            "lower -n, pick more with %gpu pick or --gpus auto, or run the ranks on the CPU with --gpus none"
         )
     return tuple(tuple(gpus[r * per_rank : (r + 1) * per_rank]) for r in range(nprocs))
 

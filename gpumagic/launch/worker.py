@@ -43,25 +43,17 @@ def run_rank(local_rank: int, plan: LaunchPlan, outputs: list[Any], listener: An
         payload_path = Path(plan.job_dir, "payload.pkl")
         payload = cloudpickle.loads(read_sealed(payload_path, f"the code sent to the ranks ({payload_path})"))
         payload.prepare()
-        device = torch.device("cuda", 0) if plan.use_cuda else torch.device("cpu")
-        if plan.use_cuda:
-            torch.cuda.set_device(0)
-        if plan.backend is not None:
+        device = torch.device("cpu")
+        if plan.backend is not None:  # spawn's code chooses its devices itself, as under mp.spawn
+            if plan.use_cuda:
+                torch.cuda.set_device(0)
+                device = torch.device("cuda", 0)
             phase = "rendezvous"
             join_process_group(
                 plan.backend, plan.master_addr, plan.master_port, rank, plan.world_size, plan.timeout_s, listener
             )
         phase = "user code"
-        import gpumagic
-
-        context = {
-            "rank": rank,
-            "local_rank": local_rank,
-            "world_size": plan.world_size,
-            "device": device,
-            "gpumagic": gpumagic,
-        }  # gpumagic.log() works in a cell even if the notebook never imported it
-        value = payload.run(context)
+        value = payload.run(rank_namespace(rank, local_rank, plan.world_size, device))
         from gpumagic.launch.signing import write_sealed
 
         write_sealed(Path(plan.job_dir, f"rank-{rank}.result.pkl"), cloudpickle.dumps(value))
@@ -73,6 +65,23 @@ def run_rank(local_rank: int, plan: LaunchPlan, outputs: list[Any], listener: An
         os._exit(code)
     _flush()
     os._exit(0)  # skip interpreter teardown: a finished rank must not hang in a library's destructor
+
+
+def rank_namespace(rank: int, local_rank: int, world_size: int, device: Any) -> dict[str, Any]:
+    """The names a ``%%launch_ddp`` cell finds defined: ``rank``, ``local_rank``, ``world_size``, ``device``,
+    ``dist`` (``torch.distributed``) and ``gpumagic`` (so ``gpumagic.log`` works without an import)."""
+    import torch.distributed as dist
+
+    import gpumagic
+
+    return {
+        "rank": rank,
+        "local_rank": local_rank,
+        "world_size": world_size,
+        "device": device,
+        "dist": dist,
+        "gpumagic": gpumagic,
+    }
 
 
 def join_process_group(

@@ -164,7 +164,9 @@ class LaunchDashboard:
             try:
                 if self.use_gpus and rank < len(self.gpu_uuids) and self.gpu_uuids[rank] in gpus:
                     gpu = gpus[self.gpu_uuids[rank]]
-                    memory, busy = (gpu.memory_used or 0) / MIB, gpu.utilization or 0.0
+                    own = [p.gpu_memory for p in gpu.processes if p.pid == process.pid and p.gpu_memory is not None]
+                    used = own[0] if own else gpu.memory_used  # the rank's own share where NVML names it
+                    memory, busy = (used or 0) / MIB, gpu.utilization or 0.0
                 else:
                     memory, busy = process.memory_info().rss / MIB, process.cpu_percent(None)
             except psutil.Error:

@@ -3,15 +3,22 @@ the real library returns them (``str`` UUIDs and names, ``bytes``-or-``str`` bus
 with the same field names, memory in bytes, power in milliwatts, errors as ``NVMLError`` subclasses with
 ``.value`` codes).
 
-Which machine it fakes comes from a scenario: ``configure(dict)`` in-process, or the JSON file named by
-``FAKE_NVML_SCENARIO`` when a kernel imports it first on ``PYTHONPATH``. Every call is recorded in ``calls``.
+Which machine it fakes comes from a scenario: ``configure(dict)`` in-process, or, when a process imports it
+first on ``PYTHONPATH``, ``FAKE_NVML_SCENARIO`` (``default``, ``no-driver``, or a JSON file). Without one, and
+with ``FAKE_NVML_UNSTATED`` naming a file, it answers as a machine without a driver and appends the reading
+process to that file (tests/conftest.py fails the test that did it). Every call is recorded in ``calls``.
+
+As on real drivers, ``nvmlInit`` loads the CUDA driver library without starting CUDA: the stand-in
+``libcuda.so.1`` (built from ``libcuda.c``) named by ``FAKE_NVML_LIBCUDA``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import string
+import sys
 import typing
 from types import SimpleNamespace
 
@@ -130,17 +137,29 @@ DEFAULT_SCENARIO = {
     ],
 }
 
+NO_DRIVER = {"init_error": "LIBRARY_NOT_FOUND", "gpus": []}
 calls: list[str] = []
 _scenario: dict = {}
 _initialized = False
 
 
 def configure(scenario: dict | None = None) -> None:
-    """Fake this machine; ``None`` reloads ``FAKE_NVML_SCENARIO`` or the default."""
+    """Fake this machine; ``None`` reads the environment (see the module's docstring)."""
     global _scenario, _initialized
     if scenario is None:
-        path = os.environ.get("FAKE_NVML_SCENARIO")
-        scenario = json.load(open(path)) if path else DEFAULT_SCENARIO
+        named = os.environ.get("FAKE_NVML_SCENARIO")
+        unstated = os.environ.get("FAKE_NVML_UNSTATED")
+        if named == "default":
+            scenario = DEFAULT_SCENARIO
+        elif named == "no-driver":
+            scenario = NO_DRIVER
+        elif named:
+            with open(named) as handle:
+                scenario = json.load(handle)
+        elif unstated:
+            scenario = dict(NO_DRIVER, unstated=unstated)
+        else:
+            scenario = DEFAULT_SCENARIO
     _scenario = _decode(scenario)
     _initialized = False
     calls.clear()
@@ -176,9 +195,15 @@ def nvmlInitWithFlags(flags):
 def nvmlInit():
     global _initialized
     calls.append("nvmlInit")
+    if _scenario.get("unstated"):
+        with open(_scenario["unstated"], "a") as reads:
+            reads.write(f"  pid {os.getpid()}: {' '.join(sys.argv)[:200]}\n")
     error = _scenario.get("init_error")
     if error:
         raise NVMLError(globals()[f"NVML_ERROR_{error}"])
+    driver = os.environ.get("FAKE_NVML_LIBCUDA")
+    if driver:
+        ctypes.CDLL(driver)  # loaded, as the real libnvidia-ml loads libcuda.so.1; cuInit is not called
     _initialized = True
 
 

@@ -196,3 +196,43 @@ def test_gpu_watch_in_a_terminal_prints_a_text_line_per_sample(simulated):
     rest, _ = terminal.communicate(timeout=20)
     assert all("[simulated]" in line and "GPU 0:   0.0/80 GiB" in line for line in lines), lines
     assert "stopped watching" in rest
+
+
+def test_the_launch_dashboard_shows_each_ranks_own_gpu_memory(fake_nvml, tmp_path):
+    """On a GPU other users share, a rank's memory is its own process's where NVML lists it (3 GiB on a GPU
+    with 60 GiB used), else its GPU's (2 GiB used, the rank's process not listed)."""
+    import copy
+    import os
+
+    from gpumagic.launch.plan import LaunchPlan
+    from gpumagic.widgets.launch_dashboard import LaunchDashboard
+
+    ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        scenario = copy.deepcopy(fake_nvml.DEFAULT_SCENARIO)
+        scenario["gpus"][1]["processes"] = [{"pid": ranks[0].pid, "usedGpuMemory": 3 * GIB}]
+        fake_nvml.configure(scenario)
+        uuids = [scenario["gpus"][1]["uuid"], scenario["gpus"][0]["uuid"]]
+        (tmp_path / "metrics").mkdir()
+        plan = LaunchPlan(
+            job_dir=str(tmp_path / "launch"),
+            nprocs=2,
+            master_port=0,
+            backend="nccl",
+            rank_gpus=((uuids[0],), (uuids[1],)),
+            use_cuda=True,
+            threads_per_rank=1,
+            timeout_s=60,
+            launcher_pid=os.getpid(),
+        )
+        dashboard = LaunchDashboard(push_interval=0.1)
+        dashboard.attach(plan, [rank.pid for rank in ranks])
+        assert wait_for(lambda: all(dashboard.resource_sources[r].data["memory"] for r in (0, 1)))
+        dashboard.finish("finished")
+        assert dashboard.resource_sources[0].data["memory"][0] == 3 * 1024
+        assert dashboard.resource_sources[1].data["memory"][0] == 2 * 1024
+        assert dashboard.resource_figures[0].title.text == "GPU memory per rank, MiB"
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()

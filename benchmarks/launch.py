@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,23 +36,6 @@ gpumagic.launch_ddp(join_group_and_leave, 2, output="none")
 print(time.perf_counter() - t)
 """
 
-FIRST_DDP_FRESH = """
-import os, sys
-sys.path.insert(0, {here!r})
-import torch, torch.distributed as dist
-from launch_workloads import first_ddp_seconds
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
-dist.init_process_group("gloo", rank=0, world_size=1)
-print(first_ddp_seconds())
-dist.destroy_process_group()
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 def timed(function, repeat: int) -> list[float]:
     samples = []
@@ -65,6 +47,8 @@ def timed(function, repeat: int) -> list[float]:
 
 
 def torchrun_rate(steps: int) -> float:
+    from launch_workloads import free_port
+
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, len(os.sched_getaffinity(0)) // 2)))
     command = [
         sys.executable,
@@ -94,7 +78,14 @@ def main() -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo for every launcher, also on a GPU machine
 
     import torch.multiprocessing as mp
-    from launch_workloads import accelerate_job, first_ddp_seconds, join_group_and_leave, train
+    from launch_workloads import (
+        accelerate_job,
+        first_ddp_seconds,
+        first_ddp_seconds_in_a_fresh_process,
+        free_port,
+        join_group_and_leave,
+        train,
+    )
 
     import gpumagic
 
@@ -119,17 +110,7 @@ def main() -> None:
     rows.append(("gpumagic with start_method=spawn", statistics.median(spawned), "s"))
 
     in_rank = [gpumagic.launch_ddp(first_ddp_seconds, 2, output="none")[0] for _ in range(max(3, options.repeat // 4))]
-    fresh = [
-        float(
-            subprocess.run(
-                [sys.executable, "-c", FIRST_DDP_FRESH.format(here=str(HERE), port=free_port())],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-        )
-        for _ in range(options.cold_runs)
-    ]
+    fresh = [first_ddp_seconds_in_a_fresh_process() for _ in range(options.cold_runs)]
     rows.append(("first DDP() in a rank of a warm relaunch", statistics.median(in_rank), "s"))
     rows.append(("first DDP() in a fresh process with torch imported", statistics.median(fresh), "s"))
 

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,24 +31,6 @@ gpumagic.launch_ddp(first_ddp_seconds, 1, args=(True,), output="none")
 print(time.perf_counter() - t)
 """
 
-FIRST_DDP_FRESH = """
-import os, sys
-sys.path.insert(0, {here!r})
-import torch, torch.distributed as dist
-from launch_workloads import first_ddp_seconds
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
-torch.cuda.set_device(0)
-dist.init_process_group("nccl", rank=0, world_size=1)
-print(first_ddp_seconds(True))
-dist.destroy_process_group()
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 def seconds_of(code: str) -> float:
     return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
@@ -60,7 +41,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--cold-runs", type=int, default=3)
     options = parser.parse_args()
-    from launch_workloads import first_ddp_seconds
+    from launch_workloads import first_ddp_seconds, first_ddp_seconds_in_a_fresh_process
 
     import gpumagic
 
@@ -72,7 +53,7 @@ def main() -> None:
         started = time.perf_counter()
         in_rank.append(gpumagic.launch_ddp(first_ddp_seconds, 1, args=(True,), output="none")[0])
         warm.append(time.perf_counter() - started)
-    fresh = [seconds_of(FIRST_DDP_FRESH.format(here=str(HERE), port=free_port())) for _ in range(options.cold_runs)]
+    fresh = [first_ddp_seconds_in_a_fresh_process(True) for _ in range(options.cold_runs)]
     rows = [
         ("gpumagic cold launch, 1 NCCL rank (fresh process)", statistics.median(cold)),
         ("gpumagic warm relaunch, 1 NCCL rank", statistics.median(warm)),

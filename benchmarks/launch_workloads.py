@@ -3,7 +3,29 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 import time
+
+_FIRST_DDP_FRESH = """
+import os, sys
+sys.path.insert(0, {here!r})
+import torch, torch.distributed as dist
+from launch_workloads import first_ddp_seconds
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
+if {on_gpu}:
+    torch.cuda.set_device(0)
+dist.init_process_group("nccl" if {on_gpu} else "gloo", rank=0, world_size=1)
+print(first_ddp_seconds({on_gpu}))
+dist.destroy_process_group()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def join_group_and_leave(rank: int | None = None, world_size: int | None = None) -> int:
@@ -36,6 +58,13 @@ def first_ddp_seconds(on_gpu: bool = False) -> float:
     elapsed = time.perf_counter() - started
     dist.barrier()
     return elapsed
+
+
+def first_ddp_seconds_in_a_fresh_process(on_gpu: bool = False) -> float:
+    """``first_ddp_seconds`` in a new interpreter that has imported torch and made its process group of one
+    (gloo, or NCCL on cuda:0 with ``on_gpu``): what a rank pays without the forkserver's preloads."""
+    code = _FIRST_DDP_FRESH.format(here=os.path.dirname(os.path.abspath(__file__)), port=free_port(), on_gpu=on_gpu)
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
 def train(steps: int = 300, width: int = 256, batch: int = 64) -> float:

@@ -24,6 +24,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.two_users import shared_tmp, two_users  # noqa: F401 - fixtures of the shared-server tests
+
 ROOT = Path(__file__).resolve().parent.parent
 FAKES = ROOT / "tests" / "fakes"
 UNSTATED = "FAKE_NVML_UNSTATED"  # where the fake notes the reads of a test that stated no devices

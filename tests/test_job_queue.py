@@ -1,7 +1,6 @@
 """The job queue's placement, in this process: submission order with backfill, whole-GPU and shared leases,
 memory needs and settling, and the reasons a waiting job shows. (Real runners: test_jobs.py.)"""
 
-import json
 import os
 import subprocess
 import sys
@@ -12,40 +11,54 @@ import pytest
 import gpumagic
 from gpumagic.devices import leases
 from gpumagic.devices.inventory import read_inventory
+from gpumagic.devices.processes import current_user
 from gpumagic.jobs.queue import Request, Ticket, place, take, waiting_tickets
+
+ME = current_user()
+
+
+SHARER = """
+import sys
+from gpumagic.devices import leases
+uuid = sys.argv[1]
+leases.book().label = "job S"
+with leases.pick_lock():
+    assert leases.book().try_share(uuid)
+print("shared", flush=True)
+for line in sys.stdin:
+    leases.book().mark_settled(uuid)
+    print("settled", flush=True)
+"""
 
 
 @pytest.fixture
-def other_process():
-    """A live process of this user that is not this one (a lease holder for the tests)."""
-    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    yield process
-    process.kill()
-    process.wait()
+def sharer():
+    """Starts a process of this user that shares a GPU as a sharing job's runner does (a locked shared record);
+    a line on its stdin marks it settled."""
+    processes = []
+
+    def start(uuid):
+        process = subprocess.Popen(
+            [sys.executable, "-c", SHARER, uuid], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        processes.append(process)
+        assert process.stdout.readline().strip() == "shared"
+        return process
+
+    yield start
+    for process in processes:
+        process.kill()
+        process.wait()
+
+
+def settle(process):
+    process.stdin.write("settle\n")
+    process.stdin.flush()
+    assert process.stdout.readline().strip() == "settled"
 
 
 def ticket(name, request, offset):
     return Ticket.create(name, request, time.time() - 100 + offset, key=f"run-{name}")
-
-
-def share_record(uuid, pid, settled):
-    """What a sharing job's runner writes: a record without a flock."""
-    from gpumagic.devices.processes import process_start_time
-
-    record = {
-        "uuid": uuid,
-        "user": "me",
-        "uid": os.getuid(),
-        "pid": pid,
-        "process_start": process_start_time(pid),
-        "since": time.time(),
-        "notebook": "job S",
-        "shared": True,
-        "settled": settled,
-    }
-    path = leases.lease_dir() / f"{uuid}.me.{pid}.json"
-    path.write_text(json.dumps(record))
-    return path
 
 
 def test_tickets_are_served_in_submission_order(simulated):
@@ -78,23 +91,15 @@ def test_named_gpus_wait_for_exactly_those(simulated):
     assert chosen == [] and "GPU 2: leased by this kernel" in reason and "GPU 0" not in reason
 
 
-def test_dead_runners_tickets_are_ignored_and_removed(simulated, other_process):
+def test_dead_runners_tickets_are_ignored_and_removed(simulated, monkeypatch):
+    from gpumagic.jobs import queue
+
     mine = ticket("mine", Request(1), 5)
-    stale = leases.lease_dir() / "queue.00000000000000000001.run-gone.json"
-    stale.write_text(
-        json.dumps(
-            {
-                "name": "gone",
-                "request": {"count": 4},
-                "uid": os.getuid(),
-                "pid": 2**22 - 3,
-                "process_start": 1.0,
-                "submitted_ns": 1,
-            }
-        )
-    )
+    monkeypatch.setattr(queue, "PROVISIONAL_S", 0.0)
+    stale = Ticket.create("gone", Request(4), time.time() - 200, key="run-gone", provisional=True)  # never locked
+    time.sleep(0.01)
     assert [t.name for t in waiting_tickets()] == ["mine"]
-    assert not stale.exists()
+    assert not stale.path.exists()
     chosen, _ = place(mine, read_inventory(), leases.book())
     assert len(chosen) == 1
 
@@ -107,30 +112,31 @@ def test_provisional_tickets_expire_when_no_runner_takes_them_over(simulated, mo
     assert waiting_tickets() == []
 
 
-def test_sharing_jobs_join_a_gpu_only_after_its_jobs_settled(monkeypatch, other_process):
+def test_sharing_jobs_join_a_gpu_only_after_its_jobs_settled(monkeypatch, sharer):
     monkeypatch.setenv("GPUMAGIC_SIMULATE", "1xA100-80GB")
     uuid = read_inventory()[0].uuid
-    record = share_record(uuid, other_process.pid, settled=False)
+    other = sharer(uuid)
     mine = ticket("sharer", Request(1, (), 10 << 30), 0)
     chosen, reason = place(mine, read_inventory(), leases.book())
     assert chosen == [] and "GPU 0: a job on it is still allocating its memory" in reason
-    share_record(uuid, other_process.pid, settled=True)
+    settle(other)
     chosen, reason = place(mine, read_inventory(), leases.book())
     assert [g.uuid for g in chosen] == [uuid]
     with leases.pick_lock():
         assert take(chosen, mine.request, leases.book())
-    assert leases.sharers(uuid) and all(s.shared for s in leases.sharers(uuid))
-    record.unlink()
+    assert {s.pid for s in leases.sharers(uuid)} == {other.pid, os.getpid()}
+    assert leases.holders([uuid], leases.book())[uuid].mine
 
 
-def test_a_shared_gpu_is_closed_to_whole_gpu_jobs_and_kernels(monkeypatch, other_process):
+def test_a_shared_gpu_is_closed_to_whole_gpu_jobs_and_kernels(monkeypatch, sharer):
     monkeypatch.setenv("GPUMAGIC_SIMULATE", "1xA100-80GB")
     uuid = read_inventory()[0].uuid
-    share_record(uuid, other_process.pid, settled=True)
+    other_process = sharer(uuid)
+    settle(other_process)
     mine = ticket("whole", Request(1), 0)
     chosen, reason = place(mine, read_inventory(), leases.book())
-    assert chosen == [] and "GPU 0: shared by jobs of me" in reason
-    with pytest.raises(gpumagic.NotEnoughGpusError, match="shared by jobs of me"):
+    assert chosen == [] and f"GPU 0: shared by jobs of {ME} (pid {other_process.pid}, job S)" in reason
+    with pytest.raises(gpumagic.NotEnoughGpusError, match=f"shared by jobs of {ME}"):
         gpumagic.pick(1)
     with leases.pick_lock():
         assert not leases.book().try_acquire(uuid)  # nor by naming it

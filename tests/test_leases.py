@@ -1,5 +1,6 @@
 """Leases across processes: exclusive, visible to others, reclaimed when the holder dies."""
 
+import fcntl
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import pytest
 import gpumagic
 from gpumagic.devices import leases
 from gpumagic.errors import LeaseDirectoryError, NotEnoughGpusError
+from gpumagic.widgets.status_table import render_text
 
 CONTESTANT = textwrap.dedent(
     """
@@ -72,7 +74,7 @@ def test_a_killed_holders_lease_is_reclaimed(simulated, isolated_leases, no_left
     assert set(gpumagic.pick(4).uuids) >= set(taken)
     # the dead holder's records were cleaned up (same user); ours remain
     records = sorted(p.name for p in isolated_leases.glob("GPU-*.json"))
-    assert len(records) == 4 and all(f".{os.getpid()}.json" in r for r in records)
+    assert len(records) == 4 and all(f".{os.getuid()}.{os.getpid()}." in r for r in records)
 
 
 def test_release_gives_gpus_back_and_removes_records(simulated, isolated_leases):
@@ -88,13 +90,14 @@ def test_forged_records_are_ignored(simulated, isolated_leases, no_leftover_chil
     holder.stdin.write("pick\n")
     holder.stdin.flush()
     uuid = holder.stdout.readline().split()[1].split(",")[0]
-    forged = isolated_leases / f"{uuid}.mallory.{os.getpid()}.json"
-    forged.write_text(
-        json.dumps({"uuid": uuid, "user": "mallory", "uid": os.getuid() + 4242, "pid": os.getpid(), "since": 0})
-    )
-    with leases.pick_lock(exclusive=False):
-        lease = leases.holders([uuid], leases.book())[uuid]
+    forged = isolated_leases / f"{uuid}.{os.getuid() + 4242}.{os.getpid()}.abc123.json"  # in another uid's name
+    forged.write_text(json.dumps({"uuid": uuid, "user": "mallory", "pid": os.getpid(), "since": 0}))
+    with open(forged) as handle:  # locked, as a live holder's record is
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        with leases.pick_lock(exclusive=False):
+            lease = leases.holders([uuid], leases.book())[uuid]
     assert lease.pid == holder.pid and lease.user != "mallory"
+    assert "named as" in gpumagic.status().status.ignored[forged.name]
     holder.stdin.close()
     holder.wait(10)
 
@@ -127,3 +130,71 @@ def test_the_default_directory_is_made_shared_and_sticky(tmp_path, monkeypatch):
     monkeypatch.setattr(leases, "DEFAULT_LEASE_DIR", str(target))
     assert leases.lease_dir() == target
     assert stat.S_IMODE(target.stat().st_mode) == 0o1777
+
+
+def test_a_lease_directory_of_another_user_or_group_writable_is_refused(tmp_path, monkeypatch, simulated):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the directory to another uid")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o1777)
+    os.chown(theirs, 4242, 4242)  # any user but root and us could remove our leases there
+    monkeypatch.setenv("GPUMAGIC_LEASE_DIR", str(theirs))
+    with pytest.raises(LeaseDirectoryError, match="belongs to uid 4242, who could remove your leases; ask an admin"):
+        gpumagic.pick(1)
+    assert list(theirs.iterdir()) == []
+    assert gpumagic.status().status.lease_problem.startswith(f"the lease directory {theirs} belongs to uid 4242")
+    group = tmp_path / "group"
+    group.mkdir()
+    os.chmod(group, 0o770)
+    monkeypatch.setenv("GPUMAGIC_LEASE_DIR", str(group))
+    with pytest.raises(LeaseDirectoryError, match="writable by others without the sticky bit"):
+        gpumagic.pick(1)
+    link = tmp_path / "link"
+    link.symlink_to(group)
+    monkeypatch.setenv("GPUMAGIC_LEASE_DIR", str(link))
+    with pytest.raises(LeaseDirectoryError, match="is a symbolic link"):
+        gpumagic.pick(1)
+
+
+def test_status_names_what_it_ignored_in_the_lease_directory_once(simulated, isolated_leases):
+    uuid = gpumagic.pick(1).uuids[0]
+    os.mkfifo(isolated_leases / f"{uuid}.{os.getuid()}.1.abc.json")
+    (isolated_leases / f"{uuid}.{os.getuid()}.2.abc.json").symlink_to("/dev/zero")
+    (isolated_leases / "pick.lock").write_text("")
+    text = render_text(gpumagic.status().status)
+    line = [row for row in text.splitlines() if "ignored" in row]
+    assert len(line) == 1, text
+    assert line[0] == (
+        f"⚠ ignored in the lease directory: {uuid}.{os.getuid()}.1.abc.json (a FIFO); {uuid}.{os.getuid()}.2.abc.json "
+        "(a symbolic link); pick.lock (not a file gpumagic writes)"
+    )
+    (isolated_leases / "pick.lock").unlink()
+    assert "pick.lock" not in render_text(gpumagic.status().status)  # named while it is there, not after
+
+
+def test_the_pick_lock_held_elsewhere_makes_pick_say_busy_in_one_line(simulated, isolated_leases, monkeypatch):
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from gpumagic.devices import leases\n"
+            "with leases.pick_lock():\n    print('held', flush=True); time.sleep(30)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setattr(leases, "PICK_LOCK_WAIT_S", 0.3)
+        with pytest.raises(leases.LeaseBusy) as caught:
+            with leases.pick_lock(wait_s=0.3):
+                pass
+        assert str(caught.value).startswith(
+            f"the GPU lease directory is busy: {leases.current_user()}'s process {holder.pid} has kept its pick lock"
+        )
+        assert "\n" not in str(caught.value)
+        assert gpumagic.status().status.lease_problem.startswith("the GPU lease directory is busy")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert gpumagic.pick(1).indices == (0,)

@@ -1,20 +1,29 @@
 """Leases: which process has taken which GPU, shared by every notebook and user of this machine.
 
-Layout of the lease directory (``/tmp/gpumagic-leases``, or ``GPUMAGIC_LEASE_DIR``), sticky and
-world-writable like ``/tmp`` so that users cannot remove each other's files::
+The lease directory (``/tmp/gpumagic-leases``, or ``GPUMAGIC_LEASE_DIR``) is shared by all users, so
+everything in it may have been put there by a hostile neighbour (docs/devices.md, "Shared servers"). It must
+belong to root or to this user (anyone else could remove our files) and, if others may write in it, carry
+the sticky bit (1777, like ``/tmp``). Every file in it belongs to the user whose uid its name carries, and
+the files of other users are read through ``shared_files`` (no links followed, no blocking, owner checked on
+the open descriptor, size capped); what does not pass is ignored and named in ``%gpu status``. ::
 
-    pick.lock                    held briefly while a process inspects or takes leases
-    GPU-<uuid>.lock              held (flock, exclusive) for as long as the lease lasts
-    GPU-<uuid>.<user>.<pid>.json who holds it: user, uid, pid, process start, since, notebook
-    queue.<ns>.<run id>.json     a background job waiting for GPUs (``gpumagic.jobs.queue``)
+    pick.<uid>.<pid>.<token>.lock           a process's share of the pick lock (below)
+    GPU-<uuid>.<uid>.<pid>.<token>.json     a lease: who holds the GPU (user, pid, since, notebook, shared,
+                                            settled), ``flock``-ed by its holder for as long as it lasts
+    queue.<uid>.<run id>.<token>.json       a background job waiting for GPUs (``gpumagic.jobs.queue``)
 
-The lease *is* the ``flock`` on ``GPU-<uuid>.lock``: the OS drops it when the holder dies, however it dies,
-so a dead holder's GPU is free again at once. The JSON record only names the holder; a record whose
-process is gone, or whose file is not owned by the uid it claims, is ignored.
+A lease *is* the ``flock`` its holder keeps on its record: the OS drops it when the holder exits, however
+it exits, so a dead holder's GPU is free at once, and nobody can hold a lease in another's name. No file is
+shared between users, so nobody can remove, replace or lock up a file another user's lease depends on.
 
-Background jobs that give a memory need may *share* a GPU: a shared lease is a record alone (``"shared":
-true``, no flock), alive while its process is. It keeps kernels and whole-GPU jobs off the GPU; other sharing
-jobs may join once every sharer has ``"settled"`` (allocated its memory).
+The pick lock serializes inspecting (shared) and taking (exclusive) leases across all processes without a
+shared file: a process locks its own ``pick`` file, then checks that no other process's ``pick`` file is
+locked in a conflicting mode; if one is, it lets go and tries again after a random pause. Two processes can
+never both pass (each locks before it looks), so at most one takes leases at a time.
+
+Background jobs that give a memory need may *share* a GPU: their records say ``"shared": true``. A shared GPU
+is closed to kernels and whole-GPU jobs; other sharing jobs may join it once every sharer has ``"settled"``
+(allocated its memory).
 """
 
 from __future__ import annotations
@@ -25,22 +34,42 @@ import dataclasses
 import fcntl
 import json
 import os
+import random
 import re
+import secrets
 import socket
 import stat
-import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpumagic.devices.processes import current_user, is_same_process, process_start_time
+from gpumagic.devices import shared_files
+from gpumagic.devices.processes import current_user, process_start_time
+from gpumagic.devices.shared_files import Untrusted
 from gpumagic.errors import LeaseDirectoryError
 
 DEFAULT_LEASE_DIR = "/tmp/gpumagic-leases"
 LEASE_DIR_VARIABLE = "GPUMAGIC_LEASE_DIR"
-_PICK_LOCK_TIMEOUT_S = 10.0
+PROVISIONAL_S = 30.0  # how long a queue ticket counts before its job's runner locks it
+OTHERS_PROVISIONAL_S = 5.0  # ... another user's: a runner starts in a second; a forger's ticket soon stops counting
+PICK_LOCK_WAIT_S = 3.0  # how long a pick or a status waits for a busy lease directory before saying so
+_RECORD_NAME = re.compile(r"^((?:GPU|MIG)-[0-9A-Za-z-]+)\.(\d+)\.(\d+)\.([0-9a-f]+)\.json$")
+_PICK_NAME = re.compile(r"^pick\.(\d+)\.(\d+)\.([0-9a-f]+)\.lock$")
+TICKET_NAME = re.compile(r"^queue\.(\d+)\.([A-Za-z0-9_-]+)\.([0-9a-f]+)\.json$")
+
+
+class LeaseBusy(LeaseDirectoryError):
+    """The pick lock stayed taken by other processes for as long as the caller was willing to wait.
+
+    Attributes:
+        holder: who kept it, in words (``bob's process 1234``).
+    """
+
+    def __init__(self, message: str, holder: str) -> None:
+        super().__init__(message)
+        self.holder = holder
 
 
 @dataclass(frozen=True)
@@ -69,74 +98,204 @@ class Lease:
 
 
 def lease_dir() -> Path:
-    """The lease directory, created (mode 1777, like /tmp) if missing.
+    """The lease directory, created if missing (mode 1777 like ``/tmp``; root's if root creates it).
 
     Raises:
-        LeaseDirectoryError: it cannot be created, or others could tamper with it.
+        LeaseDirectoryError: it cannot be created, or another user could tamper with it.
     """
     explicit = os.environ.get(LEASE_DIR_VARIABLE)
     path = Path(explicit or DEFAULT_LEASE_DIR)
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            path.mkdir(parents=True, mode=0o700)
+            if not explicit:  # the default is shared by every user of the machine, each keeping their own files
+                os.chmod(path, 0o1777)
         info = path.lstat()
-        if not stat.S_ISDIR(info.st_mode):
-            raise LeaseDirectoryError(f"{path} is not a directory; set {LEASE_DIR_VARIABLE} to a directory")
-        if info.st_uid == os.getuid() and not explicit and stat.S_IMODE(info.st_mode) != 0o1777:
-            os.chmod(path, 0o1777)  # shared by all users of the machine, each keeping their own files
-            info = path.lstat()
     except OSError as err:
         raise LeaseDirectoryError(
             f"cannot use the lease directory {path} ({err.strerror}); set {LEASE_DIR_VARIABLE} to a writable one"
         ) from None
-    if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX:
-        raise LeaseDirectoryError(
-            f"{path} is world-writable without the sticky bit, so anyone could remove leases: "
-            f"run `chmod +t {path}` or set {LEASE_DIR_VARIABLE}"
-        )
+    check_lease_dir(path, info)
+    if info.st_uid == os.getuid() and not explicit and stat.S_IMODE(info.st_mode) != 0o1777:
+        with contextlib.suppress(OSError):
+            os.chmod(path, 0o1777)
     return path
 
 
-def _open_lock_file(path: Path) -> int:
-    """A read-only descriptor of ``path``, created empty (0644) if missing.
+def safe_lease_dir_hint(path: Path) -> str:
+    return (
+        f"ask an administrator to make it root's: `sudo install -d -m 1777 -o root -g root {path}` (or, when "
+        f"it exists, `sudo chown root: {path} && sudo chmod 1777 {path}`), or set {LEASE_DIR_VARIABLE} to a "
+        "directory of your own (leases then coordinate only your own notebooks)"
+    )
 
-    Read-only so that other users' lock files open too (``flock`` needs no write access); never
-    ``O_CREAT`` on an existing file, which ``fs.protected_regular`` refuses in sticky directories.
-    """
-    for _ in range(5):
-        try:
-            return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            pass
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            os.fchmod(fd, 0o644)
-            return fd
-        except FileExistsError:
+
+def check_lease_dir(path: Path, info: os.stat_result) -> None:
+    """Raise LeaseDirectoryError unless ``path`` is a directory only root or this user controls."""
+    if stat.S_ISLNK(info.st_mode):
+        raise LeaseDirectoryError(f"the lease directory {path} is a symbolic link; {safe_lease_dir_hint(path)}")
+    if not stat.S_ISDIR(info.st_mode):
+        raise LeaseDirectoryError(f"{path} is not a directory; set {LEASE_DIR_VARIABLE} to a directory")
+    if info.st_uid not in (0, os.getuid()):
+        raise LeaseDirectoryError(
+            f"the lease directory {path} belongs to {shared_files.owner_name(info.st_uid)}, who could remove your "
+            f"leases; {safe_lease_dir_hint(path)}"
+        )
+    if info.st_mode & (stat.S_IWOTH | stat.S_IWGRP) and not info.st_mode & stat.S_ISVTX:
+        raise LeaseDirectoryError(
+            f"the lease directory {path} is writable by others without the sticky bit, so anyone could remove "
+            f"your leases: run `chmod +t {path}`, or {safe_lease_dir_hint(path)}"
+        )
+
+
+def _token() -> str:
+    return secrets.token_hex(6)
+
+
+def _create_private(directory: Path, name: str) -> int:
+    """A new file ``name`` in ``directory``, open for writing, 0600 until the caller opens it to others.
+
+    0600 first, so that nobody else can open it (and ``flock`` it) before its owner holds what it must."""
+    return os.open(
+        directory / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600
+    )
+
+
+class _PickLock:
+    """This process's share of the pick lock: its own ``pick`` file, and the check of everybody else's."""
+
+    def __init__(self) -> None:
+        self._thread_lock = threading.RLock()
+        self._depth = 0
+        self._file: tuple[int, Path, int] | None = None  # fd, path, pid that made it (a fork makes its own)
+
+    def _own(self, directory: Path) -> tuple[int, Path]:
+        if self._file is not None and self._file[2] == os.getpid() and self._file[1].parent == directory:
+            if self._file[1].exists():
+                return self._file[0], self._file[1]
+        if self._file is not None and self._file[2] == os.getpid():
+            with contextlib.suppress(OSError):
+                os.close(self._file[0])
+        for _ in range(10):
+            name = f"pick.{os.getuid()}.{os.getpid()}.{_token()}.lock"
+            try:
+                fd = _create_private(directory, name)
+            except FileExistsError:
+                continue
+            os.fchmod(fd, 0o644)  # others open it to see whether it is locked
+            self._file = (fd, directory / name, os.getpid())
+            return fd, directory / name
+        raise LeaseDirectoryError(f"cannot create a file in {directory}: every name tried exists")
+
+    @contextlib.contextmanager
+    def hold(self, exclusive: bool, wait_s: float) -> Iterator[None]:
+        with self._thread_lock:
+            if self._depth:  # nested in this thread: already held
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                return
+            directory = lease_dir()
+            try:
+                fd, path = self._own(directory)
+                self._acquire(directory, fd, path, exclusive, wait_s)
+            except OSError as err:
+                raise LeaseDirectoryError(f"cannot use the lease directory {directory} ({err.strerror})") from None
+            self._depth = 1
+            try:
+                yield
+            finally:
+                self._depth = 0
+                fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _acquire(self, directory: Path, fd: int, path: Path, exclusive: bool, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        pause = 0.001
+        while True:
+            conflict = None
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            except BlockingIOError:  # someone is checking (or holding) our own file
+                conflict = path
+            if conflict is None:
+                conflict = _conflicting_pick_file(directory, path.name, exclusive)
+                if conflict is None:
+                    return
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            if time.monotonic() > deadline:
+                who = _who_holds(conflict)
+                raise LeaseBusy(
+                    f"the GPU lease directory is busy: {who} has kept its pick lock for the {wait_s:g}s this "
+                    "waited; try again (%gpu pick --wait 10m keeps trying)",
+                    who,
+                )
+            time.sleep(random.uniform(0, pause))
+            pause = min(pause * 2, 0.05)
+
+
+def _conflicting_pick_file(directory: Path, own: str, exclusive: bool) -> Path | None:
+    """The first other process's pick file locked in a mode that conflicts with ours, if any; removes this
+    user's pick files of processes that are gone."""
+    for name in _listdir(directory):
+        match = _PICK_NAME.match(name)
+        if match is None or name == own:
             continue
-    raise LeaseDirectoryError(f"cannot open {path}: it keeps appearing and disappearing")
+        uid, pid = int(match.group(1)), int(match.group(2))
+        path = directory / name
+        try:
+            with shared_files.opened(path, uid) as (fd, _):
+                try:
+                    fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return path
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        except FileNotFoundError:
+            continue
+        except Untrusted as why:
+            shared_files.note_ignored(name, str(why))
+            continue
+        if uid == os.getuid() and pid != os.getpid() and process_start_time(pid) is None:
+            with contextlib.suppress(OSError):
+                path.unlink()
+    return None
+
+
+def _who_holds(path: Path) -> str:
+    """Who holds a lock on ``path``, in words: ``bob's process 1234``."""
+    try:
+        info = path.stat()
+        pids = shared_files.flock_holders().get((info.st_dev, info.st_ino), [])
+    except OSError:
+        pids = []
+    match = _PICK_NAME.match(path.name)
+    owner = shared_files.owner_name(int(match.group(1))) if match else "another user"
+    if pids:
+        return f"{owner}'s process {', '.join(map(str, sorted(set(pids))))}"
+    return f"a process of {owner}" + (f" (pid {match.group(2)})" if match else "")
+
+
+_pick = _PickLock()
 
 
 @contextlib.contextmanager
-def pick_lock(exclusive: bool = True) -> Iterator[None]:
-    """Serialize lease inspection (shared) and lease taking (exclusive) across all processes."""
-    fd = _open_lock_file(lease_dir() / "pick.lock")
-    try:
-        mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
-        deadline = time.monotonic() + _PICK_LOCK_TIMEOUT_S
-        while True:
-            try:
-                fcntl.flock(fd, mode)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise LeaseDirectoryError(
-                        f"another process has held {lease_dir() / 'pick.lock'} for {_PICK_LOCK_TIMEOUT_S:.0f}s; "
-                        "try again, or see which process holds it with `fuser -v` on that file"
-                    ) from None
-                time.sleep(0.002)
+def pick_lock(exclusive: bool = True, wait_s: float | None = None) -> Iterator[None]:
+    """Serialize lease inspection (shared) and lease taking (exclusive) across all processes of all users.
+
+    Raises:
+        LeaseBusy: other processes kept it for ``wait_s`` seconds (default ``PICK_LOCK_WAIT_S``).
+        LeaseDirectoryError: no usable lease directory.
+    """
+    with _pick.hold(exclusive, PICK_LOCK_WAIT_S if wait_s is None else wait_s):
         yield
-    finally:
-        os.close(fd)
+
+
+def _listdir(directory: Path) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except OSError as err:
+        raise LeaseDirectoryError(f"cannot read the lease directory {directory} ({err.strerror})") from None
 
 
 class LeaseBook:
@@ -144,7 +303,7 @@ class LeaseBook:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._held: dict[str, tuple[int, Path, float]] = {}  # uuid -> (lock fd or -1 if shared, record, since)
+        self._held: dict[str, tuple[int, Path, float, bool]] = {}  # uuid -> (locked record, its path, since, shared)
         self._atexit = False
         self.label: str | None = None  # what the records call the holder (default: the notebook's name)
 
@@ -164,75 +323,56 @@ class LeaseBook:
             if uuid in self._held:
                 return True
             directory = lease_dir()
-            fd = _open_lock_file(directory / f"{uuid}.lock")
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
+            if _live_records(directory, uuid):
                 return False
-            if _live_records(directory, uuid, _record_names(directory, uuid)):  # jobs share it
-                os.close(fd)
-                return False
-            since = time.time()
-            record = self._write_record(directory, uuid, since)
-            self._remember(uuid, fd, record, since)
+            self._take(directory, uuid, shared=False, settled=True)
             return True
 
     def try_share(self, uuid: str) -> bool:
-        """Join the jobs sharing ``uuid`` (a record, no flock) unless someone holds it whole. Call under
-        ``pick_lock()``; whether the other sharers have settled and memory suffices is the caller's check."""
+        """Join the jobs sharing ``uuid`` unless someone holds it whole. Call under ``pick_lock()``; whether
+        the other sharers have settled and memory suffices is the caller's check."""
         _check_uuid(uuid)
         with self._lock:
             if uuid in self._held:
                 return True
             directory = lease_dir()
-            if _is_locked(directory / f"{uuid}.lock"):
+            if any(not lease.shared for lease in _live_records(directory, uuid)):
                 return False
-            since = time.time()
-            record = self._write_record(directory, uuid, since, shared=True, settled=False)
-            self._remember(uuid, -1, record, since)
+            self._take(directory, uuid, shared=True, settled=False)
             return True
 
     def mark_settled(self, uuid: str) -> None:
         """Say that this process has allocated its memory on the shared GPU ``uuid``: others may join."""
         with self._lock:
             entry = self._held.get(uuid)
-            if entry is None or entry[0] != -1:
+            if entry is None or not entry[3]:
                 return
-            self._write_record(lease_dir(), uuid, entry[2], shared=True, settled=True)
+            fd, path, since, _ = entry
+            new_fd = _write_locked(path.parent, path.name, self._record(uuid, since, True, True), replace=True)
+            os.close(fd)
+            self._held[uuid] = (new_fd, path, since, True)
 
-    def _remember(self, uuid: str, fd: int, record: Path, since: float) -> None:
-        self._held[uuid] = (fd, record, since)
+    def _take(self, directory: Path, uuid: str, shared: bool, settled: bool) -> None:
+        since = time.time()
+        for _ in range(10):
+            name = f"{uuid}.{os.getuid()}.{os.getpid()}.{_token()}.json"
+            try:
+                fd = _write_locked(directory, name, self._record(uuid, since, shared, settled))
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise LeaseDirectoryError(f"cannot create a lease record in {directory}: every name tried exists")
+        self._held[uuid] = (fd, directory / name, since, shared)
         if not self._atexit:
             atexit.register(self.release_all)
             self._atexit = True
 
-    def release(self, uuids: Iterable[str]) -> list[str]:
-        released = []
-        with self._lock:
-            for uuid in list(uuids):
-                entry = self._held.pop(uuid, None)
-                if entry is None:
-                    continue
-                fd, record, _ = entry
-                with contextlib.suppress(OSError):
-                    record.unlink()
-                if fd >= 0:
-                    os.close(fd)
-                released.append(uuid)
-        return released
-
-    def release_all(self) -> list[str]:
-        return self.release(self.held())
-
-    def _write_record(
-        self, directory: Path, uuid: str, since: float, shared: bool = False, settled: bool = True
-    ) -> Path:
-        user = current_user()
+    def _record(self, uuid: str, since: float, shared: bool, settled: bool) -> dict:
         pid = os.getpid()
-        record = {
+        return {
             "uuid": uuid,
-            "user": user,
+            "user": current_user(),
             "uid": os.getuid(),
             "pid": pid,
             "process_start": process_start_time(pid),
@@ -242,132 +382,213 @@ class LeaseBook:
             "shared": shared,
             "settled": settled,
         }
-        path = directory / f"{uuid}.{safe_name(user)}.{pid}.json"
-        publish(path, record)
-        return path
+
+    def release(self, uuids: Iterable[str]) -> list[str]:
+        released = []
+        with self._lock:
+            for uuid in list(uuids):
+                entry = self._held.pop(uuid, None)
+                if entry is None:
+                    continue
+                fd, path, _, _ = entry
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                released.append(uuid)
+        return released
+
+    def release_all(self) -> list[str]:
+        return self.release(self.held())
 
 
-def publish(path: Path, record: dict) -> None:
-    """Write ``record`` as JSON at ``path`` in the lease directory, atomically and readable by all (0644)."""
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".lease-", suffix=".tmp")
+def _write_locked(directory: Path, name: str, record: dict, replace: bool = False) -> int:
+    """Write ``record`` as ``directory/name`` (0644), holding an exclusive ``flock`` on it from before anyone
+    else can open it; returns the locked descriptor. With ``replace``, atomically replaces the file there.
+
+    Raises:
+        FileExistsError: ``name`` exists (and not ``replace``).
+    """
+    target = f".{name}.{_token()}.tmp" if replace else name
+    fd = _create_private(directory, target)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, json.dumps(record).encode())
         os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w") as handle:
-            json.dump(record, handle)
-        os.replace(temporary, path)
+        if replace:
+            os.replace(directory / target, directory / name)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(temporary)
+            os.unlink(directory / target)
+        os.close(fd)
         raise
+    return fd
 
 
 def holders(uuids: Iterable[str], mine: LeaseBook) -> dict[str, Lease]:
     """The live lease on each of ``uuids`` that has one. Call under ``pick_lock()`` for a consistent view."""
     directory = lease_dir()
-    wanted = list(uuids)
     own = set(mine.held())
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        names = []
-    records: dict[str, list[str]] = {}
-    for name in names:
-        if name.endswith(".json") and name.startswith(("GPU-", "MIG-")):
-            records.setdefault(name.split(".", 1)[0], []).append(name)
+    records = _scan(directory)
     result: dict[str, Lease] = {}
-    for uuid in wanted:
+    for uuid in uuids:
         if uuid in own:
-            since = mine.since(uuid) or time.time()
             result[uuid] = Lease(
                 uuid,
                 current_user(),
                 os.getpid(),
-                since,
+                mine.since(uuid) or time.time(),
                 socket.gethostname(),
                 mine.label or os.environ.get("JPY_SESSION_NAME") or None,
                 mine=True,
+                shared=mine._held[uuid][3] if uuid in mine._held else False,
             )
             continue
-        if not _is_locked(directory / f"{uuid}.lock"):
-            sharers = _live_records(directory, uuid, records.get(uuid, ()))
-            if sharers:  # no flock, but jobs share it: the earliest names them, settled only if all are
-                first = min(sharers, key=lambda lease: lease.since)
-                result[uuid] = dataclasses.replace(first, settled=all(s.settled for s in sharers))
-            else:
-                _remove_my_stale_records(directory, records.get(uuid, ()))
-            continue
-        exclusive = [r for r in _live_records(directory, uuid, records.get(uuid, ())) if not r.shared]
-        result[uuid] = exclusive[0] if exclusive else Lease(uuid, "someone", 0, 0.0, notebook="holder starting up")
+        live = _live_records(directory, uuid, records.get(uuid, ()))
+        exclusive = [lease for lease in live if not lease.shared]
+        if exclusive:
+            result[uuid] = exclusive[0]
+        elif live:  # jobs share it: the earliest names them, settled only if all are
+            first = min(live, key=lambda lease: lease.since)
+            result[uuid] = dataclasses.replace(first, settled=all(s.settled for s in live))
     return result
+
+
+def audit() -> dict[str, str]:
+    """Every file of the lease directory that gpumagic ignores, and why (for ``%gpu status``). Call under
+    ``pick_lock()``."""
+    directory = lease_dir()
+    for uuid, names in _scan(directory).items():
+        _live_records(directory, uuid, names)
+    live_tickets()
+    return shared_files.ignored()
 
 
 def sharers(uuid: str) -> list[Lease]:
     """The live shared leases (jobs) on ``uuid``."""
-    directory = lease_dir()
-    return [r for r in _live_records(directory, uuid, _record_names(directory, uuid)) if r.shared]
+    return [lease for lease in _live_records(lease_dir(), uuid) if lease.shared]
 
 
-def _record_names(directory: Path, uuid: str) -> list[str]:
-    try:
-        return [n for n in os.listdir(directory) if n.startswith(uuid + ".") and n.endswith(".json")]
-    except OSError:
-        return []
+def _scan(directory: Path) -> dict[str, list[str]]:
+    """The lease records in ``directory`` by GPU UUID; notes every name gpumagic does not write as ignored."""
+    records: dict[str, list[str]] = {}
+    names = _listdir(directory)
+    for name in names:
+        match = _RECORD_NAME.match(name)
+        if match:
+            records.setdefault(match.group(1), []).append(name)
+        elif not name.startswith(".") and not _PICK_NAME.match(name) and not TICKET_NAME.match(name):
+            shared_files.note_ignored(name, "not a file gpumagic writes")
+    shared_files.forget_ignored(set(names))
+    return records
 
 
-def _is_locked(path: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
-def _live_records(directory: Path, uuid: str, names: Iterable[str]) -> list[Lease]:
-    """The records of ``uuid`` whose holder is alive, owned by the uid they claim."""
+def _live_records(directory: Path, uuid: str, names: Iterable[str] | None = None) -> list[Lease]:
+    """The records of ``uuid`` whose holder still holds them (locked), each owned by the uid its name gives.
+    This user's records whose holder is gone are removed."""
+    if names is None:
+        names = _scan(directory).get(uuid, ())
     live = []
     for name in names:
+        match = _RECORD_NAME.match(name)
+        if match is None or match.group(1) != uuid:
+            continue
+        uid = int(match.group(2))
         path = directory / name
         try:
-            owner = path.lstat().st_uid
-            data = json.loads(path.read_text())
-            pid, uid = int(data["pid"]), int(data["uid"])
-        except (OSError, ValueError, KeyError, TypeError):
+            with shared_files.opened(path, uid) as (fd, info):
+                data = shared_files.read_record(fd, info)
+                locked = shared_files.is_locked(fd)
+        except FileNotFoundError:
             continue
-        if owner != uid:  # someone wrote a record in another user's name
+        except Untrusted as why:
+            shared_files.note_ignored(name, str(why))
             continue
-        if not is_same_process(pid, data.get("process_start")):
+        if not locked:  # its holder is gone
+            if uid == os.getuid():
+                with contextlib.suppress(OSError):
+                    path.unlink()
             continue
-        live.append(
-            Lease(
+        try:
+            lease = Lease(
                 uuid,
-                str(data.get("user", uid)),
-                pid,
-                float(data.get("since", 0.0)),
-                str(data.get("host", "")),
-                data.get("notebook"),
-                shared=bool(data.get("shared", False)),
-                settled=bool(data.get("settled", True)),
+                str(data.get("user") or shared_files.owner_name(uid))[:64],
+                int(match.group(3)),
+                float(data.get("since") or 0.0),
+                str(data.get("host") or "")[:64],
+                str(data["notebook"])[:120] if data.get("notebook") else None,
+                shared=data.get("shared") is True,
+                settled=data.get("settled", True) is not False,
             )
-        )
+        except (TypeError, ValueError):
+            shared_files.note_ignored(name, "a record with malformed fields")
+            continue
+        if lease.user != shared_files.owner_name(uid):  # the name shown is the file owner's, whatever it says
+            lease = dataclasses.replace(lease, user=shared_files.owner_name(uid))
+        live.append(lease)
     return live
 
 
-def _remove_my_stale_records(directory: Path, names: Iterable[str]) -> None:
-    """Records of dead holders are clutter; users can remove only their own (sticky directory)."""
-    for name in names:
+@dataclass(frozen=True)
+class TicketFile:
+    """A queue ticket as the lease directory holds it (``gpumagic.jobs.queue`` reads what it asks)."""
+
+    path: Path
+    uid: int
+    made_ns: int  # when the directory saw it made: its change time, which its writer cannot set back
+    data: dict
+
+
+def live_tickets(provisional_s: float = PROVISIONAL_S) -> list[TicketFile]:
+    """The queue tickets that count: locked by their runner (for another user's, by a gpumagic job runner of
+    that user, per ``/proc/locks``), or not locked yet but made less than ``provisional_s`` ago while the
+    runner starts (``OTHERS_PROVISIONAL_S`` for other users' tickets). This user's dead tickets are removed;
+    other users' suspicious ones are noted as ignored."""
+    directory = lease_dir()
+    found = []
+    holders = shared_files.flock_holders()
+    now = time.time_ns()
+    for name in _listdir(directory):
+        match = TICKET_NAME.match(name)
+        if match is None:
+            continue
+        uid = int(match.group(1))
+        mine = uid == os.getuid()
         path = directory / name
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            if (
-                path.lstat().st_uid == os.getuid()
-                and process_start_time(int(json.loads(path.read_text())["pid"])) is None
-            ):
-                path.unlink()
+        try:
+            with shared_files.opened(path, uid) as (fd, info):
+                data = shared_files.read_record(fd, info)
+                locked = shared_files.is_locked(fd)
+            pids = holders.get((info.st_dev, info.st_ino), [])
+            if not mine and (locked or pids) and not _held_by_a_runner(pids, uid):
+                raise Untrusted("locked by a process that is not that user's gpumagic job runner")
+            window = provisional_s if mine else min(provisional_s, OTHERS_PROVISIONAL_S)
+            if not locked and not pids and now - info.st_ctime_ns > window * 1e9:  # its runner is gone or never came
+                if mine:
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+                continue
+        except FileNotFoundError:
+            continue
+        except Untrusted as why:
+            shared_files.note_ignored(name, str(why))
+            continue
+        found.append(TicketFile(path, uid, info.st_ctime_ns, data))
+    return found
+
+
+def _held_by_a_runner(pids: list[int], uid: int) -> bool:
+    """True if one of ``pids`` is a process of ``uid`` running ``gpumagic.jobs.runner``."""
+    import psutil
+
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            if process.uids().real == uid and "gpumagic.jobs.runner" in process.cmdline():
+                return True
+        except psutil.Error:
+            continue
+    return False
 
 
 def _check_uuid(uuid: str) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpumagic.devices import leases as leasing
 from gpumagic.devices.cuda_state import cuda_initialized
@@ -19,6 +19,7 @@ class GpuStatus:
     visibility: Visibility
     too_late: str | None
     lease_problem: str | None = None
+    ignored: dict[str, str] = field(default_factory=dict)  # lease directory file -> why gpumagic ignored it
 
 
 def gather_status() -> GpuStatus:
@@ -26,10 +27,12 @@ def gather_status() -> GpuStatus:
     inventory = read_inventory()
     held: dict[str, leasing.Lease] = {}
     problem = None
+    ignored: dict[str, str] = {}
     if inventory.gpus:
         try:
             with leasing.pick_lock(exclusive=False):
                 held = leasing.holders([g.uuid for g in inventory.gpus], leasing.book())
+                ignored = leasing.audit()
         except LeaseDirectoryError as err:
             problem = str(err)
-    return GpuStatus(inventory, held, current_visibility(inventory), cuda_initialized(), problem)
+    return GpuStatus(inventory, held, current_visibility(inventory), cuda_initialized(), problem, ignored)

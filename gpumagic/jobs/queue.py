@@ -14,19 +14,21 @@ later one that can (backfill). A GPU qualifies for a job when:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpumagic.devices import leases as leasing
+from gpumagic.devices import shared_files
 from gpumagic.devices.model import GpuInfo, Inventory
-from gpumagic.devices.processes import is_same_process, process_start_time
 from gpumagic.units import format_bytes
 
-PROVISIONAL_S = 30.0
+PROVISIONAL_S = leasing.PROVISIONAL_S
 
 
 @dataclass(frozen=True)
@@ -91,78 +93,115 @@ class _Slot:
 
 @dataclass(frozen=True)
 class Ticket:
-    """A waiting job's place in the queue."""
+    """A waiting job's place in the queue: a file in the lease directory (``queue.<uid>.<run id>.<token>.json``).
+
+    Its place is when the directory saw it made (the file's change time, which nobody can set back), not
+    a number its writer chose. It counts while its runner holds a ``flock`` on it (for another user's ticket,
+    the holder must be a gpumagic job runner of that user, per ``/proc/locks``), or for ``PROVISIONAL_S`` after
+    it was made while the runner starts.
+    """
 
     path: Path
     name: str
     request: Request
     submitted_ns: int
-    pid: int = field(default_factory=os.getpid)
+    uid: int = field(default_factory=os.getuid)
+    made_ns: int = 0
+    fd: int | None = field(default=None, compare=False, repr=False)  # the runner's locked descriptor
+
+    @property
+    def order(self) -> tuple[int, int, int, str]:
+        return (self.made_ns, self.uid, self.submitted_ns, self.path.name)
 
     @classmethod
     def create(cls, name: str, request: Request, submitted: float, key: str, provisional: bool = False) -> Ticket:
-        """Write (or take over) the ticket of job ``key`` (its run id). The submitting kernel writes a
-        ``provisional`` one at once, so the queue order is the submission order even before the job's runner
-        has started; the runner then writes its own, alive while it is."""
+        """The ticket of job ``key`` (its run id). The submitting kernel writes a ``provisional`` one at once,
+        so the queue order is the submission order even before the job's runner has started; the runner
+        then takes it over (locks it), or writes its own if there is none."""
         directory = leasing.lease_dir()
         submitted_ns = int(submitted * 1e9)
-        pid = os.getpid()
-        path = directory / f"queue.{submitted_ns:020d}.{leasing.safe_name(key)}.json"
-        record = {
-            "name": name,
-            "request": request.to_json(),
-            "uid": os.getuid(),
-            "pid": pid,
-            "process_start": process_start_time(pid),
-            "submitted_ns": submitted_ns,
-            "provisional_until": time.time() + PROVISIONAL_S if provisional else None,
-        }
-        leasing.publish(path, record)
-        return cls(path, name, request, submitted_ns, pid)
+        if not provisional:
+            claimed = _claim(directory, key, name, request, submitted_ns)
+            if claimed is not None:
+                return claimed
+        record = {"name": name, "request": request.to_json(), "uid": os.getuid(), "submitted_ns": submitted_ns}
+        for _ in range(10):
+            path = directory / f"queue.{os.getuid()}.{leasing.safe_name(key)}.{secrets.token_hex(6)}.json"
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                continue
+            try:
+                if not provisional:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.fchmod(fd, 0o644)
+                os.write(fd, json.dumps(record).encode())
+                made = os.fstat(fd).st_ctime_ns
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                raise
+            if provisional:
+                os.close(fd)
+                fd = None
+            return cls(path, name, request, submitted_ns, os.getuid(), made, fd)
+        raise leasing.LeaseDirectoryError(f"cannot create a queue ticket in {directory}: every name tried exists")
 
     def remove(self) -> None:
         with contextlib.suppress(OSError):
             self.path.unlink()
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+
+
+def _claim(directory: Path, key: str, name: str, request: Request, submitted_ns: int) -> Ticket | None:
+    """Take over the provisional ticket this user's kernel wrote for job ``key``: lock it, keeping its place."""
+    prefix = f"queue.{os.getuid()}.{leasing.safe_name(key)}."
+    for entry in sorted(n for n in os.listdir(directory) if n.startswith(prefix)):
+        path = directory / entry
+        try:
+            fd, info = shared_files.open_regular(path, os.getuid())
+        except (OSError, shared_files.Untrusted):
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        if info.st_nlink == 0:  # removed (killed) meanwhile
+            os.close(fd)
+            continue
+        return Ticket(path, name, request, submitted_ns, os.getuid(), info.st_ctime_ns, fd)
+    return None
 
 
 def remove_tickets(key: str) -> None:
     """Take job ``key`` (its run id) out of the queue: a killed job's ticket, even one its runner never took
     over, must not hold a place."""
     directory = leasing.lease_dir()
+    prefix = f"queue.{os.getuid()}.{leasing.safe_name(key)}."
     for name in os.listdir(directory):
-        if name.startswith("queue.") and name.endswith(f".{leasing.safe_name(key)}.json"):
+        if name.startswith(prefix):
             with contextlib.suppress(OSError):
                 (directory / name).unlink()
 
 
 def waiting_tickets() -> list[Ticket]:
-    """Live tickets of every user, in queue order (dead runners' tickets are skipped, and removed if ours)."""
-    directory = leasing.lease_dir()
+    """Live tickets of every user, in queue order (``leases.live_tickets`` says which are live)."""
     tickets = []
-    for name in sorted(os.listdir(directory)):
-        if not (name.startswith("queue.") and name.endswith(".json")):
-            continue
-        path = directory / name
+    for entry in leasing.live_tickets(PROVISIONAL_S):
         try:
-            owner = path.lstat().st_uid
-            data = json.loads(path.read_text())
-            pid, uid = int(data["pid"]), int(data["uid"])
-            alive = is_same_process(pid, data.get("process_start"))
-            until = data.get("provisional_until")
-            if until is not None and time.time() > float(until):  # its runner never took it over
-                alive = False
-            if owner != uid:
-                continue
-            if not alive:
-                if owner == os.getuid():
-                    path.unlink()
-                continue
-            tickets.append(
-                Ticket(path, str(data["name"]), Request.from_json(data["request"]), int(data["submitted_ns"]), pid)
-            )
-        except (OSError, ValueError, KeyError, TypeError):
+            request = Request.from_json(entry.data["request"])
+            if not isinstance(entry.data["name"], str) or not 0 <= request.wants <= 1024:
+                raise ValueError
+            submitted = int(entry.data.get("submitted_ns") or 0)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            shared_files.note_ignored(entry.path.name, "a ticket with malformed fields")
             continue
-    return sorted(tickets, key=lambda t: (t.submitted_ns, t.pid))
+        tickets.append(Ticket(entry.path, entry.data["name"][:80], request, submitted, entry.uid, entry.made_ns))
+    return sorted(tickets, key=lambda t: t.order)
 
 
 def place(mine: Ticket, inventory: Inventory, book: leasing.LeaseBook) -> tuple[list[GpuInfo], str]:
@@ -174,7 +213,7 @@ def place(mine: Ticket, inventory: Inventory, book: leasing.LeaseBook) -> tuple[
     held = leasing.holders([g.uuid for g in inventory.gpus], book)
     slots = [_Slot(g, held.get(g.uuid), g.memory_free or 0) for g in inventory.gpus]
     tickets = [t for t in waiting_tickets() if t.path != mine.path]
-    earlier = [t for t in tickets if (t.submitted_ns, t.pid) < (mine.submitted_ns, mine.pid)]
+    earlier = [t for t in tickets if t.order < mine.order]
     for ticket in earlier:
         chosen, _ = _choose(ticket.request, slots)
         for slot in chosen:
@@ -247,10 +286,13 @@ def wait_for_gpus(
     try:
         while True:
             inventory = read_inventory()
-            with leasing.pick_lock():
-                chosen, reason = place(ticket, inventory, book)
-                if chosen and take(chosen, request, book):
-                    return sorted(chosen, key=lambda g: g.nvml_index)
+            try:
+                with leasing.pick_lock(wait_s=poll_s * 4):
+                    chosen, reason = place(ticket, inventory, book)
+                    if chosen and take(chosen, request, book):
+                        return sorted(chosen, key=lambda g: g.nvml_index)
+            except leasing.LeaseBusy as busy:  # a waiting job stays queued, however long that lasts
+                reason = f"waiting for the GPU lease directory: {busy.holder} keeps its pick lock"
             if reason and reason != last:
                 on_wait(reason)
                 last = reason

@@ -45,6 +45,11 @@ def notes(status: GpuStatus) -> list[str]:
         result.append(f"⚠ {status.too_late}: changing CUDA_VISIBLE_DEVICES now affects only processes started later")
     if status.lease_problem:
         result.append(f"⚠ leases unavailable: {status.lease_problem}")
+    if status.ignored:
+        shown = sorted(status.ignored.items())
+        listed = "; ".join(f"{name} ({why})" for name, why in shown[:5])
+        more = f"; and {len(shown) - 5} more" if len(shown) > 5 else ""
+        result.append(f"⚠ ignored in the lease directory: {listed}{more}")
     return result
 
 

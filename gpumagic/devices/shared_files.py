@@ -1,0 +1,164 @@
+"""Reading files other users wrote in a shared directory (the lease directory) without trusting them.
+
+Anything there may be a trap: a symbolic link to ``/dev/zero`` or another user's secret, a FIFO that blocks
+whoever opens it, a 3 GB sparse file, a record in someone else's name. Every file is opened without following
+links and without blocking, checked on the open descriptor (``fstat``) to be a regular file owned by the uid
+its name claims, and read with a size cap. What fails is *ignored*, never a hang, a traceback or an OOM, and
+remembered (``ignored()``) so that ``%gpu status`` can name it once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import stat
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+MAX_RECORD_BYTES = 64 << 10  # a lease record or queue ticket is a few hundred bytes
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+
+
+class Untrusted(Exception):
+    """A file in a shared directory that gpumagic will not use; the message says why (a few words)."""
+
+
+_ignored: dict[str, str] = {}
+_ignored_lock = threading.Lock()
+
+
+def note_ignored(name: str, why: str) -> None:
+    with _ignored_lock:
+        _ignored[name] = why
+
+
+def forget_ignored(names: set[str]) -> None:
+    """Drop the notes of files that are gone (keep those still in ``names``)."""
+    with _ignored_lock:
+        for name in [n for n in _ignored if n not in names]:
+            del _ignored[name]
+
+
+def ignored() -> dict[str, str]:
+    """File name -> why it was ignored, for the files of the lease directory seen in its last reading."""
+    with _ignored_lock:
+        return dict(_ignored)
+
+
+def owner_name(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a device"),
+        (stat.S_ISBLK, "a device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: Path, owner: int | None) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of ``path``, checked: a regular file (not a link), owned by ``owner`` if given.
+
+    Raises:
+        Untrusted: anything else. FileNotFoundError: it is gone.
+    """
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        if err.errno == 40:  # ELOOP: O_NOFOLLOW met a symbolic link
+            raise Untrusted("a symbolic link") from None
+        with contextlib.suppress(OSError):
+            found = os.lstat(path).st_uid
+            if owner is not None and found != owner:
+                raise Untrusted(f"owned by {owner_name(found)}, named as {owner_name(owner)}'s") from None
+        raise Untrusted(f"cannot be opened ({err.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise Untrusted(_kind(info.st_mode))
+        if owner is not None and info.st_uid != owner:
+            raise Untrusted(f"owned by {owner_name(info.st_uid)}, named as {owner_name(owner)}'s")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info
+
+
+@contextlib.contextmanager
+def opened(path: Path, owner: int | None) -> Iterator[tuple[int, os.stat_result]]:
+    fd, info = open_regular(path, owner)
+    try:
+        yield fd, info
+    finally:
+        os.close(fd)
+
+
+def read_capped(fd: int, info: os.stat_result, limit: int = MAX_RECORD_BYTES) -> bytes:
+    """At most ``limit`` bytes of an open regular file. Raises Untrusted if it holds more."""
+    if info.st_size > limit:
+        raise Untrusted(f"{info.st_size:,} bytes, more than a record's {limit:,}")
+    data = os.pread(fd, limit + 1, 0)
+    if len(data) > limit:
+        raise Untrusted(f"more than a record's {limit:,} bytes")
+    return data
+
+
+def read_record(fd: int, info: os.stat_result) -> dict[str, Any]:
+    """The JSON object in an open record file. Raises Untrusted if it is not one."""
+    try:
+        data = json.loads(read_capped(fd, info))
+    except (ValueError, UnicodeDecodeError):
+        raise Untrusted("not a JSON record") from None
+    if not isinstance(data, dict):
+        raise Untrusted("not a JSON record")
+    return data
+
+
+def is_locked(fd: int) -> bool:
+    """True while another open file holds a ``flock`` on this file (probed with a shared lock, released)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def flock_holders() -> dict[tuple[int, int], list[int]]:
+    """(device, inode) -> the PIDs holding a ``flock`` on it, from ``/proc/locks`` (empty where unreadable)."""
+    holders: dict[tuple[int, int], list[int]] = {}
+    try:
+        text = Path("/proc/locks").read_text()
+    except OSError:
+        return holders
+    for line in text.splitlines():
+        fields = line.split()
+        if "->" in fields:  # a waiter, not a holder
+            continue
+        if len(fields) < 6 or fields[1] != "FLOCK":
+            continue
+        try:
+            pid = int(fields[4])
+            major, minor, inode = fields[5].split(":")
+            device = os.makedev(int(major, 16), int(minor, 16))
+            holders.setdefault((device, int(inode)), []).append(pid)
+        except ValueError:
+            continue
+    return holders

@@ -231,6 +231,48 @@ def test_forged_queue_tickets_do_not_starve_the_queue(server):
         forger.wait()
 
 
+FAKE_RUNNER = """
+import fcntl, json, os, sys, time
+d, uid = os.environ["GPUMAGIC_LEASE_DIR"], os.getuid()
+path = f"{d}/queue.{uid}.b-fake.abc.json"
+fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, json.dumps({"name": "b-fake", "request": {"count": 4}, "uid": uid, "submitted_ns": 1}).encode())
+print("queued", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_runner_that_never_takes_its_gpus_is_no_longer_waited_for(server):
+    """Attack 6, further: Bob's ticket is held by a process that passes for a gpumagic runner (`python -m
+    gpumagic.jobs.runner`, his own module), asks for every GPU and never takes them."""
+    alice, bob, _, _ = server
+    fake = bob.home / "fake" / "gpumagic" / "jobs"
+    assert bob.sh(f"mkdir -p {fake} && touch {fake.parent}/__init__.py {fake}/__init__.py").returncode == 0
+    bob.sh(f"cat > {fake}/runner.py << 'EOF'\n{FAKE_RUNNER}\nEOF")
+    runner = bob.popen([bob.python, "-m", "gpumagic.jobs.runner"], PYTHONPATH=str(bob.home / "fake"))
+    try:
+        assert runner.stdout.readline().strip() == b"queued"
+        answer = alice.json(
+            """
+            import gpumagic, json, time
+            job = gpumagic.submit(lambda: "ran", gpus=1, name="A")
+            reasons, deadline = set(), time.monotonic() + 60
+            while job.status == "queued" and time.monotonic() < deadline:
+                reasons.add(job.reason)
+                time.sleep(0.05)
+            result = job.result(timeout=20)
+            print(json.dumps({"result": result, "ignored": gpumagic.status().status.ignored, "reasons": list(reasons)}))
+            """,
+            timeout=100,
+        )
+        assert answer["result"] == "ran"
+        assert any("goes to job b-fake, ahead in the queue" in r for r in answer["reasons"]), answer["reasons"]
+    finally:
+        runner.kill()
+        runner.wait()
+
+
 def test_a_lease_directory_owned_by_another_user_is_refused(two_users, shared_tmp):
     """Attack 7: Bob creates the lease directory first; as its owner he could remove Alice's leases."""
     alice, bob = two_users

@@ -52,6 +52,7 @@ from gpumagic.errors import LeaseDirectoryError
 
 DEFAULT_LEASE_DIR = "/tmp/gpumagic-leases"
 LEASE_DIR_VARIABLE = "GPUMAGIC_LEASE_DIR"
+RUNNER = "gpumagic.jobs.runner"  # the module a job's runner runs (python -m)
 PROVISIONAL_S = 30.0  # how long a queue ticket counts before its job's runner locks it
 OTHERS_PROVISIONAL_S = 5.0  # ... another user's: a runner starts in a second; a forger's ticket soon stops counting
 PICK_LOCK_WAIT_S = 3.0  # how long a pick or a status waits for a busy lease directory before saying so
@@ -584,7 +585,8 @@ def _held_by_a_runner(pids: list[int], uid: int) -> bool:
     for pid in pids:
         try:
             process = psutil.Process(pid)
-            if process.uids().real == uid and "gpumagic.jobs.runner" in process.cmdline():
+            argv = process.cmdline()
+            if process.uids().real == uid and any(argv[i : i + 2] == ["-m", RUNNER] for i in range(len(argv))):
                 return True
         except psutil.Error:
             continue

@@ -29,6 +29,8 @@ from gpumagic.devices.model import GpuInfo, Inventory
 from gpumagic.units import format_bytes
 
 PROVISIONAL_S = leasing.PROVISIONAL_S
+STALLED_S = 10.0  # another user's job that could start this long and did not is no longer waited for
+_startable_since: dict[Path, float] = {}  # earlier tickets that could start now, since when (this process's view)
 
 
 @dataclass(frozen=True)
@@ -214,10 +216,22 @@ def place(mine: Ticket, inventory: Inventory, book: leasing.LeaseBook) -> tuple[
     slots = [_Slot(g, held.get(g.uuid), g.memory_free or 0) for g in inventory.gpus]
     tickets = [t for t in waiting_tickets() if t.path != mine.path]
     earlier = [t for t in tickets if t.order < mine.order]
+    now = time.monotonic()
     for ticket in earlier:
         chosen, _ = _choose(ticket.request, slots)
+        if not chosen:
+            _startable_since.pop(ticket.path, None)
+            continue
+        since = _startable_since.setdefault(ticket.path, now)
+        if ticket.uid != os.getuid() and now - since > STALLED_S:  # a runner polls 4 times a second
+            shared_files.note_ignored(
+                ticket.path.name, f"its job could start {STALLED_S:.0f}s ago and did not take its GPUs"
+            )
+            continue
         for slot in chosen:
             slot.take(ticket.request, f"job {ticket.name}")
+    for path in [p for p in _startable_since if p not in {t.path for t in earlier}]:
+        del _startable_since[path]
     chosen, reasons = _choose(mine.request, slots)
     if chosen:
         return [s.gpu for s in chosen], ""

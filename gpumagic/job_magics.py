@@ -176,7 +176,8 @@ def _logs(args: argparse.Namespace) -> Any:
 def _kill(args: argparse.Namespace) -> Any:
     import gpumagic
 
-    jobs = [gpumagic.job(name) for name in args.names]  # every name checked before anything is stopped
+    names = list(dict.fromkeys(args.names))  # "kill A A" stops A once
+    jobs = [gpumagic.job(name) for name in names]  # every name checked before anything is stopped
     lines = []
     for job in jobs:
         job.kill()
@@ -215,13 +216,14 @@ def _result(args: argparse.Namespace) -> Any:
 def _remove(args: argparse.Namespace) -> Any:
     import gpumagic
 
-    jobs = [gpumagic.job(name) for name in args.names]
+    names = list(dict.fromkeys(args.names))  # "rm A A" removes A once
+    jobs = [gpumagic.job(name) for name in names]
     active = [j.name for j in jobs if j.status in ("queued", "running")]
     if active:
         raise UsageError(f"%jobs rm: {', '.join(active)} still active; %jobs kill them first")
     for job in jobs:
         job.remove()
-    return _Help(f"Removed {', '.join(args.names)}")
+    return _Help(f"Removed {', '.join(names)}")
 
 
 def _watch(args: argparse.Namespace) -> Any:

@@ -9,6 +9,8 @@ from gpumagic.errors import InvalidArgument
 
 GIB = 1 << 30
 MIB = 1 << 20
+MAX_SIZE = 1 << 60  # 1 EiB: far beyond any GPU or host, and still an exact float and an int64
+MAX_DURATION_S = 100 * 365 * 86400.0  # 100 years; threading and time_t reject waits not far beyond
 
 _SIZE_UNITS = {
     "": GIB,  # a bare number is GiB, the unit people mean by "20" next to an 80 GB GPU
@@ -44,14 +46,18 @@ def parse_size(text: str | int | float) -> int:
         InvalidArgument: the text is not a size.
     """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if not math.isfinite(text) or text < 0:
-            raise InvalidArgument(f"size must be a non-negative number of bytes, got {text!r}")
-        return int(text)
-    match = _SIZE_RE.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
-        raise InvalidArgument(f"{text!r} is not a size: write it like 20GB, 512MB or 1.5TB")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+        if (isinstance(text, float) and not math.isfinite(text)) or text < 0:
+            raise InvalidArgument(f"size must be a non-negative number of bytes, got {_shown(text)}")
+        size = text
+    else:
+        match = _SIZE_RE.match(str(text))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            raise InvalidArgument(f"{_shown(text)} is not a size: write it like 20GB, 512MB or 1.5TB")
+        size = float(match.group(1)) * _SIZE_UNITS[unit]  # inf for 400 digits
+    if size > MAX_SIZE:
+        raise InvalidArgument(f"{_shown(text)} is too large a size: at most 1 EiB ({MAX_SIZE} bytes)")
+    return int(size)
 
 
 def parse_size_or_percent(text: str | int | float, total: int | None = None) -> tuple[int | None, float | None]:
@@ -61,7 +67,7 @@ def parse_size_or_percent(text: str | int | float, total: int | None = None) -> 
         if match:
             percent = float(match.group(1))
             if percent > 100:
-                raise InvalidArgument(f"{text!r} is more than 100% of a GPU's memory")
+                raise InvalidArgument(f"{_shown(text)} is more than 100% of a GPU's memory")
             return None, percent
     return parse_size(text), None
 
@@ -72,33 +78,58 @@ def parse_percent(text: str | int | float) -> float:
     Raises:
         InvalidArgument: not a number between 0 and 100.
     """
+    if isinstance(text, int) and not isinstance(text, bool) and not 0 <= text <= 100:
+        raise InvalidArgument(f"{_shown(text)} is not between 0 and 100%")  # float() of 400 digits overflows
     raw = str(text).strip().removesuffix("%").strip()
     try:
         value = float(raw)
     except ValueError:
-        raise InvalidArgument(f"{text!r} is not a percentage: write it like 50 or 50%") from None
+        raise InvalidArgument(f"{_shown(text)} is not a percentage: write it like 50 or 50%") from None
     if not 0 <= value <= 100:
-        raise InvalidArgument(f"{text!r} is not between 0 and 100%")
+        raise InvalidArgument(f"{_shown(text)} is not between 0 and 100%")
     return value
 
 
-def parse_duration(text: str | int | float) -> float:
+def parse_duration(text: str | int | float, *, at_most: float = MAX_DURATION_S, what: str = "a duration") -> float:
     """Seconds in a duration such as ``30s``, ``10m``, ``1h30m`` or ``90`` (seconds).
 
+    ``at_most``: the longest accepted, in seconds (100 years unless given); ``what`` names it in the error.
+
     Raises:
-        InvalidArgument: the text is not a duration.
+        InvalidArgument: the text is not a duration, or one longer than ``at_most``.
     """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        seconds = float(text)
+        seconds = text
     else:
         compact = str(text).strip().replace(" ", "")
         parts = list(_DURATION_RE.finditer(compact))
         if not compact or "".join(p.group(0) for p in parts) != compact:
-            raise InvalidArgument(f"{text!r} is not a duration: write it like 30s, 10m, 2h or 1h30m")
+            raise InvalidArgument(f"{_shown(text)} is not a duration: write it like 30s, 10m, 2h or 1h30m")
         seconds = sum(float(p.group(1)) * _DURATION_UNITS[(p.group(2) or "").lower() or None] for p in parts)
-    if not math.isfinite(seconds) or seconds < 0:
-        raise InvalidArgument(f"{text!r} is not a duration of zero or more seconds")
-    return seconds
+    if (isinstance(seconds, float) and math.isnan(seconds)) or seconds < 0:
+        raise InvalidArgument(f"{_shown(text)} is not a duration of zero or more seconds")
+    if seconds > min(at_most, MAX_DURATION_S):
+        raise InvalidArgument(f"{_shown(text)} is too long for {what}: at most {_longest(at_most)}")
+    return float(seconds)
+
+
+def _longest(seconds: float) -> str:
+    """A limit as people say it: ``100 years``, ``7d``, ``30m``."""
+    if seconds >= 365 * 86400:
+        return f"{seconds / (365 * 86400):g} years"
+    if seconds >= 86400 and seconds % 86400 == 0:
+        return f"{seconds / 86400:g}d"
+    return format_duration(seconds)
+
+
+def _shown(text: object, limit: int = 60) -> str:
+    """``text`` as errors quote it: its repr, cut short so that 400 digits stay a readable line."""
+    if isinstance(text, int) and text.bit_length() > 64:  # repr() of an int over 4300 digits raises
+        return f"a {round(text.bit_length() * math.log10(2))}-digit number"
+    raw = str(text)
+    if len(raw) <= limit:
+        return repr(text)
+    return f"{raw[: limit - 20]!r}... ({len(raw)} characters)"
 
 
 def format_bytes(n: int | None) -> str:

@@ -1,12 +1,18 @@
 """%%launch_bg and %jobs on one IPython shell: every form, help, and random input that must either work or
 raise a one-line UsageError."""
 
+import subprocess
+import sys
+import time
+
+import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
 import gpumagic
+from gpumagic.devices.processes import is_same_process, process_start_time
 from gpumagic.jobs import records
 
 pytestmark = pytest.mark.usefixtures("no_job_left_running")
@@ -57,6 +63,42 @@ def test_logs_kill_and_the_errors_a_user_meets(shell, simulated, capsys):
     assert capsys.readouterr().out == ""
     with pytest.raises(UsageError, match="magics and !shell commands do not run in launched cells"):
         launch_bg(shell, "--gpus 0", "!ls")
+
+
+def test_a_name_given_twice_counts_once(shell, simulated):
+    for name in ("twice", "again"):
+        launch_bg(shell, f"--name {name} --gpus 0")
+    jobs(shell, "wait twice again")
+    assert jobs(shell, "rm twice twice") == "Removed twice"
+    gpumagic.use("GPU:*")
+    launch_bg(shell, "--name held --gpus 1")  # stays queued: every GPU is held here
+    assert str(jobs(shell, "kill held held")) == "held: killed (killed with %jobs kill while queued)"
+    assert str(jobs(shell, "rm again held again")) == "Removed again, held" and gpumagic.list_jobs() == []
+
+
+@pytest.fixture
+def zombie():
+    """A child process that has exited and that nobody reaped: (pid, when it started)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    process = psutil.Process(child.pid)
+    started = process.create_time()
+    deadline = time.monotonic() + 10
+    while process.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert process.status() == psutil.STATUS_ZOMBIE
+    yield child.pid, started
+    child.wait()
+
+
+def test_a_zombie_runner_reads_as_dead_at_once(shell, zombie):
+    pid, started = zombie
+    assert process_start_time(pid) is None and not is_same_process(pid, started)
+    launch_bg(shell, "--name undead --gpus 0")
+    jobs(shell, "wait undead")
+    job = gpumagic.job("undead")  # as if its runner had died, unreaped, before recording the end
+    records.update(job.path, status="running", runner_pid=pid, runner_start=started, ended=None)
+    assert job.status == "lost"
+    assert jobs(shell, "rm undead") == "Removed undead"
 
 
 def test_help_everywhere(shell):
@@ -134,6 +176,8 @@ WORDS = st.one_of(
             "'",
             "[",
             "-h",
+            "9" * 400,
+            "1000000000d",
         ]
     ),
     st.text(max_size=10),
@@ -186,6 +230,7 @@ OPTIONS = st.tuples(
     st.one_of(
         st.sampled_from(["1", "0", "2", "4", "5", "-1", "x", "GPU:1", "GPU:*", "none", "20GB", "79GB", "gloo"]),
         st.sampled_from(["nccl", "1s", "0s", "v1", "v-2", "a b", "'", "", "99999999999", "1.5", "GPU:0,1"]),
+        st.sampled_from(["9" * 400, "9" * 400 + "GB", "1000000000d", "8d", "| cat /etc/passwd", "x?", "1e999"]),
         st.text(max_size=8),
     ),
 )

@@ -5,7 +5,7 @@ import pytest
 from gpumagic.errors import InvalidArgument
 from gpumagic.launch.failures import LaunchError, RankOutcome, root_cause
 from gpumagic.launch.output import RankOutput
-from gpumagic.launch.plan import LaunchPlan, assign_gpus, threads_per_rank
+from gpumagic.launch.plan import MAX_TIMEOUT_S, LaunchPlan, assign_gpus, check_timeout, threads_per_rank
 
 
 def plan(**changes):
@@ -49,6 +49,15 @@ def test_gpu_assignment_and_threads():
     with pytest.raises(InvalidArgument, match="need 4 GPUs but 3 are available"):
         assign_gpus(["a", "b", "c"], 2, 2)
     assert threads_per_rank(2, cpus=2) == 1 and threads_per_rank(4, cpus=2) == 1 and threads_per_rank(2, cpus=16) == 8
+
+
+def test_the_process_group_timeout_is_at_most_a_week():
+    assert check_timeout("30m") == 1800 and check_timeout("7d") == MAX_TIMEOUT_S == 7 * 86400
+    for timeout in ("1000000000d", "8d", 604801, 10**400, float("inf")):
+        with pytest.raises(InvalidArgument, match="too long for a process group timeout: at most 7d"):
+            check_timeout(timeout)
+    with pytest.raises(InvalidArgument, match="more than 0 seconds"):
+        check_timeout("0s")
 
 
 def test_output_lines_are_prefixed_and_partial_lines_wait():

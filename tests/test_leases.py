@@ -198,3 +198,25 @@ def test_the_pick_lock_held_elsewhere_makes_pick_say_busy_in_one_line(simulated,
         holder.kill()
         holder.wait()
     assert gpumagic.pick(1).indices == (0,)
+
+
+def test_pick_with_wait_waits_out_a_busy_lease_directory(simulated, isolated_leases, monkeypatch):
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from gpumagic.devices import leases\n"
+            "with leases.pick_lock():\n    print('held', flush=True); time.sleep(1.5)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    monkeypatch.setattr(leases, "PICK_LOCK_WAIT_S", 0.2)
+    heard = []
+    assert gpumagic.pick(1, wait="30s", on_wait=heard.append).indices == (0,)
+    assert (
+        heard[0]
+        == f"Waiting for the GPU lease directory: {leases.current_user()}'s process {holder.pid} keeps its pick lock"
+    )
+    holder.wait(10)

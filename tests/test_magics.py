@@ -154,6 +154,12 @@ WORDS = st.one_of(
             "$x",
             "9999999999",
             "4194304",
+            "9" * 400,
+            "9" * 400 + "GB",
+            "1000000000d",
+            "1e999",
+            "|",
+            "x?",
         ]
     ),
     st.text(max_size=12),
@@ -163,10 +169,14 @@ WORDS = st.one_of(
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.sampled_from(SUBCOMMANDS), st.lists(WORDS, max_size=5))
 def test_random_arguments_work_or_raise_usage_error(shell, simulated, subcommand, words):
+    from gpumagic.devices import leases
+
     line = " ".join([subcommand, *words])
+    before = (leases.book().held(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     try:
         gpu(shell, line)
     except UsageError as err:
-        assert str(err).strip()
+        assert str(err).strip() and "\n" not in str(err)
+        assert (leases.book().held(), os.environ.get("CUDA_VISIBLE_DEVICES")) == before, "refused, yet it changed"
     finally:
         gpu(shell, "release")

@@ -129,6 +129,15 @@ def test_use_refuses_gpus_leased_by_others_unless_forced(busy_server):
         holder.wait(10)
 
 
+@pytest.mark.parametrize("spec", ["| cat /etc/passwd", "x?", "A100|", ".*"])
+def test_a_name_pattern_that_matches_an_empty_name_is_refused(busy_server, spec):
+    with pytest.raises(SpecError, match="matches an empty name, so it would name every GPU; write GPU:\\* or all"):
+        gpumagic.use(spec)
+    with pytest.raises(SpecError, match="accepted: 0,2"):
+        gpumagic.pick(1, exclude=spec)
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ and gpumagic.release() == ()
+
+
 def test_use_a_lost_gpu_is_refused(busy_server):
     with pytest.raises(SpecError, match="GPU 4 cannot be used: GPU is lost"):
         gpumagic.use("4")

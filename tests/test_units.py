@@ -49,6 +49,63 @@ def test_bad_durations(text):
         parse_duration(text)
 
 
+NINES = "9" * 400
+
+
+def short_id(value):
+    """A test id for 400 digits (and an int str() refuses to write)."""
+    text = f"{value.bit_length()}-bit" if isinstance(value, int) and value.bit_length() > 64 else str(value)
+    return text if len(text) <= 20 else f"{text[:12]}...{len(text)}"
+
+
+@pytest.mark.parametrize(
+    "text", [NINES, NINES + "GB", NINES + ".5TB", "1" + "0" * 30 + "TB", 10**400, 1e300, 2**61], ids=short_id
+)
+def test_sizes_past_an_exabyte_are_refused_in_one_short_line(text):
+    with pytest.raises(InvalidArgument, match="too large a size: at most 1 EiB") as caught:
+        parse_size(text)
+    assert len(str(caught.value)) < 150 and "\n" not in str(caught.value)
+    assert parse_size(2**60) == 2**60
+
+
+@pytest.mark.parametrize(
+    "text", [NINES, NINES + "d", NINES + "ms", 10**400, 10**5000, 1e300, float("inf"), "36501d"], ids=short_id
+)
+def test_durations_past_a_century_are_refused_in_one_short_line(text):
+    with pytest.raises(InvalidArgument, match="too long for a duration: at most 100 years") as caught:
+        parse_duration(text)
+    assert len(str(caught.value)) < 150
+    assert parse_duration("36500d") == 36500 * 86400.0
+
+
+@pytest.mark.parametrize("text", [float("nan"), "nan", "inf", "1e999", "1e3s", ""])
+def test_durations_that_are_no_number_of_seconds(text):
+    with pytest.raises(InvalidArgument, match="duration"):
+        parse_duration(text)
+
+
+def test_a_limit_of_ones_own():
+    assert parse_duration("7d", at_most=7 * 86400) == 7 * 86400
+    with pytest.raises(InvalidArgument, match="'8d' is too long for a timeout: at most 7d"):
+        parse_duration("8d", at_most=7 * 86400, what="a timeout")
+    with pytest.raises(InvalidArgument, match="at most 30m00s"):
+        parse_duration("1h", at_most=1800)
+
+
+@pytest.mark.parametrize(
+    "text", [NINES, NINES + "%", 10**400, 10**5000, "1e999", "inf", "nan", float("nan"), -1], ids=short_id
+)
+def test_percentages_out_of_range_are_one_short_line(text):
+    with pytest.raises(InvalidArgument) as caught:
+        parse_percent(text)
+    assert len(str(caught.value)) < 150
+
+
+def test_a_percentage_of_memory_past_100_is_one_short_line():
+    with pytest.raises(InvalidArgument, match=r"^'9+'\.\.\. \(401 characters\) is more than 100% of a GPU's memory$"):
+        parse_size_or_percent(NINES + "%")
+
+
 def test_percentages():
     assert parse_percent("80%") == 80.0
     with pytest.raises(InvalidArgument):

@@ -59,11 +59,18 @@ def current_user() -> str:
 
 
 def process_start_time(pid: int) -> float | None:
-    """When ``pid`` started (seconds since the epoch), or ``None`` if it is gone: tells reused PIDs apart."""
+    """When ``pid`` started (seconds since the epoch), or ``None`` if it is gone: tells reused PIDs apart.
+
+    A zombie (it exited; its parent has not reaped it yet) is gone: it runs nothing and holds nothing.
+    """
     import psutil
 
     try:
-        return psutil.Process(pid).create_time()
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return proc.create_time()
     except psutil.Error:
         return None
 

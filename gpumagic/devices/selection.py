@@ -96,19 +96,26 @@ def pick(
         if first and n > len(inventory.gpus):
             raise NotEnoughGpusError(n, (), {}, f" (this machine has only {len(inventory.gpus)} GPUs)")
         first = False
-        with leasing.pick_lock():
-            held = leasing.holders([g.uuid for g in inventory.gpus], leasing.book())
-            qualifying, reasons = assess(list(inventory.gpus), resolved, held)
-            if len(qualifying) >= n:
-                chosen = qualifying[:n]
-                before = set(leasing.book().held())
-                acquired = [g for g in chosen if leasing.book().try_acquire(g.uuid)]
-                if len(acquired) == len(chosen):
-                    _keep_only(chosen)
-                    return _select(inventory, chosen, _why_picked(chosen, len(qualifying), resolved))
-                # a holder took one without the pick lock (it cannot, unless the lease directory was
-                # tampered with): give back what this attempt took and look again
-                leasing.book().release(g.uuid for g in acquired if g.uuid not in before)
+        try:
+            with leasing.pick_lock():
+                held = leasing.holders([g.uuid for g in inventory.gpus], leasing.book())
+                qualifying, reasons = assess(list(inventory.gpus), resolved, held)
+                if len(qualifying) >= n:
+                    chosen = qualifying[:n]
+                    before = set(leasing.book().held())
+                    acquired = [g for g in chosen if leasing.book().try_acquire(g.uuid)]
+                    if len(acquired) == len(chosen):
+                        _keep_only(chosen)
+                        return _select(inventory, chosen, _why_picked(chosen, len(qualifying), resolved))
+                    # a holder took one without the pick lock (it cannot, unless the lease directory was
+                    # tampered with): give back what this attempt took and look again
+                    leasing.book().release(g.uuid for g in acquired if g.uuid not in before)
+        except leasing.LeaseBusy as busy:
+            if time.monotonic() >= deadline:
+                raise
+            if on_wait is not None:
+                on_wait(f"Waiting for the GPU lease directory: {busy.holder} keeps its pick lock")
+            continue
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             note = f" after waiting {format_duration(timeout)}" if timeout else ""

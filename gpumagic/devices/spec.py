@@ -114,9 +114,14 @@ def _token(token: str) -> tuple[str, str | int] | None:
 
 def _pattern(raw: str) -> str:
     try:
-        _compile(raw)
+        pattern = _compile(raw)
     except (re.error, RecursionError, OverflowError) as err:
         raise SpecError(f"{raw!r} is neither a GPU list nor a valid name pattern ({err}); {ACCEPTED_FORMS}") from None
+    if pattern.search(""):  # "| cat /etc/passwd" or "x?" would name every GPU by accident
+        raise SpecError(
+            f"{raw!r} matches an empty name, so it would name every GPU; write GPU:* or all for every GPU; "
+            f"{ACCEPTED_FORMS}"
+        )
     return raw
 
 

@@ -157,6 +157,8 @@ def _launch(
     check_backend(backend)
     timeout_s = check_timeout(timeout)
     _check_port(port)  # every argument is checked before GPUs are read or leased
+    if nprocs is not None:
+        _check_nprocs(nprocs)
     elastic = (nnodes, rdzv_endpoint, node_rank, rdzv_id, max_restarts, runs_dir) != (1, None, None, None, 0, None)
     if elastic:
         from gpumagic.launch.elastic import check_options, launch_elastic
@@ -167,15 +169,21 @@ def _launch(
             raise InvalidArgument("with an elastic launch the port is --rdzv-endpoint's; leave out --port")
         rdzv_endpoint = rdzv_endpoint or ("127.0.0.1:0" if nnodes == 1 else None)
         check_options(nnodes, rdzv_endpoint, node_rank, rdzv_id, max_restarts)
-    available, simulated = _rank_gpus(gpus, nprocs, gpus_per_rank)
-    if nprocs is None:
-        nprocs = len(available) // gpus_per_rank if available else DEFAULT_CPU_RANKS
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or not 1 <= nprocs <= MAX_RANKS:
-        raise InvalidArgument(f"the number of ranks must be a whole number from 1 to {MAX_RANKS}, got {nprocs!r}")
-    if not process_group and gpus is None:  # as under mp.spawn, every process sees the kernel's GPUs
-        rank_gpus = tuple(tuple(available) for _ in range(nprocs))
-    else:
-        rank_gpus = assign_gpus(available, nprocs, gpus_per_rank)
+    # a taken --port is refused before any GPU is leased; the listener is rank 0's from here on
+    listener, chosen_port = (None, 0) if elastic else _loopback_port(port, keep=process_group)
+    try:
+        available, simulated = _rank_gpus(gpus, nprocs, gpus_per_rank)
+        if nprocs is None:
+            nprocs = len(available) // gpus_per_rank if available else DEFAULT_CPU_RANKS
+        _check_nprocs(nprocs)
+        if not process_group and gpus is None:  # as under mp.spawn, every process sees the kernel's GPUs
+            rank_gpus = tuple(tuple(available) for _ in range(nprocs))
+        else:
+            rank_gpus = assign_gpus(available, nprocs, gpus_per_rank)
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        raise
     use_cuda = bool(available) and not simulated
     if process_group and backend is None:
         backend = "nccl" if use_cuda else "gloo"
@@ -198,7 +206,6 @@ def _launch(
             write=write or _stdout_writer(),
             dashboard=dashboard,
         )
-    listener, chosen_port = _loopback_port(port, keep=process_group)
     run_dir = store.new_run("ddp", ranks=nprocs, backend=backend, gpus=[list(g) for g in rank_gpus])
     job_dir = run_dir / "launch"
     job_dir.mkdir()
@@ -265,8 +272,28 @@ def _rank_gpus(spec: str | None, nprocs: int | None, per_rank: int) -> tuple[lis
     elif parse_spec(spec).none:
         return [], False
     else:
+        _check_enough(spec, nprocs, per_rank)  # before use() leases them and changes CUDA_VISIBLE_DEVICES
         chosen = selection.use(spec)
     return list(chosen.uuids), chosen.simulated
+
+
+def _check_enough(spec: str, nprocs: int | None, per_rank: int) -> None:
+    """Raise InvalidArgument unless the GPUs ``spec`` names are enough for ``nprocs`` ranks of ``per_rank``."""
+    from gpumagic.devices.inventory import read_inventory, require_gpus
+    from gpumagic.devices.spec import parse_spec, resolve
+
+    named = len(resolve(parse_spec(spec), require_gpus(read_inventory())))
+    needed = (nprocs or 1) * per_rank
+    if named < needed:
+        raise InvalidArgument(
+            f"--gpus {spec} names {named} GPU(s), too few for {nprocs or 1} rank(s) × {per_rank} GPU(s) = {needed}; "
+            "name more, lower -n or --gpus-per-rank, or run the ranks on the CPU with --gpus none"
+        )
+
+
+def _check_nprocs(nprocs: object) -> None:
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or not 1 <= nprocs <= MAX_RANKS:
+        raise InvalidArgument(f"the number of ranks must be a whole number from 1 to {MAX_RANKS}, got {nprocs!r}")
 
 
 def _loopback_port(port: int | None, keep: bool) -> tuple[socket.socket | None, int]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from gpumagic.errors import InvalidArgument
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+MAX_TIMEOUT_S = 7 * 86400.0  # torch overflows (1e9 days) or hangs (1e5 days) on longer ones; a week is ample
 
 
 @dataclass(frozen=True)
@@ -102,10 +103,14 @@ def check_backend(backend: str | None) -> str | None:
 
 
 def check_timeout(timeout: str | float) -> float:
-    """A process group timeout ("30m", seconds) in seconds. Raises InvalidArgument unless it is more than 0."""
+    """A process group timeout ("30m", seconds) in seconds.
+
+    Raises:
+        InvalidArgument: not a duration, 0, or more than a week (``MAX_TIMEOUT_S``).
+    """
     from gpumagic.units import parse_duration
 
-    seconds = parse_duration(timeout)
+    seconds = parse_duration(timeout, at_most=MAX_TIMEOUT_S, what="a process group timeout")
     if seconds <= 0:
         raise InvalidArgument("timeout must be more than 0 seconds")
     return seconds

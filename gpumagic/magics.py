@@ -460,7 +460,7 @@ class LaunchMagics(Magics):
 
     @cell_magic
     def launch_ddp(self, line: str, cell: str) -> Any:
-        from gpumagic.launch.ddp import launch_prepared, prepare_cell
+        from gpumagic.launch.ddp import check_launch, launch_prepared, prepare_cell
 
         args = _LAUNCH_PARSER.parse_args(_split(line, _LAUNCH_PARSER.prog))
         if args.help:
@@ -490,6 +490,8 @@ class LaunchMagics(Magics):
             **_elastic_options(args),
         )
         try:
+            if args.no_wait:
+                check_launch(**options)  # bad input is an error now, not a value in -o VAR later
             packed = prepare_cell(
                 self.shell.transform_cell(cell),
                 self.shell.user_ns,

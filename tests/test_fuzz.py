@@ -122,6 +122,23 @@ def test_a_refused_launch_takes_no_gpu_and_leaves_the_environment(shell, simulat
     assert len(leases.book().held()) == 1
 
 
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("-n 2 --gpus none --timeout 8d", "process group timeout: at most 7d"),
+        ("-n 2 --gpus 0,1 --gpus-per-rank 2", "--gpus 0,1 names 2 GPU(s), too few for 2 rank(s) × 2 GPU(s) = 4"),
+        ("-n 0 --gpus none", "the number of ranks must be a whole number from 1 to 256, got 0"),
+        ("-n 2 --gpus none --backend smoke", "backend"),
+        ("-n 1 --gpus 'x?'", "matches an empty name"),
+    ],
+)
+def test_a_refused_launch_without_waiting_says_so_at_once(shell, simulated, line, message):
+    """--no-wait launches on a thread; bad input is still a UsageError at once, not a value in -o VAR later."""
+    shell.user_ns.pop("out", None)
+    assert message in refused(shell, "launch_ddp", f"{line} --no-wait --no-dashboard -o out", "1")
+    assert "out" not in shell.user_ns
+
+
 def test_a_refused_launch_through_the_api_takes_no_gpu(simulated):
     with pytest.raises(InvalidArgument, match="too few"):
         gpumagic.launch_ddp(print, 2, gpus="0,1", gpus_per_rank=2)

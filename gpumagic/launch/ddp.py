@@ -125,6 +125,91 @@ def launch_prepared(packed: bytes, nprocs: int | None = None, **options: Any) ->
     return _launch(packed, nprocs, process_group=True, **options)
 
 
+def check_launch(nprocs: int | None = None, *, gpus: str | None = None, **options: Any) -> None:
+    """Check ``launch_prepared``'s arguments as it would, without reading or leasing any GPU state that changes:
+    what ``--no-wait`` checks before it starts the launch on a thread, so bad input is an error at once.
+
+    Raises:
+        InvalidArgument: the first bad argument, as ``launch_prepared`` would say it.
+    """
+    options.pop("dashboard", None)
+    options.pop("write", None)
+    names = (
+        "gpus_per_rank",
+        "backend",
+        "port",
+        "timeout",
+        "start_method",
+        "output",
+        "nnodes",
+        "rdzv_endpoint",
+        "node_rank",
+        "rdzv_id",
+        "max_restarts",
+        "runs_dir",
+    )
+    unknown = set(options) - set(names)
+    if unknown:
+        raise InvalidArgument(f"unknown launch option(s): {', '.join(sorted(unknown))}")
+    defaults = {
+        "gpus_per_rank": 1,
+        "timeout": "30m",
+        "start_method": "forkserver",
+        "output": "all",
+        "nnodes": 1,
+        "max_restarts": 0,
+    }
+    values = {**dict.fromkeys(names), **defaults, **options}
+    _check_arguments(nprocs, True, *(values[name] for name in names))
+    from gpumagic.devices.spec import parse_spec
+
+    if gpus is not None and gpus != "auto" and not parse_spec(gpus).none:
+        _check_enough(gpus, nprocs, values["gpus_per_rank"])
+
+
+def _check_arguments(
+    nprocs: int | None,
+    process_group: bool,
+    gpus_per_rank: Any,
+    backend: str | None,
+    port: int | None,
+    timeout: str | float,
+    start_method: str,
+    output: str,
+    nnodes: int,
+    rdzv_endpoint: str | None,
+    node_rank: int | None,
+    rdzv_id: str | None,
+    max_restarts: int,
+    runs_dir: str | None,
+) -> tuple[float, bool, str | None]:
+    """Check a launch's arguments; returns the timeout in seconds, whether it is elastic, and its endpoint."""
+    from gpumagic.launch.local import START_METHODS
+
+    if start_method not in START_METHODS:
+        raise InvalidArgument(f"start method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
+    if output not in OUTPUT_MODES:
+        raise InvalidArgument(f"output must be one of {', '.join(OUTPUT_MODES)}, got {output!r}")
+    if isinstance(gpus_per_rank, bool) or not isinstance(gpus_per_rank, int) or gpus_per_rank < 1:
+        raise InvalidArgument(f"gpus_per_rank must be a whole number of at least 1, got {gpus_per_rank!r}")
+    check_backend(backend)
+    timeout_s = check_timeout(timeout)
+    _check_port(port)  # every argument is checked before GPUs are read or leased
+    if nprocs is not None:
+        _check_nprocs(nprocs)
+    elastic = (nnodes, rdzv_endpoint, node_rank, rdzv_id, max_restarts, runs_dir) != (1, None, None, None, 0, None)
+    if elastic:
+        from gpumagic.launch.elastic import check_options
+
+        if not process_group:
+            raise InvalidArgument("spawn runs on this machine only; use launch_ddp for a multi-node or elastic run")
+        if port is not None:
+            raise InvalidArgument("with an elastic launch the port is --rdzv-endpoint's; leave out --port")
+        rdzv_endpoint = rdzv_endpoint or ("127.0.0.1:0" if nnodes == 1 else None)
+        check_options(nnodes, rdzv_endpoint, node_rank, rdzv_id, max_restarts)
+    return timeout_s, elastic, rdzv_endpoint
+
+
 def _launch(
     packed: bytes,
     nprocs: int | None,
@@ -146,29 +231,27 @@ def _launch(
     max_restarts: int = 0,
     runs_dir: str | None = None,
 ) -> dict[int, Any]:
-    from gpumagic.launch.local import START_METHODS, run_local
+    from gpumagic.launch.local import run_local
 
-    if start_method not in START_METHODS:
-        raise InvalidArgument(f"start method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
-    if output not in OUTPUT_MODES:
-        raise InvalidArgument(f"output must be one of {', '.join(OUTPUT_MODES)}, got {output!r}")
-    if isinstance(gpus_per_rank, bool) or not isinstance(gpus_per_rank, int) or gpus_per_rank < 1:
-        raise InvalidArgument(f"gpus_per_rank must be a whole number of at least 1, got {gpus_per_rank!r}")
-    check_backend(backend)
-    timeout_s = check_timeout(timeout)
-    _check_port(port)  # every argument is checked before GPUs are read or leased
-    if nprocs is not None:
-        _check_nprocs(nprocs)
-    elastic = (nnodes, rdzv_endpoint, node_rank, rdzv_id, max_restarts, runs_dir) != (1, None, None, None, 0, None)
+    timeout_s, elastic, rdzv_endpoint = _check_arguments(
+        nprocs,
+        process_group,
+        gpus_per_rank,
+        backend,
+        port,
+        timeout,
+        start_method,
+        output,
+        nnodes,
+        rdzv_endpoint,
+        node_rank,
+        rdzv_id,
+        max_restarts,
+        runs_dir,
+    )  # every argument is checked before GPUs are read or leased
     if elastic:
-        from gpumagic.launch.elastic import check_options, launch_elastic
+        from gpumagic.launch.elastic import launch_elastic
 
-        if not process_group:
-            raise InvalidArgument("spawn runs on this machine only; use launch_ddp for a multi-node or elastic run")
-        if port is not None:
-            raise InvalidArgument("with an elastic launch the port is --rdzv-endpoint's; leave out --port")
-        rdzv_endpoint = rdzv_endpoint or ("127.0.0.1:0" if nnodes == 1 else None)
-        check_options(nnodes, rdzv_endpoint, node_rank, rdzv_id, max_restarts)
     # a taken --port is refused before any GPU is leased; the listener is rank 0's from here on
     listener, chosen_port = (None, 0) if elastic else _loopback_port(port, keep=process_group)
     try:

@@ -207,3 +207,17 @@ def test_random_launch_options_run_or_are_refused_without_a_trace(shell, simulat
         assert sorted(shell.user_ns["out"]) == list(range(len(shell.user_ns["out"])))
     finally:
         gpumagic.release()
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        ("use 'A(1+)+$'", "repeats a repeat"),
+        ("use " + ".*" * 11 + "x", "has 11 open-ended repeats (*, +, {n,}), more than 4"),
+        ("pick 1 --exclude 'A(B|1+)*Z'", "repeats a repeat"),
+    ],
+)
+def test_a_pattern_that_could_match_for_minutes_is_refused(shell, simulated, line, why):
+    """Python's regex engine cannot be interrupted: `.*` x 11 took 2.5 s on a GPU name, 4 times more per `.*`."""
+    message = refused(shell, "gpu", line)
+    assert why in message and "which can take minutes to match" in message

@@ -11,6 +11,7 @@ import ast
 import re
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from gpumagic.devices.model import GpuInfo, Inventory
 from gpumagic.errors import InvalidArgument
@@ -117,12 +118,61 @@ def _pattern(raw: str) -> str:
         pattern = _compile(raw)
     except (re.error, RecursionError, OverflowError) as err:
         raise SpecError(f"{raw!r} is neither a GPU list nor a valid name pattern ({err}); {ACCEPTED_FORMS}") from None
+    too_slow = _backtracking_risk(raw)
+    if too_slow:
+        raise SpecError(f"{raw!r} {too_slow}, which can take minutes to match; write a simpler pattern (like A100)")
     if pattern.search(""):  # "| cat /etc/passwd" or "x?" would name every GPU by accident
         raise SpecError(
             f"{raw!r} matches an empty name, so it would name every GPU; write GPU:* or all for every GPU; "
             f"{ACCEPTED_FORMS}"
         )
     return raw
+
+
+MAX_OPEN_REPEATS = 4  # x*, x+, x{2,} in a name pattern; with names of ~40 characters more can take minutes
+
+
+def _backtracking_risk(raw: str) -> str | None:
+    """Why matching ``raw`` could take exponential time (Python's regex engine cannot be interrupted), or None:
+    a repeat inside a repeat (``(a+)+``), or more than ``MAX_OPEN_REPEATS`` open-ended repeats (``.*.*.*.*.*x``)."""
+    try:
+        import re._parser as parser  # Python 3.11+
+    except ImportError:  # pragma: no cover - Python 3.10
+        import sre_parse as parser  # type: ignore[no-redef]
+
+    try:
+        tree = parser.parse(raw, re.IGNORECASE)
+    except (re.error, RecursionError, OverflowError):
+        return None
+    repeats = {"MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"}
+    count = 0
+
+    def walk(items: Any, inside_repeat: bool) -> str | None:
+        nonlocal count
+        for op, argument in items:
+            name = str(op)
+            if name in repeats:
+                _, high, body = argument
+                if high > 1:
+                    if inside_repeat:
+                        return "repeats a repeat"
+                    if high > 1000:
+                        count += 1
+                found = walk(body, inside_repeat or high > 1)
+            elif name == "SUBPATTERN":
+                found = walk(argument[-1], inside_repeat)
+            elif name == "BRANCH":
+                found = next((w for w in (walk(b, inside_repeat) for b in argument[1]) if w), None)
+            else:
+                found = None
+            if found:
+                return found
+        return None
+
+    why = walk(tree, False)
+    if why is None and count > MAX_OPEN_REPEATS:
+        why = f"has {count} open-ended repeats (*, +, {{n,}}), more than {MAX_OPEN_REPEATS}"
+    return why
 
 
 def _compile(pattern: str) -> re.Pattern[str]:

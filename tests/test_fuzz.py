@@ -221,3 +221,12 @@ def test_a_pattern_that_could_match_for_minutes_is_refused(shell, simulated, lin
     """Python's regex engine cannot be interrupted: `.*` x 11 took 2.5 s on a GPU name, 4 times more per `.*`."""
     message = refused(shell, "gpu", line)
     assert why in message and "which can take minutes to match" in message
+
+
+def test_a_refused_elastic_launch_takes_no_gpu(shell, simulated, taken_port):
+    gpumagic.use("3")
+    message = refused(shell, "launch_ddp", f"-n 1 --gpus 0 --rdzv-endpoint 127.0.0.1:{taken_port}", "1")
+    assert f"cannot listen on 127.0.0.1:{taken_port}" in message
+    message = refused(shell, "launch_ddp", "-n 1 --gpus 0 --nnodes 1 --runs-dir /proc/1", "1")
+    assert "/proc/1" in message
+    assert len(leases.book().held()) == 1

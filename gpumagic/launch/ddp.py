@@ -249,9 +249,11 @@ def _launch(
         max_restarts,
         runs_dir,
     )  # every argument is checked before GPUs are read or leased
+    rendezvous = None
     if elastic:
-        from gpumagic.launch.elastic import launch_elastic
+        from gpumagic.launch.elastic import launch_elastic, prepare_elastic
 
+        rendezvous = prepare_elastic(nnodes, rdzv_endpoint, node_rank, rdzv_id, max_restarts, runs_dir)
     # a taken --port is refused before any GPU is leased; the listener is rank 0's from here on
     listener, chosen_port = (None, 0) if elastic else _loopback_port(port, keep=process_group)
     try:
@@ -266,6 +268,8 @@ def _launch(
     except BaseException:
         if listener is not None:
             listener.close()
+        if rendezvous is not None:
+            rendezvous.abandon()
         raise
     use_cuda = bool(available) and not simulated
     if process_group and backend is None:
@@ -288,6 +292,7 @@ def _launch(
             output=output,
             write=write or _stdout_writer(),
             dashboard=dashboard,
+            rendezvous=rendezvous,
         )
     run_dir = store.new_run("ddp", ranks=nprocs, backend=backend, gpus=[list(g) for g in rank_gpus])
     job_dir = run_dir / "launch"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,63 @@ def check_options(nnodes: Any, rdzv_endpoint: Any, node_rank: Any, rdzv_id: Any,
     return host, port
 
 
+@dataclass
+class Rendezvous:
+    """What an elastic launch holds before its ranks start: the endpoint (listening, if this node serves it)
+    and the run directory."""
+
+    endpoint: str
+    listener: socket.socket | None
+    run_dir: Path
+
+    def abandon(self) -> None:
+        """Give it all back: the launch was refused after all."""
+        if self.listener is not None:
+            self.listener.close()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def prepare_elastic(
+    nnodes: int,
+    rdzv_endpoint: str | None,
+    node_rank: int | None,
+    rdzv_id: str | None,
+    max_restarts: int,
+    runs_dir: str | Path | None,
+) -> Rendezvous:
+    """Check the options, listen on the endpoint (node 0) and make the run directory, before anything else
+    is taken (GPUs): a taken port or an unusable ``runs_dir`` is refused with nothing leased.
+
+    Raises:
+        InvalidArgument: the options, the endpoint or the run directory cannot be used here.
+    """
+    host, port = check_options(nnodes, rdzv_endpoint, node_rank, rdzv_id, max_restarts)
+    hosting = node_rank is None or node_rank == 0
+    if port == 0 and not hosting:
+        raise InvalidArgument("node 0 serves the rendezvous: name its address and port in --rdzv-endpoint")
+    listener = _bind(host, port) if hosting else None
+    if listener is not None:
+        port = listener.getsockname()[1]
+    endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        run_dir = store.new_run(
+            "ddp",
+            ranks=0,  # known once the GPUs are
+            root=Path(runs_dir) if runs_dir is not None else None,
+            nnodes=nnodes,
+            rdzv_endpoint=endpoint,
+        )
+    except OSError as err:
+        if listener is not None:
+            listener.close()
+        raise InvalidArgument(f"cannot create the run directory in {runs_dir}: {err.strerror}") from None
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        raise
+    return Rendezvous(endpoint, listener, run_dir)
+
+
 def launch_elastic(
     packed: bytes,
     nprocs: int,
@@ -80,36 +139,22 @@ def launch_elastic(
     write: Callable[[str], None],
     dashboard: Any = None,
     poll_s: float = 0.1,
+    rendezvous: Rendezvous | None = None,
 ) -> dict[int, Any]:
     """Run a packed payload on ``nnodes`` nodes of ``nprocs`` ranks each; ``{rank: value}`` of every rank.
+
+    ``rendezvous``: what ``prepare_elastic`` set up already (else it is set up here).
 
     Raises:
         LaunchError: the group failed with no restart left (root cause and every rank's fate).
         LaunchInterrupted: interrupted (or the dashboard's Stop); every node was told to stop.
         InvalidArgument: the endpoint cannot be served here. AgentError: this node's agent could not run.
     """
-    host, port = check_options(nnodes, rdzv_endpoint, node_rank, rdzv_id, max_restarts)
-    hosting = node_rank is None or node_rank == 0
-    if port == 0 and not hosting:
-        raise InvalidArgument("node 0 serves the rendezvous: name its address and port in --rdzv-endpoint")
-    listener = _bind(host, port) if hosting else None
-    if listener is not None:
-        port = listener.getsockname()[1]
-    endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if rendezvous is None:
+        rendezvous = prepare_elastic(nnodes, rdzv_endpoint, node_rank, rdzv_id, max_restarts, runs_dir)
+    run_dir, endpoint, listener = rendezvous.run_dir, rendezvous.endpoint, rendezvous.listener
     world_size = nnodes * nprocs
-    try:
-        run_dir = store.new_run(
-            "ddp",
-            ranks=world_size,
-            root=Path(runs_dir) if runs_dir is not None else None,
-            backend=backend,
-            nnodes=nnodes,
-            rdzv_endpoint=endpoint,
-        )
-    except OSError as err:
-        if listener is not None:
-            listener.close()
-        raise InvalidArgument(f"cannot create the run directory in {runs_dir}: {err.strerror}") from None
+    store.update_run(run_dir, ranks=world_size, backend=backend)
     spec = {
         "nnodes": nnodes,
         "nproc_per_node": nprocs,

@@ -51,3 +51,34 @@ class LeaseDirectoryError(GpumagicError):
 
 class KillRefused(GpumagicError):
     """``kill`` was asked to signal a process gpumagic must not touch."""
+
+
+class RunsDirectoryError(GpumagicError):
+    """The runs directory (``GPUMAGIC_RUNS_DIR``, ``--runs-dir``) is one another user could write to, or a run
+    directory in it is not this user's own: nothing is written there."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
+class DiskFull(GpumagicError, OSError):
+    """A file of a run could not be written: the disk (or the user's quota) is full.
+
+    Attributes:
+        path: the file or directory that could not be written. reason: the system's words (``strerror``).
+    """
+
+    def __init__(self, path: object, reason: str = "No space left on device", code: int = 28) -> None:
+        self.path = str(path)
+        self.reason = reason
+        self.message = f"disk full: {path} ({reason}); free space or set GPUMAGIC_RUNS_DIR"
+        super().__init__(code, self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.path, self.reason, self.errno)
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]

@@ -326,3 +326,14 @@ def test_remove_refuses_an_active_job(simulated):
     job = gpumagic.submit(variant, 1)
     with pytest.raises(gpumagic.InvalidArgument, match="kill it first"):
         job.remove()
+
+
+def test_a_slurm_job_holds_no_space_for_a_runner_it_does_not_have(monkeypatch):
+    """A local job holds 64 KiB for its runner's last record on a full disk until it ends; a Slurm job has no
+    runner of ours, and would hold them for good."""
+    monkeypatch.setenv("GPUMAGIC_SLURM", "local")
+    local = gpumagic.submit(variant, 1, 0.5, gpus=0, name="local")
+    on_slurm = gpumagic.submit(variant, 2, 0.5, gpus=0, name="on-slurm", executor="slurm", slurm={"time": "5m"})
+    assert (local.path / records.RESERVE).stat().st_size == records.RESERVE_BYTES
+    assert [local.wait("2m"), on_slurm.wait("2m")] == ["finished", "finished"]
+    assert not (local.path / records.RESERVE).exists() and not (on_slurm.path / records.RESERVE).exists()

@@ -83,6 +83,42 @@ def test_a_reader_tails_only_new_complete_batches(tmp_path):
     assert reader.read()["loss"].values == [0.5, 0.25]
 
 
+def batch(first: int, count: int, start: float) -> bytes:
+    """A batch of ``rank-N.bin`` as a writer writes it: points ``first`` .. ``first + count - 1``, two metrics."""
+    rows = [x for i in range(first, first + count) for x in (start + i * 1e-3, i, i % 2, i / 10)]
+    return struct.pack("<I", count) + struct.pack(f"<{len(rows)}d", *rows)
+
+
+def steps_read(metrics):
+    return sorted(step for series in metrics.values() for step in series.steps)
+
+
+def test_a_torn_batch_hides_neither_the_points_before_it_nor_those_after_it(tmp_path):
+    """A writer that died (or ran out of disk) in the middle of a batch leaves part of it; when the rank's next
+    attempt appends to the same file, the reader passes over the torn bytes: the 1,956 points before them and
+    every point after are read, none made up from the torn part, wherever the batch was cut."""
+    directory = tmp_path / "metrics"
+    directory.mkdir()
+    (directory / "rank-0.names").write_text("loss\nacc\n")
+    now = time.time()
+    before = b"".join(batch(k * 163, 163, now) for k in range(12))  # 1,956 points
+    whole = batch(1956, 100, now)
+    after = b"".join(batch(2056 + k * 100, 100, now + 60) for k in range(5))
+    torn = whole[: 4 + 37 * 32 + 11]  # 37 points and 11 bytes of the 38th were written
+    (directory / "rank-0.bin").write_bytes(before + torn)
+    reader = store.RankReader(directory, 0)
+    assert steps_read(reader.read()) == list(range(1956))
+    with open(directory / "rank-0.bin", "ab") as handle:
+        handle.write(after)
+    assert steps_read(reader.read()) == list(range(2056, 2556)) and reader.skipped == len(torn)
+    for cut in [*range(1, 40), *range(40, len(whole), 29)]:
+        (directory / "rank-0.bin").write_bytes(before + whole[:cut] + after)
+        read = steps_read(store.RankReader(directory, 0).read())
+        assert read == [*range(1956), *range(2056, 2556)], f"cut after {cut} bytes: {len(read)} points read"
+    (directory / "rank-0.bin").write_bytes(before + whole + after)
+    assert steps_read(store.RankReader(directory, 0).read()) == list(range(2556))
+
+
 def test_runs_are_listed_oldest_first_also_within_one_second():
     """Run names carry the second and a random part: several launches in one second must still be in order."""
     created = [store.new_run("ddp", order=k) for k in range(20)]

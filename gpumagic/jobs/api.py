@@ -208,7 +208,7 @@ class Job:
         while info.get("runner_pid") is None and time.monotonic() < deadline:  # submitted a moment ago
             time.sleep(0.05)
             info = self.info
-        (self.path / "kill.json").write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
+        _write_private(self.path / "kill.json", json.dumps({"pid": os.getpid(), "time": time.time()}))
         pid = info.get("runner_pid")
         _stop_tree(pid, _process_tree(pid) if pid else [], time.monotonic() + grace_s, self._ended)
         remove_tickets(self.path.name)
@@ -228,7 +228,7 @@ class Job:
     def _cancel_on_slurm(self, info: dict[str, Any]) -> str:
         from gpumagic.jobs import slurm
 
-        (self.path / "kill.json").write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
+        _write_private(self.path / "kill.json", json.dumps({"pid": os.getpid(), "time": time.time()}))
         pid = info.get("runner_pid")
         if info.get("slurm_cluster") == "local":  # submitit's stand-in: a controller process of this machine
             tree = _process_tree(pid) if pid else []
@@ -518,6 +518,7 @@ def _create_on_slurm(
             path = records.create(
                 job_name,
                 packed,
+                reserve=False,  # Slurm runs it: no runner of ours records its end
                 ranks=ranks,
                 executor="slurm",
                 slurm_cluster=where,
@@ -560,12 +561,15 @@ def _say_who_waits(paths: list[Path], tickets: list[Ticket], inventory: Inventor
 
     if not tickets or inventory is None:
         return
-    with leases.pick_lock(exclusive=False):
-        for ticket in tickets:
-            chosen, reason = place(ticket, inventory, leases.book())
-            if not chosen:
-                path = next(p for p in paths if p.name in ticket.path.name)
-                records.update(path, reason=reason)
+    try:
+        with leases.pick_lock(exclusive=False, wait_s=0.5):
+            for ticket in tickets:
+                chosen, reason = place(ticket, inventory, leases.book())
+                if not chosen:
+                    path = next(p for p in paths if p.name in ticket.path.name)
+                    records.update(path, reason=reason)
+    except leases.LeaseBusy:  # the runners will say why they wait
+        return
 
 
 def _check_ddp(ddp: Any) -> int | None:
@@ -663,6 +667,7 @@ def _short(value: Any) -> str:
 def _start_runner(path: Path) -> None:
     """Start the job's runner, detached (it forks again and leaves its parent, which exits at once)."""
     import gpumagic
+    from gpumagic.telemetry.private import open_private
     from gpumagic.telemetry.store import runs_root
 
     env = {k: v for k, v in os.environ.items() if k not in _KERNEL_ONLY and not k.startswith("JPY_")}
@@ -670,7 +675,7 @@ def _start_runner(path: Path) -> None:
     env["MPLBACKEND"] = "Agg"  # the kernel's inline backend needs a kernel
     package_root = str(Path(gpumagic.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH", "")]))
-    with open(path / "runner.log", "ab") as log:
+    with open_private(path / "runner.log") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "gpumagic.jobs.runner", str(path)],
             cwd=os.getcwd(),
@@ -681,6 +686,12 @@ def _start_runner(path: Path) -> None:
             close_fds=True,
         )
     process.wait(timeout=60)
+
+
+def _write_private(path: Path, text: str) -> None:
+    from gpumagic.telemetry.private import write_private
+
+    write_private(path, text.encode())
 
 
 def _stop_tree(pid: int | None, tree: list[Any], deadline: float, ended: Callable[[], bool]) -> None:

@@ -2,36 +2,46 @@
 
     run.json      the run's fields, plus name, request, status, reason, GPUs, runner pid, the job's process
                   pids, started, settled, ended, exit (why it ended), exitcode, signal
+    job.json      what the runner runs (name, request, ddp, backend, timeout, after, sys_path, cwd), sealed:
+                  the runner reads these from here, never from run.json
     payload.pkl   the shipped code (cloudpickle, sealed: ``launch.signing``)
     output.log    the job's stdout and stderr (``[rank N]`` prefixes with --ddp)
     result.pkl    the return value (rank 0's; ``{rank: value}`` with --ddp), sealed
     error.txt     the failure: the failing rank's traceback and every rank's fate
     kill.json     written by ``kill`` before it signals the job, so the job records who stopped it
     runner.log    the runner's own messages (empty unless gpumagic itself failed)
+    .reserve      64 KiB held while the job lives, so that on a full disk the runner can still record why
+                  the job failed
 
 Only the runner writes ``run.json`` while the job lives; a job whose runner died without a word reads as
-``lost``. The directory is private to its user (0700), like every run.
+``lost``. The directory is private to its user (0700, files 0600), like every run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gpumagic.errors import InvalidArgument
-from gpumagic.launch.signing import write_sealed
-from gpumagic.telemetry import store
+from gpumagic.errors import DiskFull, InvalidArgument
+from gpumagic.launch.signing import read_sealed, write_sealed
+from gpumagic.telemetry import private, store
 
 ACTIVE = ("queued", "running")
 ENDED = ("finished", "failed", "killed", "cancelled", "lost")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.,=+-]{0,79}$")
+SPEC = "job.json"
+RUNNER_FIELDS = ("name", "submitted", "request", "ddp", "backend", "timeout_s", "after", "sys_path", "cwd")
+RESERVE = ".reserve"
+RESERVE_BYTES = 64 << 10
 
 
 def check_name(name: str) -> str:
@@ -45,10 +55,13 @@ def check_name(name: str) -> str:
 
 @contextlib.contextmanager
 def names_locked() -> Iterator[None]:
-    """Held while a name is checked and taken, so two kernels cannot take the same name."""
-    root = store.runs_root()
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(root / ".jobs.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    """Held while a name is checked and taken, so two kernels cannot take the same name. The lock is in the
+    user's own state directory: a runs directory may be shared with others, who could hold a lock there."""
+    import platformdirs
+
+    state = Path(platformdirs.user_state_dir("gpumagic"))
+    state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(state / "jobs.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -56,20 +69,75 @@ def names_locked() -> Iterator[None]:
         os.close(fd)
 
 
-def create(name: str, packed: bytes, **fields: Any) -> Path:
-    """A new job directory holding ``packed``, status ``queued``. Call under ``names_locked()``."""
+def create(name: str, packed: bytes, reserve: bool = True, **fields: Any) -> Path:
+    """A new job directory holding ``packed``, status ``queued``. Call under ``names_locked()``.
+
+    What changes what the runner runs (``RUNNER_FIELDS``) is sealed in ``job.json`` too. ``reserve``: hold
+    ``RESERVE_BYTES`` for the runner's last record (a job without a runner of ours, on Slurm, needs none).
+
+    Raises:
+        DiskFull: no space for the job (nothing is left behind). RunsDirectoryError: an unsafe runs directory.
+    """
+    submitted = time.time()
     path = store.new_run(
         "job",
         ranks=fields.pop("ranks", 1),
         name=name,
-        submitted=time.time(),
+        submitted=submitted,
         status="queued",
         reason="starting",
         **fields,
     )
-    write_sealed(path / "payload.pkl", packed)
-    (path / "output.log").touch(mode=0o600)
+    try:
+        spec = {"id": path.name, "name": name, "submitted": submitted, **fields}
+        write_sealed(path / SPEC, json.dumps({k: spec.get(k) for k in ("id", *RUNNER_FIELDS)}).encode())
+        write_sealed(path / "payload.pkl", packed)
+        private.write_private(path / "output.log", b"")
+        if reserve:
+            _reserve(path)
+    except BaseException as err:
+        shutil.rmtree(path, ignore_errors=True)
+        if isinstance(err, DiskFull):
+            raise DiskFull(path.parent, err.reason, err.errno) from None  # the job is gone: name where it was to be
+        raise
     return path
+
+
+def read_spec(path: Path) -> dict[str, Any]:
+    """What the runner runs, from the sealed ``job.json`` of the job at ``path``.
+
+    Raises:
+        PayloadRejected: not sealed with the user's key, changed, or written for another job.
+    """
+    from gpumagic.launch.signing import PayloadRejected
+
+    where = path / SPEC
+    spec = json.loads(read_sealed(where, f"the description of job {path.name} ({where})"))
+    if spec.get("id") != path.name:
+        raise PayloadRejected(f"{where} describes job {spec.get('id')!r}, not {path.name}; it will not be run")
+    return spec
+
+
+def _reserve(path: Path) -> None:
+    """Hold ``RESERVE_BYTES`` of the disk for the job's last record (``release_reserve`` frees them)."""
+    fd = os.open(path / RESERVE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, RESERVE_BYTES)
+    except OSError as err:
+        if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise private.disk_error(err, path) from None
+        private.write_all(fd, bytes(RESERVE_BYTES))  # a filesystem without fallocate
+    finally:
+        os.close(fd)
+
+
+def release_reserve(path: Path) -> bool:
+    """Free the space held for the job's last record; whether there was any."""
+    try:
+        os.unlink(path / RESERVE)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def read(path: Path) -> dict[str, Any]:
@@ -85,8 +153,9 @@ def all_jobs() -> list[Path]:
     if not root.exists():
         return []
     found = []
-    for path in root.iterdir():
-        if "-job-" in path.name:
+    for entry in os.scandir(root):
+        path = Path(entry.path)
+        if "-job-" in entry.name and private.is_own_run(entry):  # a shared runs directory lists others' too
             submitted = _submitted.get(path)
             if submitted is None:
                 try:

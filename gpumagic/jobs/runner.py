@@ -11,6 +11,7 @@ Kept light at import: the ``spawn`` ranks import this module as their main modul
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any
@@ -40,37 +41,108 @@ class _Runner:
         self.run_dir = run_dir
         self.signal: int | None = None
         self.name = "?"
+        self.output: Any = None  # output.log, open while the job runs
+        self.output_error: OSError | None = None  # why the job's output could not be written
+        self.cancel: Any = None  # set to stop the job's ranks
 
     def run(self) -> None:
         import signal
-        import traceback
 
         from gpumagic.devices.processes import process_start_time
+        from gpumagic.errors import DiskFull, RunsDirectoryError
         from gpumagic.jobs import records
+        from gpumagic.launch.signing import PayloadRejected
+        from gpumagic.telemetry import private
 
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._on_signal)
-        info = records.update(
-            self.run_dir, runner_pid=os.getpid(), runner_start=process_start_time(os.getpid()), reason="starting"
-        )
-        self.name = info["name"]
-        sys.path[:0] = [p for p in info.get("sys_path", []) if p not in sys.path]  # the ranks inherit it
+        try:  # before anything of the directory is read: it must be this user's own, in a safe place
+            private.safe_root(self.run_dir.parent)
+            private.check_own(self.run_dir)
+        except RunsDirectoryError as err:
+            sys.stderr.write(f"gpumagic: the job at {self.run_dir} will not run: {err}\n")
+            return
         try:
-            if not self._wait_for_dependencies(info):
+            try:
+                spec = records.read_spec(self.run_dir)  # what runs comes from the sealed description only
+            except (PayloadRejected, OSError, ValueError) as err:
+                self._fail_before_start(err)
                 return
-            self._run(info, self._wait_for_gpus(info))
-        except KeyboardInterrupt:
-            started = records.read(self.run_dir).get("started")
-            self._finish("killed", self._kill_reason("" if started else "while queued"))
-        except BaseException as err:  # noqa: BLE001 - whatever happens, the job's record must say it
-            (self.run_dir / "error.txt").write_text(
-                "gpumagic could not run the job:\n" + "".join(traceback.format_exception(err))
+            self.name = spec["name"]
+            sys.path[:0] = [p for p in spec.get("sys_path") or [] if p not in sys.path]  # the ranks inherit it
+            records.update(
+                self.run_dir, runner_pid=os.getpid(), runner_start=process_start_time(os.getpid()), reason="starting"
             )
-            self._finish("failed", f"gpumagic could not run the job: {type(err).__name__}: {err}")
+            self._run_job(spec)
+        except DiskFull as err:
+            self._disk_full(err)
         finally:
             from gpumagic.devices import leases
 
             leases.book().release_all()
+            records.release_reserve(self.run_dir)
+
+    def _run_job(self, spec: dict[str, Any]) -> None:
+        import traceback
+
+        from gpumagic.errors import DiskFull
+        from gpumagic.jobs import records
+
+        try:
+            if not self._wait_for_dependencies(spec):
+                return
+            self._run(spec, self._wait_for_gpus(spec))
+        except KeyboardInterrupt:
+            started = records.read(self.run_dir).get("started")
+            self._finish("killed", self._kill_reason("" if started else "while queued"))
+        except DiskFull:
+            raise
+        except BaseException as err:  # noqa: BLE001 - whatever happens, the job's record must say it
+            self._write("error.txt", "gpumagic could not run the job:\n" + "".join(traceback.format_exception(err)))
+            self._finish("failed", f"gpumagic could not run the job: {type(err).__name__}: {err}")
+
+    def _fail_before_start(self, err: Exception) -> None:
+        import time
+
+        from gpumagic.jobs import records
+
+        self._write("error.txt", f"{err}\n")
+        records.update(self.run_dir, status="failed", reason="", exit=str(err), ended=time.time(), runner_pid=None)
+
+    def _write(self, name: str, text: str) -> None:
+        from gpumagic.telemetry.private import write_private
+
+        write_private(self.run_dir / name, text.encode())
+
+    def _disk_full(self, err: Any, report: str = "", **fields: Any) -> None:
+        """Record that the job failed because a file of it could not be written, and what it kept."""
+        from gpumagic.jobs import records
+
+        records.release_reserve(self.run_dir)  # the space held for this record
+        why = f"disk full: {err.path} ({err.reason}); saved: {self._saved()}; free space or set GPUMAGIC_RUNS_DIR"
+        with contextlib.suppress(OSError):
+            self._write("error.txt", f"The job was stopped: {why}\n" + (f"\n{report}\n" if report else ""))
+        self._finish("failed", why, **fields)
+
+    def _saved(self) -> str:
+        """What of the job is on disk: its output, its metrics, its result."""
+        from gpumagic.telemetry.store import Run
+
+        kept = []
+        with contextlib.suppress(OSError):
+            size = (self.run_dir / "output.log").stat().st_size
+            if size:
+                kept.append(f"output.log ({size:,} bytes)")
+        try:
+            ranks = Run(self.run_dir, {}).metrics()
+        except (OSError, ValueError):
+            ranks = {}
+        points = sum(len(series) for metrics in ranks.values() for series in metrics.values())
+        if points:
+            kept.append(f"metrics ({points:,} points)")
+        if (self.run_dir / "result.pkl").exists():
+            kept.append("result.pkl")
+        return ", ".join(kept) or "nothing"
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.signal is None:
@@ -92,14 +164,14 @@ class _Runner:
 
         records.update(self.run_dir, status=status, reason="", exit=why, ended=time.time(), **fields)
 
-    def _wait_for_dependencies(self, info: dict[str, Any]) -> bool:
+    def _wait_for_dependencies(self, spec: dict[str, Any]) -> bool:
         """Block until every ``after`` job has finished; False (job cancelled) if one did not."""
         import time
 
         from gpumagic.errors import InvalidArgument
         from gpumagic.jobs import records
 
-        pending = list(info.get("after") or [])
+        pending = list(spec.get("after") or [])
         last = None
         while pending:
             for name in list(pending):
@@ -120,26 +192,28 @@ class _Runner:
                 time.sleep(0.25)
         return True
 
-    def _wait_for_gpus(self, info: dict[str, Any]) -> list[Any]:
+    def _wait_for_gpus(self, spec: dict[str, Any]) -> list[Any]:
         from gpumagic.jobs import queue, records
 
-        request = queue.Request.from_json(info["request"])
+        request = queue.Request.from_json(spec["request"])
         if request.wants == 0:
             return []
         return queue.wait_for_gpus(
             self.name,
             request,
-            float(info["submitted"]),
+            float(spec["submitted"]),
             self.run_dir.name,
             lambda why: records.update(self.run_dir, reason=why),
         )
 
-    def _run(self, info: dict[str, Any], gpus: list[Any]) -> None:
+    def _run(self, spec: dict[str, Any], gpus: list[Any]) -> None:
         import shutil
+        import threading
         import time
 
         import cloudpickle
 
+        from gpumagic.errors import DiskFull
         from gpumagic.jobs import records
         from gpumagic.jobs.queue import Request
         from gpumagic.launch.ddp import _loopback_port
@@ -148,17 +222,19 @@ class _Runner:
         from gpumagic.launch.output import RankOutput
         from gpumagic.launch.plan import LaunchPlan, assign_gpus, threads_per_rank
         from gpumagic.launch.signing import PayloadRejected, read_sealed, write_sealed
+        from gpumagic.telemetry.private import open_private, out_of_space
         from gpumagic.telemetry.store import RUN_DIR_VARIABLE
 
-        ddp = info.get("ddp")
+        ddp = spec.get("ddp")
         nprocs = ddp or 1
         uuids = [g.uuid for g in gpus]
         rank_gpus = assign_gpus(uuids, nprocs, len(uuids) // nprocs) if uuids else tuple(() for _ in range(nprocs))
         use_cuda = bool(uuids) and not any(g.simulated for g in gpus)
-        backend = (info.get("backend") or ("nccl" if use_cuda else "gloo")) if ddp else None
+        backend = (spec.get("backend") or ("nccl" if use_cuda else "gloo")) if ddp else None
         listener, port = _loopback_port(None, keep=ddp is not None)
         job_dir = self.run_dir / "launch"
-        job_dir.mkdir(exist_ok=True)
+        job_dir.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(job_dir, 0o700)
         plan = LaunchPlan(
             job_dir=str(job_dir),
             nprocs=nprocs,
@@ -167,7 +243,7 @@ class _Runner:
             rank_gpus=rank_gpus,
             use_cuda=use_cuda,
             threads_per_rank=threads_per_rank(nprocs),
-            timeout_s=float(info.get("timeout_s", 1800.0)),
+            timeout_s=float(spec.get("timeout_s") or 1800.0),
             launcher_pid=os.getpid(),
             extra_env={RUN_DIR_VARIABLE: str(self.run_dir)},  # a CPU job's ranks see no GPU: the plan hides them
         )
@@ -180,9 +256,10 @@ class _Runner:
             gpu_uuids=uuids,
             backend=backend,
         )
-        log = open(self.run_dir / "output.log", "ab", buffering=0)
-        sink = RankOutput(lambda text: log.write(text.encode()), "all", nprocs) if ddp else None
-        settle = _Settler(self.run_dir, uuids) if Request.from_json(info["request"]).shares else None
+        self.output = open_private(self.run_dir / "output.log")
+        self.cancel = threading.Event()
+        sink = RankOutput(lambda text: self._output(text.encode()), "all", nprocs) if ddp else None
+        settle = _Settler(self.run_dir, uuids) if Request.from_json(spec["request"]).shares else None
         try:
             packed = read_sealed(self.run_dir / "payload.pkl", f"job {self.name}'s code ({self.run_dir}/payload.pkl)")
             results = run_local(
@@ -190,30 +267,50 @@ class _Runner:
                 packed,
                 start_method="spawn",
                 listener=listener,
-                on_output=sink.feed if sink else (lambda rank, data: log.write(data)),
+                on_output=sink.feed if sink else (lambda rank, data: self._output(data)),
                 on_start=lambda plan, pids: self._started(pids, settle),
+                cancel=self.cancel,
             )
-            value = results if ddp else results.get(0)
-            write_sealed(self.run_dir / "result.pkl", cloudpickle.dumps(value))
+            shutil.rmtree(job_dir, ignore_errors=True)  # the ranks' copies: a nearly full disk need not hold two
+            write_sealed(self.run_dir / "result.pkl", cloudpickle.dumps(results if ddp else results.get(0)))
             self._finish("finished", "finished", exitcode=0)
         except LaunchError as err:
-            (self.run_dir / "error.txt").write_text(err.report() + "\n")
-            log.write(f"\n{err.report()}\n".encode())  # where a script's traceback would be
             root = err.root_cause
+            self._output(f"\n{err.report()}\n".encode())  # where a script's traceback would be
+            unreported = root.exc_type is None and root.signal_name is None
+            if root.exc_type == "DiskFull" or (unreported and out_of_space(self.run_dir)):
+                self._disk_full(DiskFull(job_dir), err.report(), exitcode=root.exitcode)
+                return
+            self._write("error.txt", err.report() + "\n")
             self._finish("failed", err.headline(), exitcode=root.exitcode, signal=root.signal_name)
         except (LaunchInterrupted, KeyboardInterrupt):
+            if self.output_error is not None:  # the ranks were stopped because their output could not be kept
+                raise self.output_error from None
             self._finish("killed", self._kill_reason())
         except PayloadRejected as err:
-            (self.run_dir / "error.txt").write_text(f"{err}\n")
-            log.write(f"{err}\n".encode())
+            self._write("error.txt", f"{err}\n")
+            self._output(f"{err}\n".encode())
             self._finish("failed", str(err))
         finally:
             if settle is not None:
                 settle.stop()
             if sink is not None:
                 sink.flush()
-            log.close()
+            self.output.close()
             shutil.rmtree(job_dir, ignore_errors=True)
+
+    def _output(self, data: bytes) -> None:
+        """Append the job's output to output.log; if it cannot be written, stop the job (its output would be
+        lost) and remember why."""
+        from gpumagic.telemetry.private import disk_error, write_all
+
+        if self.output_error is not None:
+            return
+        try:
+            write_all(self.output.fileno(), data)
+        except OSError as err:
+            self.output_error = disk_error(err, self.run_dir / "output.log")
+            self.cancel.set()
 
     def _started(self, pids: list[int], settle: _Settler | None) -> None:
         from gpumagic.jobs import records

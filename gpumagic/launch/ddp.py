@@ -296,7 +296,8 @@ def _launch(
         )
     run_dir = store.new_run("ddp", ranks=nprocs, backend=backend, gpus=[list(g) for g in rank_gpus])
     job_dir = run_dir / "launch"
-    job_dir.mkdir()
+    job_dir.mkdir(mode=0o700)
+    os.chmod(job_dir, 0o700)  # the ranks' payload and results are the user's own, whatever the umask
     plan = LaunchPlan(
         job_dir=str(job_dir),
         nprocs=nprocs,

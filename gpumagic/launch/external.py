@@ -28,6 +28,7 @@ from typing import Any
 
 from gpumagic.launch.failures import RankOutcome
 from gpumagic.launch.signing import read_sealed, write_sealed
+from gpumagic.telemetry.private import write_private
 from gpumagic.telemetry.store import RUN_DIR_VARIABLE
 
 RANKS = "ranks"
@@ -98,7 +99,6 @@ def run_rank(run_dir: Path) -> int:
     Output goes to ``ranks/rank-R.log`` for the time of the call; the value to ``rank-R.result.pkl``; a
     failure to ``rank-R.error.A.json`` with the user's traceback.
     """
-    from gpumagic.devices.leases import publish
     from gpumagic.launch.worker import _flush, join_process_group, leave_process_group, rank_namespace, report_failure
 
     rank = int(os.environ["RANK"])
@@ -108,16 +108,8 @@ def run_rank(run_dir: Path) -> int:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     os.environ[RUN_DIR_VARIABLE] = str(run_dir)
     with _output_to(rank_file(run_dir, rank, "log")):
-        publish(
-            rank_file(run_dir, rank, "json"),
-            {
-                "rank": rank,
-                "attempt": attempt,
-                "pid": os.getpid(),
-                "host": socket.gethostname(),
-                "started": time.time(),
-            },
-        )
+        started = {"rank": rank, "attempt": attempt, "pid": os.getpid(), "host": socket.gethostname()}
+        write_private(rank_file(run_dir, rank, "json"), json.dumps({**started, "started": time.time()}).encode())
         phase = "setup"
         try:
             spec = read_spec(run_dir)

@@ -99,7 +99,7 @@ def run_local(
         watcher.close()
     failure = root_cause(outcomes)
     if failure is not None:
-        raise LaunchError(outcomes, failure)
+        raise LaunchError(outcomes, failure, _full_disk_note(plan.job_dir))
     return {o.rank: _result(plan, o.rank) for o in outcomes}
 
 
@@ -121,6 +121,19 @@ def _initial_environment(plan: LaunchPlan, local_rank: int, start_method: str) -
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _full_disk_note(job_dir: str) -> str:
+    """A note for a failed launch whose ranks' files have no space left: a rank that cannot write its result
+    cannot write its error report either, and would seem to have exited without one."""
+    from gpumagic.telemetry.private import out_of_space
+
+    if not out_of_space(job_dir):
+        return ""
+    return (
+        f"disk full: {job_dir} has no space left, so a rank may have failed writing its result or its report; "
+        "free space or set GPUMAGIC_RUNS_DIR"
+    )
 
 
 def _result(plan: LaunchPlan, rank: int) -> Any:

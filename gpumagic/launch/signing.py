@@ -91,10 +91,14 @@ def unseal(blob: bytes, what: str) -> bytes:
 
 
 def write_sealed(path: Path, data: bytes) -> None:
-    """Write ``data`` sealed, atomically (a reader never sees half of it)."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_bytes(seal(data))
-    os.replace(temporary, path)
+    """Write ``data`` sealed, atomically (a reader never sees half of it), in a new file of mode 0600.
+
+    Raises:
+        DiskFull: no space for it (nothing is left behind).
+    """
+    from gpumagic.telemetry.private import write_private
+
+    write_private(Path(path), seal(data))
 
 
 def read_sealed(path: Path, what: str) -> bytes:

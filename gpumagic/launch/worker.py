@@ -144,7 +144,10 @@ def report_failure(directory: Path, name: str, rank: int, phase: str, err: BaseE
         "timestamp": time.time(),
         "exitcode": code,
     }
-    _write(directory / name, json.dumps(report).encode())
+    try:
+        _write(directory / name, json.dumps(report).encode())
+    except OSError as unwritten:  # a full disk: the launcher says so, and stderr still carries the failure
+        sys.stderr.write(f"rank {rank} could not record its failure: {unwritten}\n")
     sys.stderr.write(f"rank {rank} failed: {type(err).__name__}: {message}\n")
     return code
 
@@ -159,9 +162,10 @@ def _user_traceback(err: BaseException) -> str:
 
 
 def _write(final: Path, data: bytes) -> None:
-    temporary = final.with_suffix(final.suffix + ".tmp")
-    temporary.write_bytes(data)
-    os.replace(temporary, final)
+    """Atomically, private to the user (0600). Raises DiskFull (an OSError) when there is no room."""
+    from gpumagic.telemetry.private import write_private
+
+    write_private(final, data)
 
 
 def _die_with(launcher_pid: int) -> None:

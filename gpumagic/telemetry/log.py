@@ -9,31 +9,50 @@ created on the first call.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 import time
 from array import array
 from pathlib import Path
 
-from gpumagic.telemetry import store
+from gpumagic.errors import GpumagicError
+from gpumagic.telemetry import private, store
 
 FLUSH_INTERVAL_S = 0.1
+_log = logging.getLogger("gpumagic")
 
 
 class Recorder:
-    """One process's writer for one rank of one run."""
+    """One process's writer for one rank of one run (``run_dir`` None: a writer that drops every point, for a
+    process whose run could not be made).
 
-    def __init__(self, run_dir: Path, rank: int) -> None:
+    It never raises for the disk: a batch that cannot be written whole (a full disk, a quota) is cut off again
+    and dropped, with one warning; writing starts again by itself once there is space.
+    """
+
+    def __init__(self, run_dir: Path | None, rank: int, problem: str = "") -> None:
         self.run_dir = run_dir
         self.rank = rank
-        directory = run_dir / "metrics"
-        directory.mkdir(parents=True, exist_ok=True)
         self.lock = threading.Lock()
         self.points = array("d")
         self.ids: dict[str, int] = {}
         self.calls = 0
-        self._names = open(directory / f"rank-{rank}.names", "a", encoding="utf-8")
-        self._bin = open(directory / f"rank-{rank}.bin", "ab", buffering=0)
+        self.dropped = 0  # points not written
+        self._unwritten: list[str] = []  # names given ids, not yet on disk
+        self._write_lock = threading.Lock()
+        self._problem = ""
+        self._bin = self._names = None
+        if run_dir is None:
+            self._failed(problem)
+        else:
+            directory = run_dir / "metrics"
+            try:
+                directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+                self._names = private.open_private(directory / f"rank-{rank}.names")
+                self._bin = private.open_private(directory / f"rank-{rank}.bin")
+            except OSError as err:
+                self._failed(str(private.disk_error(err, directory)))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._flush_periodically, name="gpumagic-log-flush", daemon=True)
         self._thread.start()
@@ -44,29 +63,53 @@ class Recorder:
             known = self.ids.get(name)
             if known is None:
                 known = self.ids[name] = len(self.ids)
-                self._names.write(name + "\n")
-                self._names.flush()
+                self._unwritten.append(name)
             return known
 
     def flush(self) -> None:
-        """Write the points logged so far as one batch (one ``write``)."""
-        with self.lock:
-            points, self.points = self.points, array("d")
-        if points:
-            self._bin.write(store._HEADER.pack(len(points) // store.FIELDS) + points.tobytes())
+        """Write the points logged so far as one batch (one ``write``), after the names they use."""
+        with self._write_lock:
+            with self.lock:
+                points, self.points = self.points, array("d")
+                names, self._unwritten = self._unwritten, []
+            if not points and not names:
+                return
+            try:
+                if self._bin is None or self._bin.closed:
+                    raise OSError(self._problem or "closed")
+                if names:
+                    private.append_whole(self._names.fileno(), "".join(n + "\n" for n in names).encode())
+                    names = []
+                step = store.MAX_BATCH * store.FIELDS
+                while points:
+                    private.append_whole(self._bin.fileno(), store.encode_batch(points[:step]))
+                    del points[:step]
+            except OSError as err:
+                self.dropped += len(points) // store.FIELDS
+                with self.lock:
+                    self._unwritten[:0] = names  # still needed by the points to come
+                if self.run_dir is not None:
+                    self._failed(str(private.disk_error(err, self.run_dir / "metrics")))
+                return
+            if self._problem:
+                _log.warning("gpumagic.log: writing points again; %d were dropped", self.dropped)
+                self._problem = ""
+
+    def _failed(self, problem: str) -> None:
+        if not self._problem:
+            self._problem = problem or "no run to write to"
+            _log.warning("gpumagic.log: points are dropped until they can be written: %s", self._problem)
 
     def close(self) -> None:
         self._stop.set()
         self.flush()
-        self._bin.close()
-        self._names.close()
+        for handle in (self._bin, self._names):
+            if handle is not None:
+                handle.close()
 
     def _flush_periodically(self) -> None:
         while not self._stop.wait(FLUSH_INTERVAL_S):
-            try:
-                self.flush()
-            except (OSError, ValueError):
-                return
+            self.flush()
 
 
 _recorder: Recorder | None = None
@@ -81,8 +124,11 @@ def _current() -> Recorder:
             if run_dir:
                 _recorder = Recorder(Path(run_dir), int(os.environ.get("RANK", "0")))
             else:
-                _recorder = Recorder(store.new_run("kernel"), 0)
-                atexit.register(store.finish_run, _recorder.run_dir, "finished")
+                try:
+                    _recorder = Recorder(store.new_run("kernel"), 0)
+                    atexit.register(store.finish_run, _recorder.run_dir, "finished")
+                except GpumagicError as err:  # a full disk, an unsafe runs directory: say so once, drop the points
+                    _recorder = Recorder(None, 0, str(err))
             atexit.register(flush)
         return _recorder
 
@@ -91,7 +137,8 @@ def log(step: int | None = None, **metrics: float) -> None:
     """Record ``metrics`` (name=number) at ``step`` (default: a count of this process's ``log`` calls).
 
     Takes about a microsecond and never blocks on the disk. Values may be Python numbers or one-element
-    tensors (``loss`` or ``loss.item()``).
+    tensors (``loss`` or ``loss.item()``). On a full disk the points are dropped, with one warning, until
+    there is space again: training goes on.
 
     Raises:
         TypeError: a metric is not a number.

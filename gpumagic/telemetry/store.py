@@ -8,27 +8,38 @@ Layout of a run directory (``gpumagic.telemetry.store.runs_root()/<run id>/``)::
     metrics/rank-N.bin    batches of points: uint32 count, then count x (time, step, name id, value) float64
 
 A batch is written with one ``write`` call every 0.1 s and at exit, so a SIGKILL loses at most the last
-0.1 s; a reader ignores a batch that is not complete yet.
+0.1 s; a reader ignores a batch that is not complete yet. A write that fails part way (a full disk) is cut
+off again, and a reader passes over a torn batch a dead writer left, so one bad batch never hides the rest.
+
+Run directories are private to their user (0700, files 0600, whatever the umask); a runs directory other
+users can write is used only if it is sticky (``chmod 1777``), since there they cannot replace a run
+(``telemetry.private``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import socket
 import struct
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from gpumagic.errors import DiskFull
+from gpumagic.telemetry.private import is_own_run, make_own_directory, private_directory, safe_root, write_private
 
 RUNS_VARIABLE = "GPUMAGIC_RUNS_DIR"
 RUN_DIR_VARIABLE = "GPUMAGIC_RUN_DIR"
 _HEADER = struct.Struct("<I")
 FIELDS = 4  # time, step, name id, value
+MAX_BATCH = 1 << 22  # points in one batch; the writer splits larger ones, a reader takes a larger count as torn
 _update_lock = threading.Lock()
+_log = logging.getLogger("gpumagic")
 
 
 def runs_root() -> Path:
@@ -43,35 +54,55 @@ def runs_root() -> Path:
 
 def new_run(kind: str, ranks: int = 1, root: Path | None = None, **details: Any) -> Path:
     """Create a run directory (private to this user) and its ``run.json`` under ``root`` (default
-    ``runs_root()``); returns its path."""
-    root = Path(root) if root is not None else runs_root()
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{kind}-{uuid.uuid4().hex[:6]}"
-    path = root / run_id
-    path.mkdir(mode=0o700)
-    os.chmod(path, 0o700)  # metrics and payloads are the user's own, whatever the umask
-    (path / "metrics").mkdir(mode=0o700)
-    info = {
-        "id": run_id,
-        "kind": kind,
-        "created": time.time(),
-        "ranks": ranks,
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "status": "running",
-        **details,
-    }
-    _write_json(path / "run.json", info)
+    ``runs_root()``); returns its path.
+
+    Raises:
+        RunsDirectoryError: another user could write ``root`` (or a directory above it), so they could replace
+            the run; or it cannot be written. DiskFull: no space for the run (nothing is left behind).
+    """
+    root = safe_root(root)
+    path = make_own_directory(root, kind)
+    try:
+        private_directory(path / "metrics")
+        info = {
+            "id": path.name,
+            "kind": kind,
+            "created": time.time(),
+            "ranks": ranks,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "status": "running",
+            **details,
+        }
+        _write_json(path / "run.json", info)
+    except BaseException as err:
+        shutil.rmtree(path, ignore_errors=True)
+        if isinstance(err, DiskFull):
+            raise DiskFull(root, err.reason, err.errno) from None  # the run is gone: name where it was to be
+        raise
     return path
 
 
+def encode_batch(points: Any) -> bytes:
+    """A batch of ``rank-N.bin``: the count, then the points (an ``array("d")``, 4 values per point)."""
+    return _HEADER.pack(len(points) // FIELDS) + points.tobytes()
+
+
 def finish_run(path: Path, status: str, **details: Any) -> None:
-    """Record how the run ended (``finished``, ``failed``, ``interrupted``)."""
-    update_run(path, status=status, ended=time.time(), **details)
+    """Record how the run ended (``finished``, ``failed``, ``interrupted``). On a full disk it says so in the
+    log and returns: what the run computed matters more than its record."""
+    try:
+        update_run(path, status=status, ended=time.time(), **details)
+    except DiskFull as err:
+        _log.warning("gpumagic: run %s could not record its end (%s): %s", path.name, status, err)
 
 
 def update_run(path: Path, **fields: Any) -> dict[str, Any]:
-    """Change some fields of a run's ``run.json``, atomically, one thread of this process at a time."""
+    """Change some fields of a run's ``run.json``, atomically, one thread of this process at a time.
+
+    Raises:
+        DiskFull: no space even to rewrite it in place.
+    """
     with _update_lock:
         info = json.loads((path / "run.json").read_text())
         info.update(fields)
@@ -80,9 +111,31 @@ def update_run(path: Path, **fields: Any) -> dict[str, Any]:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # writers never share it
-    temporary.write_text(json.dumps(data))
-    os.replace(temporary, path)
+    encoded = json.dumps(data).encode()
+    try:
+        write_private(path, encoded)
+    except DiskFull:
+        if not _rewrite_in_place(path, encoded):
+            raise
+
+
+def _rewrite_in_place(path: Path, data: bytes) -> bool:
+    """On a full disk: rewrite ``path`` where it is when ``data`` fits in the space it already holds (a reader
+    may see it half written for a moment; a record is worth it). Whether it was rewritten."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if len(data) > os.fstat(fd).st_blocks * 512:
+            return False
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -98,13 +151,23 @@ class Series:
 
 
 class RankReader:
-    """Tails one rank's metrics: each ``read()`` returns only the points written since the last one."""
+    """Tails one rank's metrics: each ``read()`` returns only the points written since the last one.
+
+    A batch counts once it is whole. A torn batch (its writer died, or the disk filled, in the middle of it) is
+    passed over once a whole batch follows it: the reader finds the next offset where a whole batch of points
+    starts (times within ``TIME_SPAN`` of the file's first point, name ids of known names, no value below 1e-300
+    but 0), and never reads the torn bytes as points.
+    """
+
+    TIME_SPAN = 1e8  # seconds (3 years) from the file's first point: a "time" further off is not a point's
 
     def __init__(self, directory: Path, rank: int) -> None:
         self.bin_path = directory / f"rank-{rank}.bin"
         self.names_path = directory / f"rank-{rank}.names"
         self.offset = 0
         self.names: list[str] = []
+        self.skipped = 0  # bytes passed over: torn batches
+        self._epoch: float | None = None
 
     def read(self) -> dict[str, Series]:
         import numpy
@@ -115,19 +178,11 @@ class RankReader:
                 data = handle.read()
         except FileNotFoundError:
             return {}
-        chunks, used = [], 0
-        while used + _HEADER.size <= len(data):
-            (count,) = _HEADER.unpack_from(data, used)
-            size = count * FIELDS * 8
-            if used + _HEADER.size + size > len(data):
-                break  # a batch still being written
-            chunks.append(numpy.frombuffer(data, dtype="<f8", count=count * FIELDS, offset=used + _HEADER.size))
-            used += _HEADER.size + size
+        chunks, used = self._batches(data)
         self.offset += used
         if not chunks:
             return {}
-        points = numpy.concatenate(chunks).reshape(-1, FIELDS)
-        self._refresh_names(int(points[:, 2].max()))
+        points = numpy.concatenate(chunks)
         result: dict[str, Series] = {}
         for name_id in numpy.unique(points[:, 2]).astype(int):
             rows = points[points[:, 2] == name_id]
@@ -135,13 +190,122 @@ class RankReader:
             result[name] = Series(rows[:, 1].tolist(), rows[:, 3].tolist(), rows[:, 0].tolist())
         return result
 
-    def _refresh_names(self, needed: int) -> None:
-        if needed < len(self.names):
-            return
+    def _batches(self, data: bytes) -> tuple[list[Any], int]:
+        """The whole batches of ``data`` (rows of points) and how many bytes they and the torn ones took."""
+        chunks, position = self._chained(data)
+        while position + _HEADER.size <= len(data):
+            state, rows = self._batch_at(data, position)
+            if state == "whole":
+                end = position + _HEADER.size + rows.nbytes
+                if end + _HEADER.size > len(data) or self._batch_at(data, end)[0] != "torn":
+                    chunks.append(rows)
+                    position = end
+                    continue
+                # what follows is no batch: this one may be torn too, its count reaching into the next batch
+                following = self._next_whole(data, position + 1)
+                if following is None or following >= end:
+                    chunks.append(rows)
+                    position = end
+                    continue
+            elif state == "partial":
+                break  # being written: read again next time
+            else:
+                following = self._next_whole(data, position + 1)
+                if following is None:
+                    break  # torn, and nothing whole after it yet
+            self.skipped += following - position
+            position = following
+        return chunks, position
+
+    def _chained(self, data: bytes) -> tuple[list[Any], int]:
+        """The leading batches that follow one another as written, each with a plausible count, checked all at
+        once (the common case; ``_batches`` looks at the rest one by one). The last stays for ``_batches``
+        unless it ends the data: a torn batch's count can reach into the next one."""
+        import numpy
+
+        spans, position = [], 0
+        while position + _HEADER.size <= len(data):
+            (count,) = _HEADER.unpack_from(data, position)
+            end = position + _HEADER.size + count * FIELDS * 8
+            if not 1 <= count <= MAX_BATCH or end > len(data):
+                break
+            spans.append((position, count))
+            position = end
+        if spans and position != len(data):
+            spans.pop()
+        if not spans:
+            return [], 0
+        chunks = [
+            numpy.frombuffer(data, "<f8", count=count * FIELDS, offset=at + _HEADER.size).reshape(-1, FIELDS)
+            for at, count in spans
+        ]
+        if self._epoch is None and self.offset == 0 and numpy.isfinite(chunks[0][0, 0]):
+            self._epoch = float(chunks[0][0, 0])
+        if not self._plausible(numpy.concatenate(chunks)):
+            return [], 0  # one by one, then
+        last, count = spans[-1]
+        return chunks, last + _HEADER.size + count * FIELDS * 8
+
+    def _batch_at(self, data: bytes, position: int) -> tuple[str, Any]:
+        """``("whole", rows)``, ``("partial", None)`` (what is there so far looks right) or ``("torn", None)``."""
+        import numpy
+
+        (count,) = _HEADER.unpack_from(data, position)
+        if not 1 <= count <= MAX_BATCH:
+            return "torn", None
+        available = min(count, (len(data) - position - _HEADER.size) // (FIELDS * 8))
+        if available == 0:
+            return "partial", None
+        rows = numpy.frombuffer(data, "<f8", count=available * FIELDS, offset=position + _HEADER.size)
+        rows = rows.reshape(-1, FIELDS)
+        if self._epoch is None and self.offset + position == 0 and numpy.isfinite(rows[0, 0]):
+            self._epoch = float(rows[0, 0])
+        if not self._plausible(rows):
+            return "torn", None
+        return ("whole" if available == count else "partial"), rows
+
+    def _plausible(self, rows: Any) -> bool:
+        import numpy
+
+        times, ids, values = rows[:, 0], rows[:, 2], numpy.abs(rows[:, 3])
+        if not (numpy.isfinite(times).all() and numpy.isfinite(ids).all()):
+            return False
+        if ((values < 1e-300) & (values > 0)).any():
+            return False  # a value whose upper half is the next batch's count: the last point of a torn batch
+        if self._epoch is not None and numpy.abs(times - self._epoch).max() > self.TIME_SPAN:
+            return False
+        if ids.min() < 0 or (ids != numpy.floor(ids)).any():
+            return False
+        return self._known(int(ids.max()))
+
+    def _known(self, name_id: int) -> bool:
+        """Whether ``name_id`` names a metric (names are written before the points that use them)."""
+        if name_id < len(self.names):
+            return True
         try:
             self.names = self.names_path.read_text().splitlines()
-        except FileNotFoundError:
+        except (FileNotFoundError, UnicodeDecodeError):
             pass
+        return name_id < len(self.names) or (not self.names and name_id < 1 << 16)
+
+    def _next_whole(self, data: bytes, start: int) -> int | None:
+        """The first offset from ``start`` at which a whole batch of points starts, or None."""
+        import numpy
+
+        candidates: list[int] = []
+        for first in range(start, min(start + _HEADER.size, len(data))):
+            slots = (len(data) - first) // _HEADER.size
+            if slots <= 0:
+                continue
+            counts = numpy.frombuffer(data, "<u4", count=slots, offset=first).astype(numpy.int64)
+            offsets = first + _HEADER.size * numpy.arange(slots)
+            ends = offsets + _HEADER.size + counts * FIELDS * 8
+            fits = (counts >= 1) & (counts <= MAX_BATCH) & (ends <= len(data))
+            candidates.extend(offsets[fits].tolist())
+        for candidate in sorted(candidates):
+            if self._batch_at(data, candidate)[0] == "whole":
+                return candidate
+        return None
 
 
 @dataclass
@@ -182,7 +346,11 @@ def load_run(run_id: str) -> Run:
     if candidate.is_dir() and (candidate / "run.json").exists():
         return Run(candidate, json.loads((candidate / "run.json").read_text()))
     root = runs_root()
-    matches = sorted(p for p in root.glob(f"{run_id}*") if (p / "run.json").exists()) if root.exists() else []
+    matches = (
+        sorted(p for p in root.glob(f"{run_id}*") if is_own_run(p) and (p / "run.json").exists())
+        if root.exists()
+        else []
+    )
     if not matches:
         raise InvalidArgument(f"no run {run_id!r} in {root}; gpumagic.runs() lists them")
     if len(matches) > 1:
@@ -196,7 +364,10 @@ def list_runs() -> list[Run]:
     if not root.exists():
         return []
     runs = []
-    for path in root.iterdir():
+    for entry in os.scandir(root):
+        if not is_own_run(entry):
+            continue  # another user's, in a shared runs directory
+        path = Path(entry.path)
         try:
             runs.append(Run(path, json.loads((path / "run.json").read_text())))
         except (OSError, ValueError):

@@ -158,3 +158,23 @@ def test_a_memory_need_says_how_much_is_free(tmp_path, monkeypatch):
     )
     small = ticket("small", Request(1, (), 8 << 30), 1)
     assert [g.nvml_index for g in place(small, read_inventory(), leases.book())[0]] == [1]
+
+
+def test_a_ticket_of_ours_that_someone_else_locked_holds_no_place(monkeypatch):
+    """A neighbour who locks a job's provisional ticket before its runner does (it is readable by all) does not
+    make the job wait behind its own ghost."""
+    monkeypatch.setenv("GPUMAGIC_SIMULATE", "1xA100-80GB")
+    provisional = Ticket.create("J", Request(1), time.time(), key="run-j", provisional=True)
+    locker = subprocess.Popen(["flock", "-s", str(provisional.path), "sleep", "30"])
+    try:
+        deadline = time.monotonic() + 10
+        while not any(str(locker.pid) in line for line in open("/proc/locks")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        mine = Ticket.create("J", Request(1), time.time(), key="run-j")  # the runner: makes its own
+        chosen, reason = place(mine, read_inventory(), leases.book())
+        assert len(chosen) == 1 and reason == ""
+        assert [t.path for t in waiting_tickets()] == [mine.path]
+        mine.remove()
+    finally:
+        locker.kill()
+        locker.wait()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import psutil
 import pytest
 
 import gpumagic
@@ -220,3 +221,70 @@ def test_pick_with_wait_waits_out_a_busy_lease_directory(simulated, isolated_lea
         == f"Waiting for the GPU lease directory: {leases.current_user()}'s process {holder.pid} keeps its pick lock"
     )
     holder.wait(10)
+
+
+def test_a_record_locked_after_its_holders_death_is_no_lease(simulated, isolated_leases, no_leftover_children):
+    """A neighbour waiting in flock() on a holder's record gets the lock when the holder dies: the record
+    names a dead process, so the GPU is free (and not 'leased by' the dead kernel for ever)."""
+    holder = contestant(dict(os.environ))
+    holder.stdin.write("pick\n")
+    holder.stdin.flush()
+    taken = holder.stdout.readline().split()[1].split(",")
+    record = next(p for p in isolated_leases.glob(f"{taken[0]}.*.json"))
+    waiter = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import fcntl, time\nf = open({str(record)!r})\nfcntl.flock(f, fcntl.LOCK_EX)\n"
+            "print('locked', flush=True)\ntime.sleep(30)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        assert waiter.stdout.readline().strip() == "locked"  # the neighbour holds the dead kernel's record
+        assert set(gpumagic.pick(4).uuids) >= set(taken)
+    finally:
+        waiter.kill()
+        waiter.wait()
+
+
+def test_records_and_tickets_with_poisoned_fields_are_ignored(simulated, isolated_leases):
+    """Fields a neighbour can write within the size cap: nesting deep enough for a RecursionError, Infinity,
+    unhashable UUIDs, a time no clock can show. Nothing raises; each file is named as ignored."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make files of another uid")
+    uuid = gpumagic.gpus().gpus[1].uuid
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    start = psutil.Process(sleeper.pid).create_time()
+    planted = {
+        f"{uuid}.4242.1.abc.json": "[" * 30000 + "]" * 30000,
+        f"{uuid}.4242.{sleeper.pid}.def.json": json.dumps({"since": 1e300, "process_start": start}),
+        "queue.4242.run-a.abc.json": '{"name": "a", "request": {"count": Infinity}, "submitted_ns": 1}',
+        "queue.4242.run-b.abc.json": '{"name": "b", "request": {"uuids": [[1]]}, "submitted_ns": Infinity}',
+        "queue.4242.run-c.abc.json": '{"name": "c", "request": {"count": 1, "min_free": "x"}}',
+    }
+    locks = []
+    try:
+        for name, text in planted.items():
+            (isolated_leases / name).write_text(text)
+            os.chown(isolated_leases / name, 4242, 4242)
+        handle = open(isolated_leases / f"{uuid}.4242.{sleeper.pid}.def.json")
+        locks.append(handle)
+        fcntl.flock(handle, fcntl.LOCK_EX)  # held, as a live holder's record is
+        from gpumagic.jobs.queue import waiting_tickets
+
+        assert waiting_tickets() == []
+        status = gpumagic.status().status
+        assert gpumagic.pick(4).indices == (0, 1, 2, 3)
+        assert status.ignored[f"{uuid}.4242.1.abc.json"] == "not a JSON record"
+        assert status.ignored[f"{uuid}.4242.{sleeper.pid}.def.json"] == "a record with malformed fields"
+        for name in ("queue.4242.run-a.abc.json", "queue.4242.run-b.abc.json", "queue.4242.run-c.abc.json"):
+            assert status.ignored[name] == "a ticket with malformed fields", name
+    finally:
+        for handle in locks:
+            handle.close()
+        sleeper.kill()
+        sleeper.wait()

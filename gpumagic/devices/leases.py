@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpumagic.devices import shared_files
-from gpumagic.devices.processes import current_user, process_start_time
+from gpumagic.devices.processes import current_user, is_same_process, process_start_time
 from gpumagic.devices.shared_files import Untrusted
 from gpumagic.errors import LeaseDirectoryError
 
@@ -162,6 +162,10 @@ def _create_private(directory: Path, name: str) -> int:
     )
 
 
+class _Removed(Exception):
+    """This process's pick file was removed while it held it."""
+
+
 class _PickLock:
     """This process's share of the pick lock: its own ``pick`` file, and the check of everybody else's."""
 
@@ -199,11 +203,16 @@ class _PickLock:
                     self._depth -= 1
                 return
             directory = lease_dir()
-            try:
-                fd, path = self._own(directory)
-                self._acquire(directory, fd, path, exclusive, wait_s)
-            except OSError as err:
-                raise LeaseDirectoryError(f"cannot use the lease directory {directory} ({err.strerror})") from None
+            for attempt in range(3):
+                try:
+                    fd, path = self._own(directory)
+                    self._acquire(directory, fd, path, exclusive, wait_s)
+                    break
+                except _Removed:
+                    if attempt == 2:
+                        raise LeaseDirectoryError(f"something keeps removing gpumagic's files in {directory}") from None
+                except OSError as err:
+                    raise LeaseDirectoryError(f"cannot use the lease directory {directory} ({err.strerror})") from None
             self._depth = 1
             try:
                 yield
@@ -221,7 +230,13 @@ class _PickLock:
             except BlockingIOError:  # someone is checking (or holding) our own file
                 conflict = path
             if conflict is None:
-                conflict = _conflicting_pick_file(directory, path.name, exclusive)
+                try:
+                    conflict = _conflicting_pick_file(directory, path.name, exclusive)
+                    if conflict is None and os.fstat(fd).st_nlink == 0:  # removed under us: make another
+                        raise _Removed
+                except BaseException:
+                    fcntl.flock(fd, fcntl.LOCK_UN)  # never leave our share of the lock taken
+                    raise
                 if conflict is None:
                     return
                 fcntl.flock(fd, fcntl.LOCK_UN)
@@ -252,14 +267,16 @@ def _conflicting_pick_file(directory: Path, own: str, exclusive: bool) -> Path |
                 except BlockingIOError:
                     return path
                 fcntl.flock(fd, fcntl.LOCK_UN)
+                if uid == os.getuid() and pid != os.getpid() and process_start_time(pid) is None:
+                    with contextlib.suppress(OSError):  # a dead process's file: removed only while unlocked
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        path.unlink()
         except FileNotFoundError:
             continue
         except Untrusted as why:
             shared_files.note_ignored(name, str(why))
             continue
-        if uid == os.getuid() and pid != os.getpid() and process_start_time(pid) is None:
-            with contextlib.suppress(OSError):
-                path.unlink()
+        shared_files.trusted(name)
     return None
 
 
@@ -273,8 +290,18 @@ def _who_holds(path: Path) -> str:
     match = _PICK_NAME.match(path.name)
     owner = shared_files.owner_name(int(match.group(1))) if match else "another user"
     if pids:
-        return f"{owner}'s process {', '.join(map(str, sorted(set(pids))))}"
+        return ", ".join(f"{_owner_of(pid) or owner}'s process {pid}" for pid in sorted(set(pids)))
     return f"a process of {owner}" + (f" (pid {match.group(2)})" if match else "")
+
+
+def _owner_of(pid: int) -> str | None:
+    """The name of the user who runs ``pid`` (whoever holds a lock, not whose file it is), if visible."""
+    import psutil
+
+    try:
+        return shared_files.owner_name(psutil.Process(pid).uids().real)
+    except psutil.Error:
+        return None
 
 
 _pick = _PickLock()
@@ -496,6 +523,7 @@ def _live_records(directory: Path, uuid: str, names: Iterable[str] | None = None
             continue
         uid = int(match.group(2))
         path = directory / name
+        pid = int(match.group(3))
         try:
             with shared_files.opened(path, uid) as (fd, info):
                 data = shared_files.read_record(fd, info)
@@ -505,25 +533,32 @@ def _live_records(directory: Path, uuid: str, names: Iterable[str] | None = None
         except Untrusted as why:
             shared_files.note_ignored(name, str(why))
             continue
-        if not locked:  # its holder is gone
+        except OSError as err:
+            raise LeaseDirectoryError(f"cannot read {path} ({err.strerror})") from None
+        # held by the process it names, still running since it wrote it: not by whoever locked it after its death
+        if not locked or not is_same_process(pid, _number(data.get("process_start"))):
             if uid == os.getuid():
                 with contextlib.suppress(OSError):
                     path.unlink()
             continue
         try:
+            since = float(data.get("since") or 0.0)
+            if not 0.0 <= since <= time.time() + 86400:  # NaN, inf, 1e300: no time anyone can show
+                raise ValueError(since)
             lease = Lease(
                 uuid,
                 str(data.get("user") or shared_files.owner_name(uid))[:64],
-                int(match.group(3)),
-                float(data.get("since") or 0.0),
+                pid,
+                since,
                 str(data.get("host") or "")[:64],
                 str(data["notebook"])[:120] if data.get("notebook") else None,
                 shared=data.get("shared") is True,
                 settled=data.get("settled", True) is not False,
             )
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             shared_files.note_ignored(name, "a record with malformed fields")
             continue
+        shared_files.trusted(name)
         if lease.user != shared_files.owner_name(uid):  # the name shown is the file owner's, whatever it says
             lease = dataclasses.replace(lease, user=shared_files.owner_name(uid))
         live.append(lease)
@@ -558,10 +593,17 @@ def live_tickets(provisional_s: float = PROVISIONAL_S) -> list[TicketFile]:
         path = directory / name
         try:
             with shared_files.opened(path, uid) as (fd, info):
-                data = shared_files.read_record(fd, info)
+                data = _checked_ticket(shared_files.read_record(fd, info))
                 locked = shared_files.is_locked(fd)
             pids = holders.get((info.st_dev, info.st_ino), [])
-            if not mine and (locked or pids) and not _held_by_a_runner(pids, uid):
+            if locked and not pids:  # locked since /proc/locks was read: read it again
+                holders = shared_files.flock_holders()
+                pids = holders.get((info.st_dev, info.st_ino), [])
+            if (locked or pids) and not _held_by_a_runner(pids, uid) and not _runner_holds_later(info, uid):
+                if mine:  # someone else locked our ticket (before our runner could): it is no place of ours
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+                    continue
                 raise Untrusted("locked by a process that is not that user's gpumagic job runner")
             window = provisional_s if mine else min(provisional_s, OTHERS_PROVISIONAL_S)
             if not locked and not pids and now - info.st_ctime_ns > window * 1e9:  # its runner is gone or never came
@@ -574,8 +616,45 @@ def live_tickets(provisional_s: float = PROVISIONAL_S) -> list[TicketFile]:
         except Untrusted as why:
             shared_files.note_ignored(name, str(why))
             continue
+        except OSError as err:
+            raise LeaseDirectoryError(f"cannot read {path} ({err.strerror})") from None
+        shared_files.trusted(name)
         found.append(TicketFile(path, uid, info.st_ctime_ns, data))
     return found
+
+
+def _checked_ticket(data: dict) -> dict:
+    """A ticket's fields, every one checked (``name``, ``request``: count, uuids, min_free; ``submitted_ns``).
+
+    Raises:
+        Untrusted: a field is missing, of the wrong type or out of range (Infinity, nested lists...).
+    """
+    request, name, submitted = data.get("request"), data.get("name"), data.get("submitted_ns", 0)
+    if not isinstance(request, dict) or not isinstance(name, str):
+        raise Untrusted("a ticket with malformed fields")
+    count, uuids, min_free = request.get("count", 1), request.get("uuids") or [], request.get("min_free")
+
+    def whole(value: object, high: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= high
+
+    if not (
+        whole(count, 1024)
+        and isinstance(uuids, list)
+        and len(uuids) <= 1024
+        and all(isinstance(u, str) and re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z-]{1,80}", u) for u in uuids)
+        and (min_free is None or whole(min_free, 1 << 60))
+        and whole(submitted, 1 << 63)
+    ):
+        raise Untrusted("a ticket with malformed fields")
+    return {"name": name, "request": {"count": count, "uuids": uuids, "min_free": min_free}, "submitted_ns": submitted}
+
+
+def _runner_holds_later(info: os.stat_result, uid: int) -> bool:
+    """A second look, 20 ms later: whether the ticket is unlocked or held by a runner now. Another process's
+    probe (``is_locked``) holds a lock for microseconds; what a hostile process holds, it still holds."""
+    time.sleep(0.02)
+    pids = shared_files.flock_holders().get((info.st_dev, info.st_ino), [])
+    return not pids or _held_by_a_runner(pids, uid)
 
 
 def _held_by_a_runner(pids: list[int], uid: int) -> bool:
@@ -583,14 +662,28 @@ def _held_by_a_runner(pids: list[int], uid: int) -> bool:
     import psutil
 
     for pid in pids:
+        if pid == os.getpid():
+            return True
         try:
             process = psutil.Process(pid)
             argv = process.cmdline()
             if process.uids().real == uid and any(argv[i : i + 2] == ["-m", RUNNER] for i in range(len(argv))):
                 return True
+        except (psutil.AccessDenied, psutil.NoSuchProcess):  # /proc hides it (hidepid): cannot tell, so counts
+            if not Path(f"/proc/{pid}").exists():  # (the 10 s rule of the queue bounds what it can hold up)
+                return True
         except psutil.Error:
             continue
     return False
+
+
+def _number(value: object) -> float | None:
+    """``value`` if it is a finite number (a process start time from a record), else None."""
+    import math
+
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 def _check_uuid(uuid: str) -> None:

@@ -10,6 +10,7 @@ remembered (``ignored()``) so that ``%gpu status`` can name it once.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -34,6 +35,13 @@ _ignored_lock = threading.Lock()
 def note_ignored(name: str, why: str) -> None:
     with _ignored_lock:
         _ignored[name] = why
+
+
+def trusted(name: str) -> None:
+    """``name`` was read and used: it is no longer ignored (a file can be caught half made, or mid-probe)."""
+    if name in _ignored:
+        with _ignored_lock:
+            _ignored.pop(name, None)
 
 
 def forget_ignored(names: set[str]) -> None:
@@ -82,8 +90,10 @@ def open_regular(path: Path, owner: int | None) -> tuple[int, os.stat_result]:
     except FileNotFoundError:
         raise
     except OSError as err:
-        if err.errno == 40:  # ELOOP: O_NOFOLLOW met a symbolic link
+        if err.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
             raise Untrusted("a symbolic link") from None
+        if err.errno not in (errno.EACCES, errno.EPERM, errno.ENXIO, errno.EISDIR):
+            raise  # out of descriptors, memory, an I/O error: not the file's fault, and not to be read as absent
         with contextlib.suppress(OSError):
             found = os.lstat(path).st_uid
             if owner is not None and found != owner:
@@ -122,9 +132,10 @@ def read_capped(fd: int, info: os.stat_result, limit: int = MAX_RECORD_BYTES) ->
 
 def read_record(fd: int, info: os.stat_result) -> dict[str, Any]:
     """The JSON object in an open record file. Raises Untrusted if it is not one."""
+    raw = read_capped(fd, info)
     try:
-        data = json.loads(read_capped(fd, info))
-    except (ValueError, UnicodeDecodeError):
+        data = json.loads(raw)
+    except Exception:  # noqa: BLE001 - ValueError, RecursionError (deep nesting): whatever it is, not a record
         raise Untrusted("not a JSON record") from None
     if not isinstance(data, dict):
         raise Untrusted("not a JSON record")

@@ -562,7 +562,7 @@ def _say_who_waits(paths: list[Path], tickets: list[Ticket], inventory: Inventor
     if not tickets or inventory is None:
         return
     try:
-        with leases.pick_lock(exclusive=False, wait_s=0.5):
+        with leases.pick_lock(exclusive=False):
             for ticket in tickets:
                 chosen, reason = place(ticket, inventory, leases.book())
                 if not chosen:

@@ -164,14 +164,25 @@ def _claim(directory: Path, key: str, name: str, request: Request, submitted_ns:
     for entry in sorted(n for n in os.listdir(directory) if n.startswith(prefix)):
         path = directory / entry
         try:
-            fd, info = shared_files.open_regular(path, os.getuid())
+            fd, _ = shared_files.open_regular(path, os.getuid())
         except (OSError, shared_files.Untrusted):
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        deadline = time.monotonic() + 1.0  # another process's probe holds a lock for microseconds
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:  # held by someone else: not ours to wait behind
+                    os.close(fd)
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+                    fd = -1
+                    break
+                time.sleep(0.01)
+        if fd < 0:
             continue
+        info = os.fstat(fd)
         if info.st_nlink == 0:  # removed (killed) meanwhile
             os.close(fd)
             continue
@@ -193,16 +204,11 @@ def remove_tickets(key: str) -> None:
 def waiting_tickets() -> list[Ticket]:
     """Live tickets of every user, in queue order (``leases.live_tickets`` says which are live)."""
     tickets = []
-    for entry in leasing.live_tickets(PROVISIONAL_S):
-        try:
-            request = Request.from_json(entry.data["request"])
-            if not isinstance(entry.data["name"], str) or not 0 <= request.wants <= 1024:
-                raise ValueError
-            submitted = int(entry.data.get("submitted_ns") or 0)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            shared_files.note_ignored(entry.path.name, "a ticket with malformed fields")
-            continue
-        tickets.append(Ticket(entry.path, entry.data["name"][:80], request, submitted, entry.uid, entry.made_ns))
+    for entry in leasing.live_tickets(PROVISIONAL_S):  # their fields are checked there
+        request = Request.from_json(entry.data["request"])
+        tickets.append(
+            Ticket(entry.path, entry.data["name"][:80], request, entry.data["submitted_ns"], entry.uid, entry.made_ns)
+        )
     return sorted(tickets, key=lambda t: t.order)
 
 
@@ -214,7 +220,8 @@ def place(mine: Ticket, inventory: Inventory, book: leasing.LeaseBook) -> tuple[
     """
     held = leasing.holders([g.uuid for g in inventory.gpus], book)
     slots = [_Slot(g, held.get(g.uuid), g.memory_free or 0) for g in inventory.gpus]
-    tickets = [t for t in waiting_tickets() if t.path != mine.path]
+    own_job = mine.path.name.rsplit(".", 2)[0] + "."  # queue.<uid>.<run id>.: another ticket of this job
+    tickets = [t for t in waiting_tickets() if t.path != mine.path and not t.path.name.startswith(own_job)]
     earlier = [t for t in tickets if t.order < mine.order]
     now = time.monotonic()
     for ticket in earlier:
@@ -301,10 +308,13 @@ def wait_for_gpus(
         while True:
             inventory = read_inventory()
             try:
-                with leasing.pick_lock(wait_s=poll_s * 4):
+                with leasing.pick_lock(exclusive=False, wait_s=poll_s * 4):  # most looks find nothing to take
                     chosen, reason = place(ticket, inventory, book)
-                    if chosen and take(chosen, request, book):
-                        return sorted(chosen, key=lambda g: g.nvml_index)
+                if chosen:
+                    with leasing.pick_lock(wait_s=poll_s * 4):
+                        chosen, reason = place(ticket, inventory, book)
+                        if chosen and take(chosen, request, book):
+                            return sorted(chosen, key=lambda g: g.nvml_index)
             except leasing.LeaseBusy as busy:  # a waiting job stays queued, however long that lasts
                 reason = f"waiting for the GPU lease directory: {busy.holder} keeps its pick lock"
             if reason and reason != last:

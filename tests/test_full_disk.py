@@ -272,3 +272,19 @@ def test_ranks_that_log_on_a_full_disk_train_on_and_their_metrics_stay_whole(sma
         assert loss.values == loss.steps, "no point is torn or shifted"
         assert loss.steps[: before[rank]] == [float(s) for s in range(before[rank])], "every point before is there"
         assert len(loss) == steps[rank] - dropped > before[rank] and loss.steps[-1] == steps[rank] - 1
+
+
+def test_a_sweep_that_does_not_fit_leaves_no_job_and_no_ticket(small_disk, simulated):
+    """All or none: a sweep whose third job has no room removes the two written before it, and their tickets."""
+    (small_disk / "runs").mkdir(mode=0o700)
+    filler = fill(small_disk)
+    os.truncate(filler, filler.stat().st_size - (160 << 10))  # room for about two jobs (64 KiB reserve each)
+    with pytest.raises(DiskFull):
+        gpumagic.sweep(nothing_with, {"x": [1, 2, 3, 4]}, gpus_per_job=1)
+    assert os.listdir(small_disk / "runs") == []
+    assert gpumagic.list_jobs() == []
+    assert not list(Path(os.environ["GPUMAGIC_LEASE_DIR"]).glob("queue.*"))
+
+
+def nothing_with(x):
+    return x

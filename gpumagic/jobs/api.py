@@ -422,31 +422,46 @@ def _create(
     check_backend(backend)
     timeout_s = check_timeout(timeout)
     dependencies = _dependencies(after)
+    if request.wants:
+        from gpumagic.devices.leases import lease_dir
+
+        lease_dir()  # an unusable lease directory is refused before any job is written
     paths: list[Path] = []
     tickets: list[Ticket] = []
     with records.names_locked():
         names = _take_names(entries)
-        for job_name, (_, _, packed, params) in zip(names, entries, strict=True):
-            paths.append(
-                records.create(
-                    job_name,
-                    packed,
-                    ranks=ddp or 1,
-                    request=request.to_json(),
-                    ddp=ddp,
-                    after=dependencies,
-                    backend=backend,
-                    timeout_s=timeout_s,
-                    params=params,
-                    description=description,
-                    uid=os.getuid(),
-                    sys_path=[p for p in sys.path if p],
-                    cwd=os.getcwd(),
+        try:
+            for job_name, (_, _, packed, params) in zip(names, entries, strict=True):
+                paths.append(
+                    records.create(
+                        job_name,
+                        packed,
+                        ranks=ddp or 1,
+                        request=request.to_json(),
+                        ddp=ddp,
+                        after=dependencies,
+                        backend=backend,
+                        timeout_s=timeout_s,
+                        params=params,
+                        description=description,
+                        uid=os.getuid(),
+                        sys_path=[p for p in sys.path if p],
+                        cwd=os.getcwd(),
+                    )
                 )
-            )
-            if request.wants and not dependencies:  # its place in the queue is its submission, from now
-                info = records.read(paths[-1])
-                tickets.append(Ticket.create(job_name, request, info["submitted"], paths[-1].name, provisional=True))
+                if request.wants and not dependencies:  # its place in the queue is its submission, from now
+                    info = records.read(paths[-1])
+                    tickets.append(
+                        Ticket.create(job_name, request, info["submitted"], paths[-1].name, provisional=True)
+                    )
+        except BaseException:  # all or none: a sweep that cannot be written whole leaves nothing half made
+            import shutil
+
+            for ticket in tickets:
+                ticket.remove()
+            for path in paths:
+                shutil.rmtree(path, ignore_errors=True)
+            raise
     _say_who_waits(paths, tickets, inventory)
     for path in paths:
         _start_runner(path)

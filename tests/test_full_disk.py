@@ -19,6 +19,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import gpumagic
+from gpumagic.devices import leases
 from gpumagic.errors import DiskFull
 from gpumagic.jobs import records
 from gpumagic.telemetry import store
@@ -288,3 +289,13 @@ def test_a_sweep_that_does_not_fit_leaves_no_job_and_no_ticket(small_disk, simul
 
 def nothing_with(x):
     return x
+
+
+def test_a_launch_refused_for_a_full_disk_takes_no_gpu(small_disk, simulated, shell):
+    (small_disk / "runs").mkdir(mode=0o700)
+    fill(small_disk)
+    before = (leases.book().held(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    with pytest.raises(UsageError, match=r"^disk full: "):
+        shell.run_cell_magic("launch_ddp", "-n 2 --gpus 0,1", "1")
+    assert (leases.book().held(), os.environ.get("CUDA_VISIBLE_DEVICES")) == before
+    assert os.listdir(small_disk / "runs") == []

@@ -18,6 +18,7 @@ from gpumagic.launch.output import OUTPUT_MODES, RankOutput
 from gpumagic.launch.plan import LaunchPlan, assign_gpus, check_backend, check_timeout, threads_per_rank
 from gpumagic.launch.shipping import pack, ship_cell, ship_function
 from gpumagic.telemetry import store
+from gpumagic.telemetry.private import private_directory
 
 DEFAULT_CPU_RANKS = 2
 MAX_RANKS = 256
@@ -256,7 +257,12 @@ def _launch(
         rendezvous = prepare_elastic(nnodes, rdzv_endpoint, node_rank, rdzv_id, max_restarts, runs_dir)
     # a taken --port is refused before any GPU is leased; the listener is rank 0's from here on
     listener, chosen_port = (None, 0) if elastic else _loopback_port(port, keep=process_group)
+    run_dir = None
     try:
+        if not elastic:  # a full disk or an unsafe runs directory is refused before any GPU is leased, too
+            run_dir = store.new_run("ddp", ranks=0)
+            job_dir = run_dir / "launch"
+            private_directory(job_dir)  # the ranks' payload and results: 0700, whatever the umask
         available, simulated = _rank_gpus(gpus, nprocs, gpus_per_rank)
         if nprocs is None:
             nprocs = len(available) // gpus_per_rank if available else DEFAULT_CPU_RANKS
@@ -270,6 +276,8 @@ def _launch(
             listener.close()
         if rendezvous is not None:
             rendezvous.abandon()
+        if run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
         raise
     use_cuda = bool(available) and not simulated
     if process_group and backend is None:
@@ -294,10 +302,8 @@ def _launch(
             dashboard=dashboard,
             rendezvous=rendezvous,
         )
-    run_dir = store.new_run("ddp", ranks=nprocs, backend=backend, gpus=[list(g) for g in rank_gpus])
-    job_dir = run_dir / "launch"
-    job_dir.mkdir(mode=0o700)
-    os.chmod(job_dir, 0o700)  # the ranks' payload and results are the user's own, whatever the umask
+    assert run_dir is not None
+    store.update_run(run_dir, ranks=nprocs, backend=backend, gpus=[list(g) for g in rank_gpus])
     plan = LaunchPlan(
         job_dir=str(job_dir),
         nprocs=nprocs,

@@ -214,7 +214,8 @@ def test_random_launch_options_run_or_are_refused_without_a_trace(shell, simulat
     [
         ("use 'A(1+)+$'", "repeats a repeat"),
         ("use " + ".*" * 11 + "x", "has 11 open-ended repeats (*, +, {n,}), more than 4"),
-        ("pick 1 --exclude 'A(B|1+)*Z'", "repeats a repeat"),
+        ("pick 1 --exclude 'A(B1+)*Z'", "repeats a repeat"),
+        ("use 'A(.|\\w)*#'", "repeats a choice of alternatives"),
     ],
 )
 def test_a_pattern_that_could_match_for_minutes_is_refused(shell, simulated, line, why):

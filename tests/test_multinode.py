@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -146,6 +147,12 @@ def test_a_rank_that_keeps_failing_ends_in_one_error_after_its_restarts(no_lefto
     assert error.root_cause.exc_type == "ValueError" and "bad batch" in error.root_cause.traceback
     assert "restarted 1 time(s)" in error.report()
     assert "restarting the group (restart 1 of 1)" in "".join(writes)
+    run_dir = max(Path(os.environ["GPUMAGIC_RUNS_DIR"]).iterdir(), key=lambda p: p.stat().st_mtime)
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert any(p.parent.name == "agents" for p in files)  # the agent's log and events are there, and private
+    assert all(stat.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in files), {
+        str(p.relative_to(run_dir)): oct(p.stat().st_mode) for p in files
+    }
 
 
 def _sealed_run(tmp_path: Path) -> Path:

@@ -233,6 +233,30 @@ def test_a_home_writable_by_a_private_group_is_safe_and_one_shared_with_a_neighb
     assert f"{alice.home}/.local/state can be written by group {group} (mode 775, not sticky)" in refused, refused
 
 
+def test_a_home_writable_by_a_group_of_no_one_else_is_safe(two_users):
+    """A container's home in a shared group such as ``users`` (Zero to JupyterHub: /home/jovyan, 2775): the
+    group has no member but its user, so the home is still theirs alone; once another user is in it, refused."""
+    alice, bob = two_users
+    group = f"gmg{alice.name[3:]}"
+    subprocess.run(["groupadd", group], check=True)
+    try:
+        subprocess.run(["chgrp", "-R", group, str(alice.home)], check=True)
+        code = """
+            import json, os, gpumagic
+            os.chmod(os.path.expanduser("~"), 0o2775)
+            try:
+                print(json.dumps({"run": gpumagic.launch_ddp(lambda: 1, nprocs=1, gpus="none")[0]}))
+            except gpumagic.GpumagicError as err:
+                print(json.dumps({"refused": str(err)}))
+            """
+        assert alice.json(code, timeout=120) == {"run": 1}
+        subprocess.run(["usermod", "-a", "-G", group, bob.name], check=True)
+        refused = alice.json(code, timeout=120)["refused"]
+        assert f"{alice.home} can be written by group {group} (mode 775, not sticky)" in refused, refused
+    finally:
+        subprocess.run(["groupdel", group], capture_output=True)
+
+
 def answer():
     return 42
 

@@ -134,7 +134,8 @@ MAX_OPEN_REPEATS = 4  # x*, x+, x{2,} in a name pattern; with names of ~40 chara
 
 def _backtracking_risk(raw: str) -> str | None:
     """Why matching ``raw`` could take exponential time (Python's regex engine cannot be interrupted), or None:
-    a repeat inside a repeat (``(a+)+``), or more than ``MAX_OPEN_REPEATS`` open-ended repeats (``.*.*.*.*.*x``)."""
+    a repeat inside a repeat (``(a+)+``), alternatives inside a repeat (``(.|\\w)*``), or more than
+    ``MAX_OPEN_REPEATS`` open-ended repeats (``.*.*.*.*.*x``)."""
     try:
         import re._parser as parser  # Python 3.11+
     except ImportError:  # pragma: no cover - Python 3.10
@@ -162,6 +163,8 @@ def _backtracking_risk(raw: str) -> str | None:
             elif name == "SUBPATTERN":
                 found = walk(argument[-1], inside_repeat)
             elif name == "BRANCH":
+                if inside_repeat:  # (.|\w)* matches one text in exponentially many ways
+                    return "repeats a choice of alternatives"
                 found = next((w for w in (walk(b, inside_repeat) for b in argument[1]) if w), None)
             else:
                 found = None

@@ -233,7 +233,9 @@ def record_outcome(run_dir: Path, world_size: int, wait_s: float = 60.0) -> None
     failure = root_cause(outcomes)
     if failure is not None:
         error = LaunchError(outcomes, failure)
-        (run_dir / "error.txt").write_text(error.report() + "\n")
+        from gpumagic.telemetry.private import write_private
+
+        write_private(run_dir / "error.txt", (error.report() + "\n").encode())
         records.update(run_dir, status="failed", reason="", exit=error.headline(), ended=time.time())
         return
     values = {

@@ -267,8 +267,10 @@ class _Events:
 
     def write(self, event: str, **fields: Any) -> None:
         line = json.dumps({"event": event, "time": time.time(), **fields}) + "\n"
-        with self._lock, open(self.path, "a") as handle:
-            handle.write(line)
+        from gpumagic.telemetry.private import open_private
+
+        with self._lock, open_private(self.path) as handle:
+            handle.write(line.encode())
 
 
 def _stop_when_asked(stop_file: Path) -> None:

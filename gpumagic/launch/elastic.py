@@ -31,6 +31,7 @@ from gpumagic.launch.failures import LaunchError, LaunchInterrupted, root_cause
 from gpumagic.launch.output import RankOutput
 from gpumagic.launch.plan import LaunchPlan
 from gpumagic.telemetry import store
+from gpumagic.telemetry.private import open_private
 
 MAX_NODES = 1024
 MAX_RESTARTS = 100
@@ -250,7 +251,7 @@ def _start_agent(
         env.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=",".join(gpu_uuids))
     (run_dir / "agents").mkdir(mode=0o700, exist_ok=True)
     try:
-        with open(run_dir / "agents" / "notebook-node.log", "ab") as log:
+        with open_private(run_dir / "agents" / "notebook-node.log") as log:
             return subprocess.Popen(
                 command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, pass_fds=pass_fds
             )
@@ -297,7 +298,7 @@ def _dashboard_plan(run_dir: Path, spec: dict[str, Any]) -> LaunchPlan:
 def _stop(agent: subprocess.Popen, run_dir: Path) -> None:
     """Tell every node to stop (the stop file), stop this node's agent (SIGTERM, then SIGKILL)."""
     with contextlib.suppress(OSError):
-        (run_dir / "launch" / STOP_FILE).touch()
+        open_private(run_dir / "launch" / STOP_FILE).close()
     with contextlib.suppress(ProcessLookupError):
         agent.send_signal(signal.SIGTERM)
     try:

@@ -103,9 +103,11 @@ class Recorder:
     def close(self) -> None:
         self._stop.set()
         self.flush()
-        for handle in (self._bin, self._names):
-            if handle is not None:
-                handle.close()
+        with self._write_lock:  # the flush thread may be writing: close between its batches, never during one
+            for handle in (self._bin, self._names):
+                if handle is not None:
+                    handle.close()
+            self._bin = self._names = None
 
     def _flush_periodically(self) -> None:
         while not self._stop.wait(FLUSH_INTERVAL_S):

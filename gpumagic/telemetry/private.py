@@ -78,22 +78,33 @@ def _why_unsafe(directory: Path) -> str | None:
         return None
     if mode & 0o002:
         return f"{directory} can be written by everyone (mode {mode:o}, not sticky)"
+    if mode & 0o020 and _has_acl(directory):  # with an ACL the group bits are its mask: named users may write
+        return f"{directory} has an access control list that may let other users write it (not sticky)"
     if mode & 0o020 and not _private_group(info.st_gid, info.st_uid):
         return f"{directory} can be written by group {_group_name(info.st_gid)} (mode {mode:o}, not sticky)"
     return None
 
 
+def _has_acl(directory: Path) -> bool:
+    try:
+        os.getxattr(directory, "system.posix_acl_access")
+    except OSError:  # no ACL (ENODATA), or no xattrs here at all
+        return False
+    return True
+
+
 def _private_group(gid: int, uid: int) -> bool:
-    """Whether group ``gid`` is the private group of user ``uid`` (named after them, no other member): a
-    group-writable directory of a user whose umask is 002 is still theirs alone."""
+    """Whether group ``gid`` has no member but user ``uid`` (listed, or by primary group): a group-writable
+    directory of a user whose umask is 002 (a private group, or a container's ``users``) is still theirs alone."""
     import grp
     import pwd
 
     try:
         user, group = pwd.getpwuid(uid).pw_name, grp.getgrgid(gid)
+        primary = {entry.pw_name for entry in pwd.getpwall() if entry.pw_gid == gid}
     except KeyError:
         return False
-    return group.gr_name == user and set(group.gr_mem) <= {user}
+    return (set(group.gr_mem) | primary) <= {user}
 
 
 def _user_name(uid: int) -> str:

@@ -182,6 +182,18 @@ def test_a_pick_lock_held_for_long_keeps_jobs_queued_and_picks_say_busy(server):
         holder.wait()
 
 
+SUBMIT_AND_WATCH = """
+import gpumagic, json, time
+job = gpumagic.submit(lambda: "ran", gpus=1, name="A")
+reasons, deadline = set(), time.monotonic() + 60
+while job.status == "queued" and time.monotonic() < deadline:
+    reasons.add(job.reason)
+    time.sleep(0.05)
+result = job.result(timeout=20)
+print(json.dumps({"result": result, "ignored": gpumagic.status().status.ignored, "reasons": list(reasons)}))
+"""  # Alice submits a one-GPU job and notes every reason it gave for waiting
+
+
 FORGE_TICKETS = """
 import json, os, subprocess, sys, time
 d, uid = sys.argv[1], os.getuid()
@@ -208,16 +220,7 @@ def test_forged_queue_tickets_do_not_starve_the_queue(server):
     try:
         assert forger.stdout.readline().strip() == b"forged"
         answer = alice.json(
-            """
-            import gpumagic, json, time
-            job = gpumagic.submit(lambda: "ran", gpus=1, name="A")
-            reasons, deadline = set(), time.monotonic() + 60
-            while job.status == "queued" and time.monotonic() < deadline:
-                reasons.add(job.reason)
-                time.sleep(0.05)
-            result = job.result(timeout=20)
-            print(json.dumps({"result": result, "ignored": gpumagic.status().status.ignored, "reasons": list(reasons)}))
-            """,
+            SUBMIT_AND_WATCH,
             timeout=100,
         )
         assert answer["result"] == "ran"
@@ -254,16 +257,7 @@ def test_a_runner_that_never_takes_its_gpus_is_no_longer_waited_for(server):
     try:
         assert runner.stdout.readline().strip() == b"queued"
         answer = alice.json(
-            """
-            import gpumagic, json, time
-            job = gpumagic.submit(lambda: "ran", gpus=1, name="A")
-            reasons, deadline = set(), time.monotonic() + 60
-            while job.status == "queued" and time.monotonic() < deadline:
-                reasons.add(job.reason)
-                time.sleep(0.05)
-            result = job.result(timeout=20)
-            print(json.dumps({"result": result, "ignored": gpumagic.status().status.ignored, "reasons": list(reasons)}))
-            """,
+            SUBMIT_AND_WATCH,
             timeout=100,
         )
         assert answer["result"] == "ran"

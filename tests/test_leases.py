@@ -173,19 +173,26 @@ def test_status_names_what_it_ignored_in_the_lease_directory_once(simulated, iso
     assert "pick.lock" not in render_text(gpumagic.status().status)  # named while it is there, not after
 
 
-def test_the_pick_lock_held_elsewhere_makes_pick_say_busy_in_one_line(simulated, isolated_leases, monkeypatch):
+def pick_lock_holder(seconds: float) -> subprocess.Popen:
+    """Another process of this user that takes the pick lock and keeps it ``seconds``; returns once it holds it."""
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import time; from gpumagic.devices import leases\n"
-            "with leases.pick_lock():\n    print('held', flush=True); time.sleep(30)",
+            "import sys, time; from gpumagic.devices import leases\n"
+            "with leases.pick_lock():\n    print('held', flush=True); time.sleep(float(sys.argv[1]))",
+            str(seconds),
         ],
         stdout=subprocess.PIPE,
         text=True,
     )
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_the_pick_lock_held_elsewhere_makes_pick_say_busy_in_one_line(simulated, isolated_leases, monkeypatch):
+    holder = pick_lock_holder(30)
     try:
-        assert holder.stdout.readline().strip() == "held"
         monkeypatch.setattr(leases, "PICK_LOCK_WAIT_S", 0.3)
         with pytest.raises(leases.LeaseBusy) as caught:
             with leases.pick_lock(wait_s=0.3):
@@ -202,17 +209,7 @@ def test_the_pick_lock_held_elsewhere_makes_pick_say_busy_in_one_line(simulated,
 
 
 def test_pick_with_wait_waits_out_a_busy_lease_directory(simulated, isolated_leases, monkeypatch):
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import time; from gpumagic.devices import leases\n"
-            "with leases.pick_lock():\n    print('held', flush=True); time.sleep(1.5)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert holder.stdout.readline().strip() == "held"
+    holder = pick_lock_holder(1.5)
     monkeypatch.setattr(leases, "PICK_LOCK_WAIT_S", 0.2)
     heard = []
     assert gpumagic.pick(1, wait="30s", on_wait=heard.append).indices == (0,)

@@ -153,13 +153,38 @@ def _token() -> str:
     return secrets.token_hex(6)
 
 
-def _create_private(directory: Path, name: str) -> int:
-    """A new file ``name`` in ``directory``, open for writing, 0600 until the caller opens it to others.
+def create_own_file(
+    directory: Path, stem: str, suffix: str, content: bytes = b"", lock: bool = False
+) -> tuple[int, Path]:
+    """A new file ``<stem><random token><suffix>`` of this user in ``directory`` holding ``content``, readable by
+    all (0644) once written; returns its open descriptor (``flock``-ed exclusively with ``lock``) and path.
 
-    0600 first, so that nobody else can open it (and ``flock`` it) before its owner holds what it must."""
-    return os.open(
-        directory / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600
-    )
+    It is 0600 until then, so that nobody else can open it (and ``flock`` it) before its owner holds what it
+    must; a name someone planted is passed over (``O_EXCL``), never used.
+
+    Raises:
+        LeaseDirectoryError: every name tried exists.
+    """
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    for _ in range(10):
+        path = directory / f"{stem}{_token()}{suffix}"
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:
+            continue
+        try:
+            if lock:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if content:
+                os.write(fd, content)
+            os.fchmod(fd, 0o644)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            os.close(fd)
+            raise
+        return fd, path
+    raise LeaseDirectoryError(f"cannot create a file in {directory}: every name tried exists")
 
 
 class _Removed(Exception):
@@ -181,16 +206,9 @@ class _PickLock:
         if self._file is not None and self._file[2] == os.getpid():
             with contextlib.suppress(OSError):
                 os.close(self._file[0])
-        for _ in range(10):
-            name = f"pick.{os.getuid()}.{os.getpid()}.{_token()}.lock"
-            try:
-                fd = _create_private(directory, name)
-            except FileExistsError:
-                continue
-            os.fchmod(fd, 0o644)  # others open it to see whether it is locked
-            self._file = (fd, directory / name, os.getpid())
-            return fd, directory / name
-        raise LeaseDirectoryError(f"cannot create a file in {directory}: every name tried exists")
+        fd, path = create_own_file(directory, f"pick.{os.getuid()}.{os.getpid()}.", ".lock")  # others probe it
+        self._file = (fd, path, os.getpid())
+        return fd, path
 
     @contextlib.contextmanager
     def hold(self, exclusive: bool, wait_s: float) -> Iterator[None]:
@@ -344,6 +362,12 @@ class LeaseBook:
             entry = self._held.get(uuid)
             return entry[2] if entry else None
 
+    def shares(self, uuid: str) -> bool:
+        """True if this process holds ``uuid`` as a shared lease (a sharing job's)."""
+        with self._lock:
+            entry = self._held.get(uuid)
+            return entry is not None and entry[3]
+
     def try_acquire(self, uuid: str) -> bool:
         """Take the lease on ``uuid`` if nobody holds it. Call under ``pick_lock()``."""
         _check_uuid(uuid)
@@ -376,22 +400,23 @@ class LeaseBook:
             if entry is None or not entry[3]:
                 return
             fd, path, since, _ = entry
-            new_fd = _write_locked(path.parent, path.name, self._record(uuid, since, True, True), replace=True)
+            record = json.dumps(self._record(uuid, since, True, True)).encode()
+            new_fd, temporary = create_own_file(path.parent, f".{path.name}.", ".tmp", record, lock=True)
+            try:
+                os.replace(temporary, path)  # locked before it is in place: the lease never lapses
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    temporary.unlink()
+                os.close(new_fd)
+                raise
             os.close(fd)
             self._held[uuid] = (new_fd, path, since, True)
 
     def _take(self, directory: Path, uuid: str, shared: bool, settled: bool) -> None:
         since = time.time()
-        for _ in range(10):
-            name = f"{uuid}.{os.getuid()}.{os.getpid()}.{_token()}.json"
-            try:
-                fd = _write_locked(directory, name, self._record(uuid, since, shared, settled))
-                break
-            except FileExistsError:
-                continue
-        else:
-            raise LeaseDirectoryError(f"cannot create a lease record in {directory}: every name tried exists")
-        self._held[uuid] = (fd, directory / name, since, shared)
+        record = json.dumps(self._record(uuid, since, shared, settled)).encode()
+        fd, path = create_own_file(directory, f"{uuid}.{os.getuid()}.{os.getpid()}.", ".json", record, lock=True)
+        self._held[uuid] = (fd, path, since, shared)
         if not self._atexit:
             atexit.register(self.release_all)
             self._atexit = True
@@ -430,29 +455,6 @@ class LeaseBook:
         return self.release(self.held())
 
 
-def _write_locked(directory: Path, name: str, record: dict, replace: bool = False) -> int:
-    """Write ``record`` as ``directory/name`` (0644), holding an exclusive ``flock`` on it from before anyone
-    else can open it; returns the locked descriptor. With ``replace``, atomically replaces the file there.
-
-    Raises:
-        FileExistsError: ``name`` exists (and not ``replace``).
-    """
-    target = f".{name}.{_token()}.tmp" if replace else name
-    fd = _create_private(directory, target)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.write(fd, json.dumps(record).encode())
-        os.fchmod(fd, 0o644)
-        if replace:
-            os.replace(directory / target, directory / name)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(directory / target)
-        os.close(fd)
-        raise
-    return fd
-
-
 def holders(uuids: Iterable[str], mine: LeaseBook) -> dict[str, Lease]:
     """The live lease on each of ``uuids`` that has one. Call under ``pick_lock()`` for a consistent view."""
     directory = lease_dir()
@@ -469,7 +471,7 @@ def holders(uuids: Iterable[str], mine: LeaseBook) -> dict[str, Lease]:
                 socket.gethostname(),
                 mine.label or os.environ.get("JPY_SESSION_NAME") or None,
                 mine=True,
-                shared=mine._held[uuid][3] if uuid in mine._held else False,
+                shared=mine.shares(uuid),
             )
             continue
         live = _live_records(directory, uuid, records.get(uuid, ()))
@@ -482,12 +484,14 @@ def holders(uuids: Iterable[str], mine: LeaseBook) -> dict[str, Lease]:
     return result
 
 
-def audit() -> dict[str, str]:
-    """Every file of the lease directory that gpumagic ignores, and why (for ``%gpu status``). Call under
-    ``pick_lock()``."""
+def audit(read: Iterable[str] = ()) -> dict[str, str]:
+    """Every file of the lease directory that gpumagic ignores, and why (for ``%gpu status``); the records of
+    the GPUs in ``read`` were just read (by ``holders``) and are not read again. Call under ``pick_lock()``."""
     directory = lease_dir()
+    done = set(read)
     for uuid, names in _scan(directory).items():
-        _live_records(directory, uuid, names)
+        if uuid not in done:
+            _live_records(directory, uuid, names)
     live_tickets()
     return shared_files.ignored()
 
@@ -511,6 +515,25 @@ def _scan(directory: Path) -> dict[str, list[str]]:
     return records
 
 
+def _read_shared(path: Path, uid: int) -> tuple[dict, os.stat_result, bool] | None:
+    """The record in ``path`` (a file of the lease directory named as ``uid``'s), its ``fstat``, and whether it
+    is locked; None if it is gone, or untrusted (then noted as ignored).
+
+    Raises:
+        LeaseDirectoryError: it cannot be read for a reason of this machine (no descriptors left, I/O).
+    """
+    try:
+        with shared_files.opened(path, uid) as (fd, info):
+            return shared_files.read_record(fd, info), info, shared_files.is_locked(fd)
+    except FileNotFoundError:
+        return None
+    except Untrusted as why:
+        shared_files.note_ignored(path.name, str(why))
+        return None
+    except OSError as err:
+        raise LeaseDirectoryError(f"cannot read {path} ({err.strerror})") from None
+
+
 def _live_records(directory: Path, uuid: str, names: Iterable[str] | None = None) -> list[Lease]:
     """The records of ``uuid`` whose holder still holds them (locked), each owned by the uid its name gives.
     This user's records whose holder is gone are removed."""
@@ -524,17 +547,10 @@ def _live_records(directory: Path, uuid: str, names: Iterable[str] | None = None
         uid = int(match.group(2))
         path = directory / name
         pid = int(match.group(3))
-        try:
-            with shared_files.opened(path, uid) as (fd, info):
-                data = shared_files.read_record(fd, info)
-                locked = shared_files.is_locked(fd)
-        except FileNotFoundError:
+        read = _read_shared(path, uid)
+        if read is None:
             continue
-        except Untrusted as why:
-            shared_files.note_ignored(name, str(why))
-            continue
-        except OSError as err:
-            raise LeaseDirectoryError(f"cannot read {path} ({err.strerror})") from None
+        data, _, locked = read
         # held by the process it names, still running since it wrote it: not by whoever locked it after its death
         if not locked or not is_same_process(pid, _number(data.get("process_start"))):
             if uid == os.getuid():
@@ -591,10 +607,12 @@ def live_tickets(provisional_s: float = PROVISIONAL_S) -> list[TicketFile]:
         uid = int(match.group(1))
         mine = uid == os.getuid()
         path = directory / name
+        read = _read_shared(path, uid)
+        if read is None:
+            continue
+        raw, info, locked = read
         try:
-            with shared_files.opened(path, uid) as (fd, info):
-                data = _checked_ticket(shared_files.read_record(fd, info))
-                locked = shared_files.is_locked(fd)
+            data = _checked_ticket(raw)
             pids = holders.get((info.st_dev, info.st_ino), [])
             if locked and not pids:  # locked since /proc/locks was read: read it again
                 holders = shared_files.flock_holders()
@@ -605,19 +623,15 @@ def live_tickets(provisional_s: float = PROVISIONAL_S) -> list[TicketFile]:
                         path.unlink()
                     continue
                 raise Untrusted("locked by a process that is not that user's gpumagic job runner")
-            window = provisional_s if mine else min(provisional_s, OTHERS_PROVISIONAL_S)
-            if not locked and not pids and now - info.st_ctime_ns > window * 1e9:  # its runner is gone or never came
-                if mine:
-                    with contextlib.suppress(OSError):
-                        path.unlink()
-                continue
-        except FileNotFoundError:
-            continue
         except Untrusted as why:
             shared_files.note_ignored(name, str(why))
             continue
-        except OSError as err:
-            raise LeaseDirectoryError(f"cannot read {path} ({err.strerror})") from None
+        window = provisional_s if mine else min(provisional_s, OTHERS_PROVISIONAL_S)
+        if not locked and not pids and now - info.st_ctime_ns > window * 1e9:  # its runner is gone or never came
+            if mine:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            continue
         shared_files.trusted(name)
         found.append(TicketFile(path, uid, info.st_ctime_ns, data))
     return found

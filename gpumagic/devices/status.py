@@ -31,8 +31,9 @@ def gather_status() -> GpuStatus:
     if inventory.gpus:
         try:
             with leasing.pick_lock(exclusive=False):
-                held = leasing.holders([g.uuid for g in inventory.gpus], leasing.book())
-                ignored = leasing.audit()
+                uuids = [g.uuid for g in inventory.gpus]
+                held = leasing.holders(uuids, leasing.book())
+                ignored = leasing.audit(read=set(uuids) - set(leasing.book().held()))  # holders skips our own
         except LeaseDirectoryError as err:
             problem = str(err)
     return GpuStatus(inventory, held, current_visibility(inventory), cuda_initialized(), problem, ignored)

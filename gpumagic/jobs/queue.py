@@ -17,7 +17,6 @@ import contextlib
 import fcntl
 import json
 import os
-import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,28 +126,13 @@ class Ticket:
             if claimed is not None:
                 return claimed
         record = {"name": name, "request": request.to_json(), "uid": os.getuid(), "submitted_ns": submitted_ns}
-        for _ in range(10):
-            path = directory / f"queue.{os.getuid()}.{leasing.safe_name(key)}.{secrets.token_hex(6)}.json"
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            except FileExistsError:
-                continue
-            try:
-                if not provisional:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                os.fchmod(fd, 0o644)
-                os.write(fd, json.dumps(record).encode())
-                made = os.fstat(fd).st_ctime_ns
-            except BaseException:
-                os.close(fd)
-                with contextlib.suppress(OSError):
-                    path.unlink()
-                raise
-            if provisional:
-                os.close(fd)
-                fd = None
-            return cls(path, name, request, submitted_ns, os.getuid(), made, fd)
-        raise leasing.LeaseDirectoryError(f"cannot create a queue ticket in {directory}: every name tried exists")
+        stem = f"queue.{os.getuid()}.{leasing.safe_name(key)}."
+        fd, path = leasing.create_own_file(directory, stem, ".json", json.dumps(record).encode(), lock=not provisional)
+        made = os.fstat(fd).st_ctime_ns
+        if provisional:  # the runner locks it when it comes
+            os.close(fd)
+            return cls(path, name, request, submitted_ns, os.getuid(), made, None)
+        return cls(path, name, request, submitted_ns, os.getuid(), made, fd)
 
     def remove(self) -> None:
         with contextlib.suppress(OSError):

@@ -14,7 +14,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from gpumagic.errors import GpumagicError
-from gpumagic.magics import _Help, _in_kernel, _parse, _Parser, _split, _subcommand, add_slurm_arguments, slurm_options
+from gpumagic.launch.output import in_kernel
+from gpumagic.magics import _Help, _parse, _Parser, _split, _subcommand, add_slurm_arguments, slurm_options
 
 
 def _launch_bg_parser() -> _Parser:
@@ -234,7 +235,7 @@ def _watch(args: argparse.Namespace) -> Any:
         raise UsageError("%jobs watch: --interval must be at least 100ms")
     if not args.metric.strip():
         raise UsageError("%jobs watch: --metric needs a metric name")
-    if not _in_kernel():
+    if not in_kernel():
         return _list(args)
     from gpumagic.widgets.job_watch import JobWatch
 

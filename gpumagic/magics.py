@@ -17,6 +17,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 import gpumagic
 from gpumagic.errors import GpumagicError
 from gpumagic.launch.failures import LaunchError, LaunchInterrupted
+from gpumagic.launch.output import in_kernel
 
 
 class _Parser(argparse.ArgumentParser):
@@ -258,7 +259,7 @@ def _watch(args: argparse.Namespace) -> Any:
     inventory = gpumagic.gpus()
     if not inventory.gpus:
         raise UsageError(f"No GPUs to watch: {inventory.problem}")
-    if not _in_kernel():
+    if not in_kernel():
         return _watch_in_terminal(interval)
     from gpumagic.widgets.gpu_watch import GpuWatch
 
@@ -275,13 +276,6 @@ def _close_previous_watch() -> None:
     """Re-running %gpu watch replaces the dashboard: the old one's threads stop."""
     while _WATCHES:
         _WATCHES.pop().close()
-
-
-def _in_kernel() -> bool:
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    return shell is not None and shell.__class__.__name__ == "ZMQInteractiveShell"
 
 
 def _watch_in_terminal(interval: float) -> Any:
@@ -472,10 +466,10 @@ class LaunchMagics(Magics):
         if slurm is not None:
             return self._launch_on_slurm(args, slurm, cell, filename)
         dashboard = None
-        if not args.no_dashboard and _in_kernel():
+        if not args.no_dashboard and in_kernel():
             from gpumagic.widgets.launch_dashboard import LaunchDashboard
 
-            dashboard = LaunchDashboard()
+            dashboard = LaunchDashboard(stoppable=args.no_wait)
             LaunchMagics.last_dashboard = dashboard
         options = dict(
             nprocs=args.nprocs,
@@ -498,9 +492,9 @@ class LaunchMagics(Magics):
                 filename=filename,
                 hidden=set(self.shell.user_ns_hidden),
             )
-            if dashboard is not None:
-                dashboard.show()
             if args.no_wait:
+                if dashboard is not None:  # here, in this cell's output; a blocking launch shows it as ranks start
+                    dashboard.show()
                 return self._launch_in_background(packed, args.o, dashboard, options)
             results = launch_prepared(packed, **options)
         except (LaunchError, LaunchInterrupted):
@@ -571,10 +565,10 @@ class LaunchMagics(Magics):
                 outcome: Any = launch_prepared(packed, **options)
             except Exception as err:  # noqa: BLE001 - handed to the user through the variable
                 outcome = err
-                if dashboard is not None:
-                    dashboard.status.value += (
-                        f"<br><span style='color:#b00'>{type(err).__name__}: {_first_line(err)}</span>"
-                    )
+                if dashboard is not None:  # refused before its ranks started, or failed: say so under the status
+                    dashboard.add_note(f"<span style='color:#b00'>{type(err).__name__}: {_first_line(err)}</span>")
+                    if dashboard.state == "starting":  # refused before any rank started
+                        dashboard.finish("refused")
             if variable is not None:
                 namespace[variable] = outcome
 

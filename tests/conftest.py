@@ -11,6 +11,7 @@ states its devices with the ``simulated`` fixture (or ``GPUMAGIC_SIMULATE``), th
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -18,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -288,6 +290,18 @@ def kernel_env(lease_dir: Path, **extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     env.update(extra)
     return env
+
+
+@contextlib.contextmanager
+def cpu_kernel(tmp_path_factory, setup: str) -> Iterator[Kernel]:
+    """A real kernel that sees no GPU (its ranks run on the CPU with gloo), ``setup`` run in it first; for a
+    module-scoped fixture: ``with cpu_kernel(tmp_path_factory, "%load_ext gpumagic") as k: yield k``."""
+    kernel = Kernel(kernel_env(tmp_path_factory.mktemp("leases"), CUDA_VISIBLE_DEVICES=""))
+    try:
+        kernel.ok(setup)
+        yield kernel
+    finally:
+        kernel.shutdown()
 
 
 @pytest.fixture

@@ -160,6 +160,12 @@ def test_the_launch_dashboard_streams_in_a_real_browser(jupyterlab):
             titles = page.evaluate(PLOT_TITLES)
             assert {"loss", "resident memory per rank (CPU ranks), MiB", "CPU use per rank, %"} <= set(titles)
             assert page.locator(".jp-Cell >> nth=1 >> canvas").count() >= 3  # loss, memory and CPU plots drawn
+            # finished, the dashboard is a static copy of its last state (its widgets closed): still drawn
+            page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=60_000)
+            page.wait_for_timeout(1500)
+            page.screenshot(path=str(artifacts / "browser-launch-dashboard-finished.png"), full_page=True)
+            assert page.locator(".jp-Cell >> nth=1 >> .gpumagic-launch-dashboard").count() == 1
+            assert page.locator(".jp-Cell >> nth=1 >> canvas").count() >= 3
         finally:
             browser.close()
 

@@ -21,8 +21,8 @@ from IPython.core.error import UsageError
 import gpumagic
 from gpumagic.devices import leases
 from gpumagic.errors import DiskFull
-from gpumagic.jobs import records
 from gpumagic.telemetry import store
+from gpumagic.telemetry.run_files import RunFiles
 
 pytestmark = pytest.mark.usefixtures("no_job_left_running")
 
@@ -102,9 +102,44 @@ def test_a_job_whose_output_fills_the_disk_fails_saying_so_and_keeps_what_it_wro
     assert loss.steps[:2000] == [float(s) for s in range(2000)]
     assert f"metrics ({len(loss):,} points)" in saved
     assert (job.path / "error.txt").read_text().startswith(f"The job was stopped: {reason}")
-    assert job.logs(tail=1).startswith("step ")
-    assert not (job.path / records.RESERVE).exists(), "the space held for the record is given back"
+    log = (job.path / "output.log").read_text()
+    assert log.endswith("\n"), "the line the full disk cut is not kept in part"
+    steps = [int(line.split()[1]) for line in log.splitlines() if line.startswith("step ")]
+    assert len(steps) >= 200 and steps == list(range(0, 10 * len(steps), 10)), "every step line, whole, in order"
+    dropped = f"gpumagic.log: points are dropped until they can be written: disk full: {job.path / 'metrics'} "
+    others = [line for line in log.splitlines() if not re.fullmatch(r"step +\d+ \.{80}", line)]
+    assert all(line.startswith(dropped) and line.endswith("; free space or set GPUMAGIC_RUNS_DIR") for line in others)
+    assert not RunFiles(job.path).reserve.exists(), "the space held for the record is given back"
     assert not any(psutil.pid_exists(pid) for pid in job.info["pids"]), "the job was stopped"
+
+
+def long_lines(go_file):
+    """Lines of 3,001 bytes, each one write to the pipe (under PIPE_BUF): output.log's size is never a whole number
+    of pages, so once the disk is full the next line that does not fit is written in part, never not at all."""
+    import os
+    import sys
+    import time
+
+    count = 0
+    while True:
+        sys.stdout.write(f"{count:08d} " + "x" * 2991 + "\n")
+        sys.stdout.flush()
+        count += 1
+        time.sleep(0.001 if os.path.exists(go_file) else 0.05)
+
+
+def test_output_log_keeps_whole_lines_when_the_disk_fills_in_the_middle_of_one(small_disk, tmp_path):
+    go = tmp_path / "go"
+    job = gpumagic.submit(long_lines, str(go), gpus=0, name="long-lines")
+    wait_until(lambda: job.path.joinpath("output.log").exists() and job.path.joinpath("output.log").stat().st_size)
+    fill(small_disk)
+    go.touch()
+    assert job.wait("60s") == "failed" and job.reason.startswith("disk full: ")
+    log = (job.path / "output.log").read_bytes()
+    lines = log.split(b"\n")
+    assert lines[-1] == b"", f"output.log ends in part of a line: {lines[-1][:40]!r}... ({len(lines[-1])} bytes)"
+    assert [int(line.split()[0]) for line in lines[:-1]] == list(range(len(lines) - 1))
+    assert all(len(line) == 3000 for line in lines[:-1])
 
 
 def test_a_result_that_does_not_fit_fails_the_job_saying_so(small_disk, tmp_path):
@@ -174,7 +209,7 @@ def test_a_launch_whose_ranks_fill_the_disk_says_so(small_disk):
         gpumagic.launch_ddp(fill_it, 1, args=(str(small_disk),), gpus="none", output="none")
     (run,) = store.list_runs()
     assert failed.value.note == (
-        f"disk full: {run.path / 'launch'} has no space left, so a rank may have failed writing its result or its "
+        f"disk full: {run.path} has no space left, so a rank may have failed writing its result or its "
         "report; free space or set GPUMAGIC_RUNS_DIR"
     )
     assert run.status == "failed"

@@ -10,6 +10,7 @@ import pytest
 
 import gpumagic
 from gpumagic.jobs import records
+from gpumagic.telemetry.run_files import RunFiles
 
 pytestmark = pytest.mark.usefixtures("no_job_left_running")
 
@@ -334,6 +335,6 @@ def test_a_slurm_job_holds_no_space_for_a_runner_it_does_not_have(monkeypatch):
     monkeypatch.setenv("GPUMAGIC_SLURM", "local")
     local = gpumagic.submit(variant, 1, 0.5, gpus=0, name="local")
     on_slurm = gpumagic.submit(variant, 2, 0.5, gpus=0, name="on-slurm", executor="slurm", slurm={"time": "5m"})
-    assert (local.path / records.RESERVE).stat().st_size == records.RESERVE_BYTES
+    assert RunFiles(local.path).reserve.stat().st_size == records.RESERVE_BYTES
     assert [local.wait("2m"), on_slurm.wait("2m")] == ["finished", "finished"]
-    assert not (local.path / records.RESERVE).exists() and not (on_slurm.path / records.RESERVE).exists()
+    assert not RunFiles(local.path).reserve.exists() and not RunFiles(on_slurm.path).reserve.exists()

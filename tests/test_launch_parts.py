@@ -10,7 +10,7 @@ from gpumagic.launch.plan import MAX_TIMEOUT_S, LaunchPlan, assign_gpus, check_t
 
 def plan(**changes):
     values = dict(
-        job_dir="/tmp/gpumagic-launch-x",
+        run_dir="/tmp/gpumagic-launch-x",
         nprocs=2,
         master_port=4242,
         backend="gloo",
@@ -76,7 +76,58 @@ def test_progress_bars_show_their_latest_state():
     out = RankOutput(written.append, "all", nprocs=2)
     out.feed(0, b"\r 10%|#   |\r 20%|##  |")
     out.feed(0, b"\r100%|####|\n")
-    assert written == ["\r[rank 0]  20%|##  |", "[rank 0] 100%|####|\n"]
+    assert written == ["\r[rank 0]  20%|##  |", "\r[rank 0] 100%|####|\n"]
+
+
+def test_a_bar_ended_by_a_newline_of_its_own_keeps_its_final_state():
+    """tqdm's last redraw and its newline may arrive apart."""
+    written, bars = [], Bars()
+    out = RankOutput(written.append, "all", nprocs=1, bars=bars)
+    out.feed(0, b"\r 88%|#  |\r100%|###| 40/40")
+    out.feed(0, b"\nrank 0 finished\n")
+    assert written == ["[rank 0] 100%|###| 40/40\n[rank 0] rank 0 finished\n"] and bars.lines == {}
+
+
+def test_a_finished_line_never_joins_another_ranks_open_bar():
+    written = []
+    out = RankOutput(written.append, "all", nprocs=2)
+    out.feed(0, b"\r 38/40 [00:01<00:00, 19.89it/s]")
+    out.feed(1, b"rank 1 finished\n")
+    assert "".join(written).split("\n")[-2] == "[rank 1] rank 1 finished"
+
+
+class Bars:
+    """Where RankOutput puts open bars in a notebook (``ProgressLines``' interface), recorded."""
+
+    def __init__(self):
+        self.lines, self.closed = {}, False
+
+    def set(self, rank, line):
+        self.lines[rank] = line
+
+    def done(self, rank):
+        self.lines.pop(rank, None)
+
+    def close(self):
+        self.closed = True
+
+
+def test_in_a_notebook_open_bars_stay_out_of_the_stream():
+    written, bars = [], Bars()
+    out = RankOutput(written.append, "all", nprocs=2, bars=bars)
+    out.feed(0, b"\r 10%|#   |\r 20%|##  |")
+    out.feed(1, b"\r 50%|##  |")
+    assert bars.lines == {0: "[rank 0]  20%|##  |", 1: "[rank 1]  50%|##  |"} and written == []
+    out.feed(0, b"\r100%|####|\nrank 0 finished\n")
+    assert written == ["[rank 0] 100%|####|\n[rank 0] rank 0 finished\n"] and list(bars.lines) == [1]
+    out.flush()
+    assert bars.closed and not any("\r" in text for text in written)
+
+
+def test_a_crlf_line_keeps_its_text():
+    written = []
+    RankOutput(written.append, "all", nprocs=1).feed(0, b"hello\r\n")
+    assert written == ["[rank 0] hello\n"]
 
 
 def test_output_modes():

@@ -156,13 +156,14 @@ def test_a_rank_that_keeps_failing_ends_in_one_error_after_its_restarts(no_lefto
 
 
 def _sealed_run(tmp_path: Path) -> Path:
-    from gpumagic.launch.external import write_spec
+    from gpumagic.launch.rank import write_spec
     from gpumagic.launch.shipping import pack, ship_function
+    from gpumagic.telemetry.run_files import RunFiles
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     spec = {"nnodes": 2, "nproc_per_node": 1, "rdzv_id": "t", "backend": "gloo", "use_cuda": False}
-    write_spec(run_dir, spec, pack(ship_function(print, ("hello",), {}, rank_first=False)))
+    write_spec(RunFiles(run_dir), spec, pack(ship_function(print, ("hello",), {}, rank_first=False)))
     return run_dir
 
 
@@ -261,13 +262,14 @@ def test_launch_ddp_magic_runs_on_two_nodes_in_a_kernel(start_kernel):
     started: list[subprocess.Popen] = []
 
     def second_node() -> None:  # what the user does on the other node, with the command the cell printed
-        from gpumagic.launch.external import read_spec
+        from gpumagic.launch.rank import read_spec
+        from gpumagic.telemetry.run_files import RunFiles
 
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             for spec in Path(os.environ["GPUMAGIC_RUNS_DIR"]).glob("*-ddp-*/launch/spec.json"):
                 run_dir = spec.parent.parent
-                command = ["--rdzv-endpoint", read_spec(run_dir)["rdzv_endpoint"], "--run-dir", str(run_dir)]
+                command = ["--rdzv-endpoint", read_spec(RunFiles(run_dir))["rdzv_endpoint"], "--run-dir", str(run_dir)]
                 started.append(subprocess.Popen([sys.executable, "-m", "gpumagic.agent", *command], env=_env()))
                 return
             time.sleep(0.1)

@@ -202,9 +202,7 @@ def test_the_launch_dashboard_shows_each_ranks_own_gpu_memory(fake_nvml, tmp_pat
     """On a GPU other users share, a rank's memory is its own process's where NVML lists it (3 GiB on a GPU
     with 60 GiB used), else its GPU's (2 GiB used, the rank's process not listed)."""
     import copy
-    import os
 
-    from gpumagic.launch.plan import LaunchPlan
     from gpumagic.widgets.launch_dashboard import LaunchDashboard
 
     ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
@@ -214,21 +212,13 @@ def test_the_launch_dashboard_shows_each_ranks_own_gpu_memory(fake_nvml, tmp_pat
         fake_nvml.configure(scenario)
         uuids = [scenario["gpus"][1]["uuid"], scenario["gpus"][0]["uuid"]]
         (tmp_path / "metrics").mkdir()
-        plan = LaunchPlan(
-            job_dir=str(tmp_path / "launch"),
-            nprocs=2,
-            master_port=0,
-            backend="nccl",
-            rank_gpus=((uuids[0],), (uuids[1],)),
-            use_cuda=True,
-            threads_per_rank=1,
-            timeout_s=60,
-            launcher_pid=os.getpid(),
-        )
         dashboard = LaunchDashboard(push_interval=0.1)
-        dashboard.attach(plan, [rank.pid for rank in ranks])
-        assert wait_for(lambda: all(dashboard.resource_sources[r].data["memory"] for r in (0, 1)))
+        pids = [rank.pid for rank in ranks]
+        dashboard.attach(tmp_path, pids, rank_gpus=((uuids[0],), (uuids[1],)), use_gpus=True)
+        sources = dashboard.resource_sources  # made by the dashboard's thread, then filled
+        assert wait_for(lambda: all(r in sources and sources[r].data["memory"] for r in (0, 1)))
         dashboard.finish("finished")
+        dashboard.join()  # its last update and the release of its widgets happen on its thread
         assert dashboard.resource_sources[0].data["memory"][0] == 3 * 1024
         assert dashboard.resource_sources[1].data["memory"][0] == 2 * 1024
         assert dashboard.resource_figures[0].title.text == "GPU memory per rank, MiB"

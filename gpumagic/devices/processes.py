@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gpumagic.errors import KillRefused
@@ -119,17 +121,95 @@ def kill_own_process(pid: int, gpu_pids: set[int], timeout: float = 5.0) -> Kill
             "Ask its owner or an administrator."
         )
     start = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout)
+    used = end_processes([pid], grace_s=timeout)
+    if used == "none":  # it ended between the check and the signal
         used = "SIGTERM"
-    except psutil.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout)
+    elif used == "SIGKILL":
         used = f"SIGKILL (it ignored SIGTERM for {timeout:.0f}s)"
-    except psutil.NoSuchProcess:
-        used = "SIGTERM"
     return KillReport(pid, command, used, time.monotonic() - start)
+
+
+def is_running(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (dead, not yet reaped by its parent) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+
+class Escalation:
+    """gpumagic's one way to stop processes: ``first`` to each of ``pids`` and to each process group of
+    ``groups``; a grace period (``grace_s``) for them to end; SIGKILL to what still runs (and to the groups:
+    what the processes started and left behind). Never reaps: a caller's own children stay for it to wait for.
+
+    ``start()`` sends the first signal; ``step()`` (call it while waiting) says whether all ended, and sends
+    SIGKILL once when the grace period is over; ``end_processes`` does both and blocks.
+    """
+
+    def __init__(
+        self, pids: Iterable[int], *, first: int = signal.SIGTERM, grace_s: float = 3.0, groups: Iterable[int] = ()
+    ) -> None:
+        self.alive = [p for p in pids if p and is_running(p)]
+        self.groups = [g for g in groups if g]
+        self.first = first
+        self.grace_s = grace_s
+        self.used = "none"  # the strongest signal sent so far
+        self._deadline = 0.0
+        self._killed = False
+
+    def start(self) -> Escalation:
+        if self.alive or self.groups:
+            _send(self.alive, self.groups, self.first)
+            self.used = signal.Signals(self.first).name
+        self._deadline = time.monotonic() + self.grace_s
+        return self
+
+    def step(self) -> bool:
+        """True once every process ended (or 5 s after SIGKILL, when waiting longer is pointless)."""
+        self.alive = [p for p in self.alive if is_running(p)]
+        now = time.monotonic()
+        if not self.alive:
+            if not self._killed:
+                _send([], self.groups, signal.SIGKILL)  # what they left behind in their groups
+                self._killed = True
+            return True
+        if not self._killed and now >= self._deadline:
+            _send(self.alive, self.groups, signal.SIGKILL)
+            self._killed, self.used, self._deadline = True, "SIGKILL", now + 5.0
+        return self._killed and now >= self._deadline
+
+
+def end_processes(
+    pids: Iterable[int],
+    *,
+    first: int = signal.SIGTERM,
+    grace_s: float = 3.0,
+    groups: Iterable[int] = (),
+) -> str:
+    """Stop processes with the one ladder (``Escalation``) and wait until they ended. Returns the strongest
+    signal it took: ``"none"`` (all had ended), ``first``'s name (``"SIGTERM"``) or ``"SIGKILL"``."""
+    escalation = Escalation(pids, first=first, grace_s=grace_s, groups=groups).start()
+    while not escalation.step():
+        time.sleep(0.02)
+    return escalation.used
+
+
+def _send(pids: list[int], groups: list[int], how: int) -> None:
+    for group in groups:
+        with contextlib.suppress(OSError):
+            os.killpg(group, how)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, how)
 
 
 def _self_and_ancestors() -> set[int]:

@@ -7,7 +7,6 @@ import itertools
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -19,13 +18,13 @@ from gpumagic.devices.model import Inventory
 from gpumagic.errors import GpumagicError, InvalidArgument, KillRefused
 from gpumagic.jobs import records
 from gpumagic.jobs.queue import Request, Ticket, remove_tickets
+from gpumagic.telemetry.run_files import RunFiles
 from gpumagic.units import format_bytes, format_duration, parse_duration, parse_size
 
 EXECUTORS = ("local", "slurm")
 MAX_GPUS = 64
 MAX_RANKS = 256
 KILL_GRACE_S = 5.0
-_KERNEL_ONLY = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPUMAGIC_RUN_DIR", "RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
 class JobFailed(GpumagicError):
@@ -101,11 +100,11 @@ class Job:
 
         from gpumagic.launch.signing import read_sealed
 
-        path = self.path / "result.pkl"
+        path = RunFiles(self.path).result
         return cloudpickle.loads(read_sealed(path, f"job {self.name}'s result ({path})"))
 
     def _failure_report(self, status: str) -> str:
-        error = self.path / "error.txt"
+        error = RunFiles(self.path).error
         if error.exists():
             return f"job {self.name} {status}: " + error.read_text().rstrip()
         return f"job {self.name} {status}: {self.reason}"
@@ -113,11 +112,11 @@ class Job:
     def _outputs(self) -> list[tuple[int | None, Path]]:
         """Where its output is: ``output.log``, or each rank's own file for a Slurm job (rank given when there
         are several, for the ``[rank N]`` prefix)."""
-        info = self.info
+        info, files = self.info, RunFiles(self.path)
         if info.get("executor") != "slurm":
-            return [(None, self.path / "output.log")]
+            return [(None, files.output)]
         ranks = int(info.get("ranks") or 1)
-        return [(rank if ranks > 1 else None, self.path / "ranks" / f"rank-{rank}.log") for rank in range(ranks)]
+        return [(rank if ranks > 1 else None, files.rank_log(rank)) for rank in range(ranks)]
 
     def logs(self, tail: int | None = None) -> str:
         """Its stdout and stderr so far (the last ``tail`` lines); a Slurm job's ranks one after another."""
@@ -200,7 +199,7 @@ class Job:
         status = records.effective_status(info)
         if status in records.ENDED:
             raise InvalidArgument(f"job {info['name']} has already ended ({status}); nothing to kill")
-        if (self.path / "run.json").stat().st_uid != os.getuid():
+        if RunFiles(self.path).record.stat().st_uid != os.getuid():
             raise KillRefused(f"job {info['name']} belongs to another user; only they can stop it")
         if info.get("executor") == "slurm":
             return self._cancel_on_slurm(info)
@@ -208,9 +207,9 @@ class Job:
         while info.get("runner_pid") is None and time.monotonic() < deadline:  # submitted a moment ago
             time.sleep(0.05)
             info = self.info
-        _write_private(self.path / "kill.json", json.dumps({"pid": os.getpid(), "time": time.time()}))
+        _write_private(RunFiles(self.path).kill_request, json.dumps({"pid": os.getpid(), "time": time.time()}))
         pid = info.get("runner_pid")
-        _stop_tree(pid, _process_tree(pid) if pid else [], time.monotonic() + grace_s, self._ended)
+        _stop_tree(pid, _process_tree(pid) if pid else [], time.monotonic() + grace_s)
         remove_tickets(self.path.name)
         if records.read(self.path).get("status") in records.ACTIVE:
             records.update(
@@ -222,17 +221,14 @@ class Job:
             )
         return self.status
 
-    def _ended(self) -> bool:
-        return self.status in records.ENDED
-
     def _cancel_on_slurm(self, info: dict[str, Any]) -> str:
         from gpumagic.jobs import slurm
 
-        _write_private(self.path / "kill.json", json.dumps({"pid": os.getpid(), "time": time.time()}))
+        _write_private(RunFiles(self.path).kill_request, json.dumps({"pid": os.getpid(), "time": time.time()}))
         pid = info.get("runner_pid")
         if info.get("slurm_cluster") == "local":  # submitit's stand-in: a controller process of this machine
             tree = _process_tree(pid) if pid else []
-            _stop_tree(None, tree, time.monotonic() + KILL_GRACE_S, self._ended)
+            _stop_tree(None, tree, time.monotonic() + KILL_GRACE_S)
             done = f"stopped submitit's local controller (pid {pid})" if tree else "its controller had ended"
         else:
             done = slurm.cancel(info)
@@ -499,8 +495,8 @@ def _create_on_slurm(
 ) -> list[Job]:
     """Write the jobs' directories as for local jobs and submit each through submitit."""
     from gpumagic.jobs import slurm
-    from gpumagic.launch.external import write_spec
     from gpumagic.launch.plan import check_backend, check_timeout
+    from gpumagic.launch.rank import write_spec
 
     if min_free is not None:
         raise InvalidArgument("min_free is for this machine's queue; on Slurm ask for whole GPUs (gpus, gres)")
@@ -555,7 +551,7 @@ def _create_on_slurm(
                 "threads_per_rank": int(params.get("cpus_per_task") or 1),
                 "sys_path": [p for p in sys.path if p],
             }
-            write_spec(path, spec, packed)
+            write_spec(RunFiles(path), spec, packed)
             paths.append((job_name, path))
     for job_name, path in paths:
         try:
@@ -681,16 +677,13 @@ def _short(value: Any) -> str:
 
 def _start_runner(path: Path) -> None:
     """Start the job's runner, detached (it forks again and leaves its parent, which exits at once)."""
-    import gpumagic
+    from gpumagic.launch.plan import command_environment
     from gpumagic.telemetry.private import open_private
     from gpumagic.telemetry.store import runs_root
 
-    env = {k: v for k, v in os.environ.items() if k not in _KERNEL_ONLY and not k.startswith("JPY_")}
+    env = command_environment()
     env["GPUMAGIC_RUNS_DIR"] = str(runs_root())
-    env["MPLBACKEND"] = "Agg"  # the kernel's inline backend needs a kernel
-    package_root = str(Path(gpumagic.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH", "")]))
-    with open_private(path / "runner.log") as log:
+    with open_private(RunFiles(path).runner_log) as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "gpumagic.jobs.runner", str(path)],
             cwd=os.getcwd(),
@@ -709,16 +702,15 @@ def _write_private(path: Path, text: str) -> None:
     write_private(path, text.encode())
 
 
-def _stop_tree(pid: int | None, tree: list[Any], deadline: float, ended: Callable[[], bool]) -> None:
-    """SIGTERM to ``pid``'s process group (if given) and every process of ``tree``; wait until ``deadline`` (or
-    until ``ended()``) and for the processes; SIGKILL those still running."""
-    _signal_all(pid, tree, signal.SIGTERM)
-    while time.monotonic() < deadline and not ended():
-        time.sleep(0.05)
-    alive = _wait_gone(tree, deadline)
-    if alive:
-        _signal_all(pid, alive, signal.SIGKILL)
-        _wait_gone(alive, time.monotonic() + 5)
+def _stop_tree(pid: int | None, tree: list[Any], deadline: float) -> None:
+    """End the job: its runner's process group (``pid``: the runner leads its own session and group) and every
+    process of ``tree`` (its ranks, each leading its own group, and what they started), with the one
+    SIGTERM-then-SIGKILL ladder."""
+    from gpumagic.devices.processes import end_processes
+
+    grace = max(0.0, deadline - time.monotonic())
+    pids = [p.pid for p in tree]
+    end_processes(pids, groups=[pid, *pids] if pid else pids, grace_s=grace)
 
 
 def _process_tree(pid: int) -> list[Any]:
@@ -729,36 +721,6 @@ def _process_tree(pid: int) -> list[Any]:
         return [root, *root.children(recursive=True)]
     except psutil.Error:
         return []
-
-
-def _wait_gone(processes: list[Any], deadline: float) -> list[Any]:
-    """Wait until ``deadline`` for the processes to end (a zombie has ended); those still running."""
-    import psutil
-
-    def running(process: Any) -> bool:
-        try:
-            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
-    alive = [p for p in processes if running(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.02)
-        alive = [p for p in alive if running(p)]
-    return alive
-
-
-def _signal_all(pid: int | None, processes: list[Any], how: int) -> None:
-    import contextlib
-
-    import psutil
-
-    if pid:
-        with contextlib.suppress(OSError):
-            os.killpg(pid, how)  # the runner leads its own session and group: the ranks are in it
-    for process in processes:
-        with contextlib.suppress(psutil.Error):
-            process.send_signal(how)
 
 
 def _format_metrics(latest: Mapping[str, tuple[float, float]]) -> str:

@@ -15,6 +15,7 @@
 
 Only the runner writes ``run.json`` while the job lives; a job whose runner died without a word reads as
 ``lost``. The directory is private to its user (0700, files 0600), like every run.
+``telemetry.run_files`` names these files.
 """
 
 from __future__ import annotations
@@ -34,13 +35,12 @@ from typing import Any
 from gpumagic.errors import DiskFull, InvalidArgument
 from gpumagic.launch.signing import read_sealed, write_sealed
 from gpumagic.telemetry import private, store
+from gpumagic.telemetry.run_files import RunFiles
 
 ACTIVE = ("queued", "running")
 ENDED = ("finished", "failed", "killed", "cancelled", "lost")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.,=+-]{0,79}$")
-SPEC = "job.json"
 RUNNER_FIELDS = ("name", "submitted", "request", "ddp", "backend", "timeout_s", "after", "sys_path", "cwd")
-RESERVE = ".reserve"
 RESERVE_BYTES = 64 << 10
 
 
@@ -88,11 +88,12 @@ def create(name: str, packed: bytes, reserve: bool = True, **fields: Any) -> Pat
         reason="starting",
         **fields,
     )
+    files = RunFiles(path)
     try:
         spec = {"id": path.name, "name": name, "submitted": submitted, **fields}
-        write_sealed(path / SPEC, json.dumps({k: spec.get(k) for k in ("id", *RUNNER_FIELDS)}).encode())
-        write_sealed(path / "payload.pkl", packed)
-        private.write_private(path / "output.log", b"")
+        write_sealed(files.job, json.dumps({k: spec.get(k) for k in ("id", *RUNNER_FIELDS)}).encode())
+        write_sealed(files.job_payload, packed)
+        private.write_private(files.output, b"")
         if reserve:
             _reserve(path)
     except BaseException as err:
@@ -111,7 +112,7 @@ def read_spec(path: Path) -> dict[str, Any]:
     """
     from gpumagic.launch.signing import PayloadRejected
 
-    where = path / SPEC
+    where = RunFiles(path).job
     spec = json.loads(read_sealed(where, f"the description of job {path.name} ({where})"))
     if spec.get("id") != path.name:
         raise PayloadRejected(f"{where} describes job {spec.get('id')!r}, not {path.name}; it will not be run")
@@ -120,7 +121,7 @@ def read_spec(path: Path) -> dict[str, Any]:
 
 def _reserve(path: Path) -> None:
     """Hold ``RESERVE_BYTES`` of the disk for the job's last record (``release_reserve`` frees them)."""
-    fd = os.open(path / RESERVE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = os.open(RunFiles(path).reserve, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.posix_fallocate(fd, 0, RESERVE_BYTES)
     except OSError as err:
@@ -134,14 +135,14 @@ def _reserve(path: Path) -> None:
 def release_reserve(path: Path) -> bool:
     """Free the space held for the job's last record; whether there was any."""
     try:
-        os.unlink(path / RESERVE)
+        os.unlink(RunFiles(path).reserve)
         return True
     except FileNotFoundError:
         return False
 
 
 def read(path: Path) -> dict[str, Any]:
-    return json.loads((path / "run.json").read_text())
+    return json.loads(RunFiles(path).record.read_text())
 
 
 update = store.update_run  # change some fields of run.json, atomically

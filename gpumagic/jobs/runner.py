@@ -16,6 +16,8 @@ import os
 import sys
 from typing import Any
 
+from gpumagic.telemetry.run_files import RunFiles
+
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
@@ -39,6 +41,7 @@ SETTLE_TOLERANCE = 64 << 20
 class _Runner:
     def __init__(self, run_dir: Any) -> None:
         self.run_dir = run_dir
+        self.files = RunFiles(run_dir)
         self.signal: int | None = None
         self.name = "?"
         self.output: Any = None  # output.log, open while the job runs
@@ -98,7 +101,8 @@ class _Runner:
         except DiskFull:
             raise
         except BaseException as err:  # noqa: BLE001 - whatever happens, the job's record must say it
-            self._write("error.txt", "gpumagic could not run the job:\n" + "".join(traceback.format_exception(err)))
+            report = "".join(traceback.format_exception(err))
+            self._write(self.files.error, "gpumagic could not run the job:\n" + report)
             self._finish("failed", f"gpumagic could not run the job: {type(err).__name__}: {err}")
 
     def _fail_before_start(self, err: Exception) -> None:
@@ -106,13 +110,13 @@ class _Runner:
 
         from gpumagic.jobs import records
 
-        self._write("error.txt", f"{err}\n")
+        self._write(self.files.error, f"{err}\n")
         records.update(self.run_dir, status="failed", reason="", exit=str(err), ended=time.time(), runner_pid=None)
 
-    def _write(self, name: str, text: str) -> None:
+    def _write(self, path: Any, text: str) -> None:
         from gpumagic.telemetry.private import write_private
 
-        write_private(self.run_dir / name, text.encode())
+        write_private(path, text.encode())
 
     def _disk_full(self, err: Any, report: str = "", **fields: Any) -> None:
         """Record that the job failed because a file of it could not be written, and what it kept."""
@@ -121,7 +125,8 @@ class _Runner:
         records.release_reserve(self.run_dir)  # the space held for this record
         why = f"disk full: {err.path} ({err.reason}); saved: {self._saved()}; free space or set GPUMAGIC_RUNS_DIR"
         with contextlib.suppress(OSError):
-            self._write("error.txt", f"The job was stopped: {why}\n" + (f"\n{report}\n" if report else ""))
+            text = f"The job was stopped: {why}\n" + (f"\n{report}\n" if report else "")
+            self._write(self.files.error, text)
         self._finish("failed", why, **fields)
 
     def _saved(self) -> str:
@@ -130,7 +135,7 @@ class _Runner:
 
         kept = []
         with contextlib.suppress(OSError):
-            size = (self.run_dir / "output.log").stat().st_size
+            size = self.files.output.stat().st_size
             if size:
                 kept.append(f"output.log ({size:,} bytes)")
         try:
@@ -140,7 +145,7 @@ class _Runner:
         points = sum(len(series) for metrics in ranks.values() for series in metrics.values())
         if points:
             kept.append(f"metrics ({points:,} points)")
-        if (self.run_dir / "result.pkl").exists():
+        if self.files.result.exists():
             kept.append("result.pkl")
         return ", ".join(kept) or "nothing"
 
@@ -152,7 +157,7 @@ class _Runner:
     def _kill_reason(self, when: str = "") -> str:
         import signal
 
-        if (self.run_dir / "kill.json").exists():
+        if self.files.kill_request.exists():
             return "killed with %jobs kill" + (f" {when}" if when else "")
         name = signal.Signals(self.signal).name if self.signal else "a signal"
         return f"killed by {name} sent to its runner" + (f" {when}" if when else "")
@@ -207,7 +212,6 @@ class _Runner:
         )
 
     def _run(self, spec: dict[str, Any], gpus: list[Any]) -> None:
-        import shutil
         import threading
         import time
 
@@ -216,14 +220,13 @@ class _Runner:
         from gpumagic.errors import DiskFull
         from gpumagic.jobs import records
         from gpumagic.jobs.queue import Request
-        from gpumagic.launch.ddp import _loopback_port
+        from gpumagic.launch import local
         from gpumagic.launch.failures import LaunchError, LaunchInterrupted
-        from gpumagic.launch.local import run_local
         from gpumagic.launch.output import RankOutput
-        from gpumagic.launch.plan import LaunchPlan, assign_gpus, threads_per_rank
+        from gpumagic.launch.plan import LaunchPlan, assign_gpus
+        from gpumagic.launch.rank import make_launch_directories, remove_launch_directories
         from gpumagic.launch.signing import PayloadRejected, read_sealed, write_sealed
         from gpumagic.telemetry.private import open_private, out_of_space
-        from gpumagic.telemetry.store import RUN_DIR_VARIABLE
 
         ddp = spec.get("ddp")
         nprocs = ddp or 1
@@ -231,21 +234,16 @@ class _Runner:
         rank_gpus = assign_gpus(uuids, nprocs, len(uuids) // nprocs) if uuids else tuple(() for _ in range(nprocs))
         use_cuda = bool(uuids) and not any(g.simulated for g in gpus)
         backend = (spec.get("backend") or ("nccl" if use_cuda else "gloo")) if ddp else None
-        listener, port = _loopback_port(None, keep=ddp is not None)
-        job_dir = self.run_dir / "launch"
-        job_dir.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(job_dir, 0o700)
-        plan = LaunchPlan(
-            job_dir=str(job_dir),
-            nprocs=nprocs,
-            master_port=port,
+        listener, port = local.loopback_listener(None, keep=ddp is not None)
+        files = self.files
+        make_launch_directories(files)
+        plan = LaunchPlan.on_this_machine(  # a CPU job's ranks see no GPU: the plan hides them
+            self.run_dir,
+            rank_gpus,
             backend=backend,
-            rank_gpus=rank_gpus,
             use_cuda=use_cuda,
-            threads_per_rank=threads_per_rank(nprocs),
+            master_port=port,
             timeout_s=float(spec.get("timeout_s") or 1800.0),
-            launcher_pid=os.getpid(),
-            extra_env={RUN_DIR_VARIABLE: str(self.run_dir)},  # a CPU job's ranks see no GPU: the plan hides them
         )
         records.update(
             self.run_dir,
@@ -256,13 +254,13 @@ class _Runner:
             gpu_uuids=uuids,
             backend=backend,
         )
-        self.output = open_private(self.run_dir / "output.log")
+        self.output = open_private(files.output)
         self.cancel = threading.Event()
         sink = RankOutput(lambda text: self._output(text.encode()), "all", nprocs) if ddp else None
         settle = _Settler(self.run_dir, uuids) if Request.from_json(spec["request"]).shares else None
         try:
-            packed = read_sealed(self.run_dir / "payload.pkl", f"job {self.name}'s code ({self.run_dir}/payload.pkl)")
-            results = run_local(
+            packed = read_sealed(files.job_payload, f"job {self.name}'s code ({files.job_payload})")
+            results = local.run_local(
                 plan,
                 packed,
                 start_method="spawn",
@@ -271,24 +269,24 @@ class _Runner:
                 on_start=lambda plan, pids: self._started(pids, settle),
                 cancel=self.cancel,
             )
-            shutil.rmtree(job_dir, ignore_errors=True)  # the ranks' copies: a nearly full disk need not hold two
-            write_sealed(self.run_dir / "result.pkl", cloudpickle.dumps(results if ddp else results.get(0)))
+            remove_launch_directories(files)  # the ranks' copies: a nearly full disk need not hold two
+            write_sealed(files.result, cloudpickle.dumps(results if ddp else results.get(0)))
             self._finish("finished", "finished", exitcode=0)
         except LaunchError as err:
             root = err.root_cause
             self._output(f"\n{err.report()}\n".encode())  # where a script's traceback would be
             unreported = root.exc_type is None and root.signal_name is None
             if root.exc_type == "DiskFull" or (unreported and out_of_space(self.run_dir)):
-                self._disk_full(DiskFull(job_dir), err.report(), exitcode=root.exitcode)
+                self._disk_full(DiskFull(files.launch), err.report(), exitcode=root.exitcode)
                 return
-            self._write("error.txt", err.report() + "\n")
+            self._write(self.files.error, err.report() + "\n")
             self._finish("failed", err.headline(), exitcode=root.exitcode, signal=root.signal_name)
         except (LaunchInterrupted, KeyboardInterrupt):
             if self.output_error is not None:  # the ranks were stopped because their output could not be kept
                 raise self.output_error from None
             self._finish("killed", self._kill_reason())
         except PayloadRejected as err:
-            self._write("error.txt", f"{err}\n")
+            self._write(self.files.error, f"{err}\n")
             self._output(f"{err}\n".encode())
             self._finish("failed", str(err))
         finally:
@@ -297,19 +295,19 @@ class _Runner:
             if sink is not None:
                 sink.flush()
             self.output.close()
-            shutil.rmtree(job_dir, ignore_errors=True)
+            remove_launch_directories(files)
 
     def _output(self, data: bytes) -> None:
-        """Append the job's output to output.log; if it cannot be written, stop the job (its output would be
-        lost) and remember why."""
-        from gpumagic.telemetry.private import disk_error, write_all
+        """Append the job's output to output.log, all of a chunk or none of it (a full disk never leaves part
+        of a line behind); if it cannot be written, stop the job (its output would be lost) and remember why."""
+        from gpumagic.telemetry.private import append_whole, disk_error
 
         if self.output_error is not None:
             return
         try:
-            write_all(self.output.fileno(), data)
+            append_whole(self.output.fileno(), data)
         except OSError as err:
-            self.output_error = disk_error(err, self.run_dir / "output.log")
+            self.output_error = disk_error(err, self.files.output)
             self.cancel.set()
 
     def _started(self, pids: list[int], settle: _Settler | None) -> None:
@@ -345,7 +343,7 @@ class _Settler:
 
         started = time.monotonic()
         history: list[tuple[float, int]] = []
-        first_log = self.run_dir / "metrics" / "rank-0.bin"
+        first_log = RunFiles(self.run_dir).metric_points(0)
         while not self._stop.wait(0.5):
             now = time.monotonic()
             memory = self._memory()

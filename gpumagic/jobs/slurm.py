@@ -4,7 +4,7 @@ gpumagic does not schedule anything here: it writes the job's directory as for a
 ``run.json``), hands submitit a small task that names that directory, and reads the directory back. Every
 Slurm task becomes one rank with the environment torchrun gives (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR`` = the first node, ``MASTER_PORT`` derived from the job id) and runs the shipped code
-(``launch.external``); with more than one task the ranks form one DDP group across the allocation. Output,
+(``launch.rank``); with more than one task the ranks form one DDP group across the allocation. Output,
 metrics and results come back through the job directory, so it must be on a filesystem the nodes share.
 
 ``GPUMAGIC_SLURM=local`` puts submitit's local executor in Slurm's place (one node, tasks as processes): the
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumagic.errors import InvalidArgument
+from gpumagic.telemetry.run_files import RunFiles
 from gpumagic.units import parse_duration, parse_size
 
 LOCAL_VARIABLE = "GPUMAGIC_SLURM"
@@ -148,7 +149,7 @@ def submit(path: Path, params: dict[str, Any], where: str) -> dict[str, Any]:
     """Submit the job in ``path``; the fields ``run.json`` records about it (Slurm job id, folder ...)."""
     from gpumagic.devices.processes import process_start_time
 
-    folder = path / "slurm"
+    folder = RunFiles(path).slurm
     folder.mkdir(mode=0o700, exist_ok=True)
     chosen = executor(folder, where)
     chosen.update_parameters(**params)
@@ -171,7 +172,7 @@ class Task:
         import submitit
 
         from gpumagic.jobs import records
-        from gpumagic.launch.external import run_rank
+        from gpumagic.launch.rank import run_rank
 
         run_dir = Path(self.run_dir)
         env = submitit.JobEnvironment()
@@ -186,7 +187,7 @@ class Task:
         if rank == 0:
             record_outcome(run_dir, world_size)
         if code:
-            raise RuntimeError(f"rank {rank} failed (exit code {code}); see {run_dir / 'error.txt'}")
+            raise RuntimeError(f"rank {rank} failed (exit code {code}); see {RunFiles(run_dir).error}")
         return code
 
 
@@ -219,30 +220,34 @@ def record_outcome(run_dir: Path, world_size: int, wait_s: float = 60.0) -> None
     import cloudpickle
 
     from gpumagic.jobs import records
-    from gpumagic.launch.external import rank_file, rank_outcomes
     from gpumagic.launch.failures import LaunchError, root_cause
+    from gpumagic.launch.rank import rank_outcomes
     from gpumagic.launch.signing import read_sealed, write_sealed
 
+    files = RunFiles(run_dir)
+
     def ended(rank: int) -> bool:
-        return rank_file(run_dir, rank, "result.pkl").exists() or any((run_dir / "ranks").glob(f"rank-{rank}.error.*"))
+        fatal = files.rank_fatal(rank)
+        crashed = fatal.exists() and fatal.stat().st_size > 0  # a fatal signal: it writes no report
+        return files.rank_result(rank).exists() or bool(files.rank_errors(rank)) or crashed
 
     deadline = time.monotonic() + wait_s
     while not all(ended(rank) for rank in range(world_size)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    outcomes = rank_outcomes(run_dir, world_size)
+    outcomes = rank_outcomes(files, world_size)
     failure = root_cause(outcomes)
     if failure is not None:
         error = LaunchError(outcomes, failure)
         from gpumagic.telemetry.private import write_private
 
-        write_private(run_dir / "error.txt", (error.report() + "\n").encode())
+        write_private(files.error, (error.report() + "\n").encode())
         records.update(run_dir, status="failed", reason="", exit=error.headline(), ended=time.time())
         return
     values = {
-        rank: cloudpickle.loads(read_sealed(rank_file(run_dir, rank, "result.pkl"), f"rank {rank}'s result"))
+        rank: cloudpickle.loads(read_sealed(files.rank_result(rank), f"rank {rank}'s result"))
         for rank in range(world_size)
     }
-    write_sealed(run_dir / "result.pkl", cloudpickle.dumps(values if world_size > 1 else values[0]))
+    write_sealed(files.result, cloudpickle.dumps(values if world_size > 1 else values[0]))
     records.update(run_dir, status="finished", reason="", exit="finished", exitcode=0, ended=time.time())
 
 

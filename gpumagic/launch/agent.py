@@ -2,7 +2,7 @@
 
 ``python -m gpumagic.agent --rdzv-endpoint HOST:PORT --run-dir DIR`` (``%%launch_ddp --nnodes N`` prints it,
 and starts the agent of its own node). The agent checks the run's seals before anything else, joins the
-rendezvous (c10d, or static with ``--node-rank``), starts this node's ranks (``launch.external``), restarts
+rendezvous (c10d, or static with ``--node-rank``), starts this node's ranks (``launch.rank``), restarts
 the whole group when a rank fails (up to the run's ``max_restarts``), and records what happened in
 ``agents/<node>.events.jsonl`` of the run directory.
 
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from gpumagic.errors import GpumagicError
+from gpumagic.telemetry.run_files import RunFiles
 
 CONNECT_TIMEOUT_S = 10.0  # to reach the rendezvous: it listens from before the run directory exists
-STOP_FILE = "stop"  # in <run dir>/launch: every agent of the run stops its ranks and exits
 
 
 class AgentError(GpumagicError):
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.die_with_parent:
-        from gpumagic.launch.worker import die_with_parent
+        from gpumagic.launch.rank import die_with_parent
 
         die_with_parent(signal.SIGTERM)
     try:
@@ -109,14 +109,14 @@ def run_agent(
         PayloadRejected: the run's description or code does not carry the user's seal.
         AgentError: bad arguments for this run, or the rendezvous cannot be served or reached.
     """
-    from gpumagic.launch.external import read_spec
+    from gpumagic.launch.rank import read_spec
     from gpumagic.launch.signing import read_sealed
 
-    if not (run_dir / "launch").is_dir():
+    files = RunFiles(run_dir)
+    if not files.launch.is_dir():
         raise AgentError(f"{run_dir} is not a gpumagic run directory (no launch/ in it); pass the one printed")
-    spec = read_spec(run_dir)
-    payload = run_dir / "launch" / "payload.pkl"
-    read_sealed(payload, f"the code sent to the ranks ({payload})")  # refuse before joining anything
+    spec = read_spec(files)
+    read_sealed(files.payload, f"the code sent to the ranks ({files.payload})")  # refuse before joining anything
     host, port = parse_endpoint(endpoint)
     nnodes = int(spec["nnodes"])
     static = bool(spec.get("static"))
@@ -128,13 +128,13 @@ def run_agent(
         local_addr = host  # a run on loopback stays on loopback
     _set_environment(spec, host)
     label = f"{socket.gethostname()}-{os.getpid()}"
-    events = _Events(run_dir / "agents" / f"{label}.events.jsonl")
+    events = _Events(files.agent_events(label))
     hosting = listen_fd is not None or (static and node_rank == 0)
     store = _rendezvous_store(host, port, hosting, listen_fd, float(spec.get("join_timeout_s", 600)))
     handler = _rendezvous_handler(spec, store, endpoint, node_rank, local_addr)
     agent = _agent(spec, run_dir, handler, events, local_addr, (host, port) if static else None)
     events.write("started", node=label, hosting=hosting)
-    _stop_when_asked(run_dir / "launch" / STOP_FILE)
+    _stop_when_asked(files.stop)
     try:
         result = agent.run()
     except Exception as err:  # noqa: BLE001 - e.g. the rendezvous closed or timed out: say it, exit non-zero
@@ -238,7 +238,7 @@ def _agent(
         role="gpumagic",
         local_world_size=int(spec["nproc_per_node"]),
         entrypoint=sys.executable,
-        args=("-m", "gpumagic.launch.external", str(run_dir)),
+        args=("-m", "gpumagic.launch.rank", str(run_dir)),
         rdzv_handler=handler,
         max_restarts=int(spec.get("max_restarts", 0)),
         monitor_interval=0.1,
@@ -246,7 +246,7 @@ def _agent(
         master_port=master[1] if master else None,
         local_addr=local_addr,
     )
-    logs = DefaultLogsSpecs(log_dir=str(run_dir / "agents" / "torchelastic"))
+    logs = DefaultLogsSpecs(log_dir=str(RunFiles(run_dir).torchelastic_logs))
     return RecordingAgent(spec=worker_spec, logs_specs=logs, start_method="spawn")
 
 
@@ -287,8 +287,7 @@ def _stop_when_asked(stop_file: Path) -> None:
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
     """Every agent's events of a run, oldest first, each with its ``node``."""
     found = []
-    for path in sorted((run_dir / "agents").glob("*.events.jsonl")):
-        node = path.name.removesuffix(".events.jsonl")
+    for node, path in RunFiles(run_dir).agent_event_files().items():
         for line in path.read_text().splitlines():
             try:
                 found.append({"node": node, **json.loads(line)})

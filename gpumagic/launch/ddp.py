@@ -5,20 +5,20 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import socket
 import sys
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from gpumagic.errors import InvalidArgument
 from gpumagic.launch.failures import LaunchInterrupted
-from gpumagic.launch.output import OUTPUT_MODES, RankOutput
+from gpumagic.launch.local import loopback_listener
+from gpumagic.launch.output import OUTPUT_MODES, RankOutput, progress_lines
 from gpumagic.launch.plan import LaunchPlan, assign_gpus, check_backend, check_timeout, threads_per_rank
+from gpumagic.launch.rank import make_launch_directories, remove_launch_directories
 from gpumagic.launch.shipping import pack, ship_cell, ship_function
 from gpumagic.telemetry import store
-from gpumagic.telemetry.private import private_directory
+from gpumagic.telemetry.run_files import RunFiles
 
 DEFAULT_CPU_RANKS = 2
 MAX_RANKS = 256
@@ -256,13 +256,13 @@ def _launch(
 
         rendezvous = prepare_elastic(nnodes, rdzv_endpoint, node_rank, rdzv_id, max_restarts, runs_dir)
     # a taken --port is refused before any GPU is leased; the listener is rank 0's from here on
-    listener, chosen_port = (None, 0) if elastic else _loopback_port(port, keep=process_group)
+    listener, chosen_port = (None, 0) if elastic else loopback_listener(port, keep=process_group)
     run_dir = None
     try:
         if not elastic:  # a full disk or an unsafe runs directory is refused before any GPU is leased, too
             run_dir = store.new_run("ddp", ranks=0)
-            job_dir = run_dir / "launch"
-            private_directory(job_dir)  # the ranks' payload and results: 0700, whatever the umask
+            files = RunFiles(run_dir)
+            make_launch_directories(files)
         available, simulated = _rank_gpus(gpus, nprocs, gpus_per_rank)
         if nprocs is None:
             nprocs = len(available) // gpus_per_rank if available else DEFAULT_CPU_RANKS
@@ -304,20 +304,21 @@ def _launch(
         )
     assert run_dir is not None
     store.update_run(run_dir, ranks=nprocs, backend=backend, gpus=[list(g) for g in rank_gpus])
-    plan = LaunchPlan(
-        job_dir=str(job_dir),
-        nprocs=nprocs,
-        master_port=chosen_port,
+    plan = LaunchPlan.on_this_machine(
+        run_dir,
+        rank_gpus,
         backend=backend if process_group else None,
-        rank_gpus=rank_gpus,
         use_cuda=use_cuda,
-        threads_per_rank=threads_per_rank(nprocs),
+        master_port=chosen_port,
         timeout_s=timeout_s,
-        launcher_pid=os.getpid(),
-        extra_env={store.RUN_DIR_VARIABLE: str(run_dir)},
     )
-    sink = RankOutput(write or _stdout_writer(), output, nprocs)
+    sink = RankOutput(write or _stdout_writer(), output, nprocs, progress_lines() if write is None else None)
     status = "failed"
+
+    def started(plan: LaunchPlan, pids: list[int]) -> None:
+        if dashboard is not None:
+            dashboard.attach(run_dir, pids, rank_gpus=plan.rank_gpus, use_gpus=plan.use_cuda)
+
     try:
         results = run_local(
             plan,
@@ -325,7 +326,7 @@ def _launch(
             start_method=start_method,
             listener=listener,
             on_output=sink.feed,
-            on_start=dashboard.attach if dashboard is not None else None,
+            on_start=started,
             cancel=dashboard.cancel if dashboard is not None else None,
         )
         status = "finished"
@@ -335,7 +336,7 @@ def _launch(
         raise
     finally:
         sink.flush()
-        shutil.rmtree(job_dir, ignore_errors=True)  # payload and results; the metrics stay
+        remove_launch_directories(files)
         store.finish_run(run_dir, status)
         if dashboard is not None:
             dashboard.finish(status)
@@ -389,26 +390,6 @@ def _check_enough(spec: str, nprocs: int | None, per_rank: int) -> None:
 def _check_nprocs(nprocs: object) -> None:
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or not 1 <= nprocs <= MAX_RANKS:
         raise InvalidArgument(f"the number of ranks must be a whole number from 1 to {MAX_RANKS}, got {nprocs!r}")
-
-
-def _loopback_port(port: int | None, keep: bool) -> tuple[socket.socket | None, int]:
-    """A listening socket on 127.0.0.1 (``keep``: handed to rank 0, so nobody can take the port meanwhile),
-    or just a free port number for code that makes its own process group."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        listener.bind(("127.0.0.1", port or 0))
-    except OSError as err:
-        listener.close()
-        raise InvalidArgument(
-            f"port {port} is taken on 127.0.0.1 ({err.strerror}); leave out --port to use a free one"
-        ) from None
-    chosen = listener.getsockname()[1]
-    if not keep:
-        listener.close()
-        return None, chosen
-    listener.listen(256)
-    listener.set_inheritable(False)
-    return listener, chosen
 
 
 def _check_port(port: int | None) -> None:

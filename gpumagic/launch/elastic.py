@@ -10,7 +10,6 @@ through the directory: every rank's output (``ranks/rank-R.log``), the agents' r
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import shutil
 import signal
@@ -25,13 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from gpumagic.errors import GpumagicError, InvalidArgument
-from gpumagic.launch.agent import STOP_FILE, AgentError, agent_command, parse_endpoint, read_events
-from gpumagic.launch.external import RANKS, _read_json, rank_file, rank_outcome, rank_outcomes, write_spec
+from gpumagic.launch.agent import AgentError, agent_command, parse_endpoint, read_events
 from gpumagic.launch.failures import LaunchError, LaunchInterrupted, root_cause
-from gpumagic.launch.output import RankOutput
-from gpumagic.launch.plan import LaunchPlan
+from gpumagic.launch.output import RankOutput, progress_lines
+from gpumagic.launch.plan import command_environment
+from gpumagic.launch.process_set import ProcessSet
+from gpumagic.launch.rank import ProcessEnd, rank_outcomes, read_outcome, read_rank_start, read_result, write_spec
 from gpumagic.telemetry import store
 from gpumagic.telemetry.private import open_private
+from gpumagic.telemetry.run_files import RunFiles
 
 MAX_NODES = 1024
 MAX_RESTARTS = 100
@@ -169,10 +170,12 @@ def launch_elastic(
         "threads_per_rank": threads_per_rank,
         "sys_path": [p for p in sys.path if p],  # where the notebook imports from: the nodes share it, usually
     }
-    write_spec(run_dir, spec, packed)
+    files = RunFiles(run_dir)
+    write_spec(files, spec, packed)
     write(_announce(spec, run_dir, node_rank))
     agent = _start_agent(run_dir, endpoint, listener, node_rank, gpu_uuids)
-    follower = _Follower(run_dir, world_size, max_restarts, RankOutput(write, output, world_size), write)
+    sink = RankOutput(write, output, world_size, progress_lines())
+    follower = _Follower(run_dir, world_size, max_restarts, sink, write)
     status = "failed"
     try:
         _follow(agent, follower, dashboard, run_dir, spec, poll_s)
@@ -232,8 +235,6 @@ def _announce(spec: dict[str, Any], run_dir: Path, node_rank: int | None) -> str
 def _start_agent(
     run_dir: Path, endpoint: str, listener: socket.socket | None, node_rank: int | None, gpu_uuids: list[str]
 ) -> subprocess.Popen:
-    import gpumagic
-
     command = [sys.executable, "-m", "gpumagic.agent", "--rdzv-endpoint", endpoint, "--run-dir", str(run_dir)]
     command.append("--die-with-parent")
     if node_rank is not None:
@@ -243,15 +244,13 @@ def _start_agent(
         listener.set_inheritable(True)
         pass_fds = (listener.fileno(),)
         command += ["--listen-fd", str(listener.fileno())]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JPY_")}
-    env["MPLBACKEND"] = "Agg"
-    package_root = str(Path(gpumagic.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH", "")]))
+    env = command_environment()
     if gpu_uuids:
         env.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=",".join(gpu_uuids))
-    (run_dir / "agents").mkdir(mode=0o700, exist_ok=True)
+    files = RunFiles(run_dir)
+    files.agents.mkdir(mode=0o700, exist_ok=True)
     try:
-        with open_private(run_dir / "agents" / "notebook-node.log") as log:
+        with open_private(files.notebook_agent_log) as log:
             return subprocess.Popen(
                 command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, pass_fds=pass_fds
             )
@@ -272,7 +271,7 @@ def _follow(
         follower.read()
         if dashboard is not None:
             if not attached and follower.started():
-                dashboard.attach(_dashboard_plan(run_dir, spec), follower.local_pids())
+                dashboard.attach(run_dir, follower.local_pids(), use_gpus=spec["use_cuda"])
                 attached = True
             if dashboard.cancel.is_set():
                 raise _Cancelled()
@@ -280,32 +279,13 @@ def _follow(
     follower.read()
 
 
-def _dashboard_plan(run_dir: Path, spec: dict[str, Any]) -> LaunchPlan:
-    world_size = spec["nnodes"] * spec["nproc_per_node"]
-    return LaunchPlan(
-        job_dir=str(run_dir / "launch"),
-        nprocs=world_size,
-        master_port=0,
-        backend=spec["backend"],
-        rank_gpus=tuple(() for _ in range(world_size)),
-        use_cuda=spec["use_cuda"],
-        threads_per_rank=spec["threads_per_rank"],
-        timeout_s=spec["timeout_s"],
-        launcher_pid=os.getpid(),
-    )
-
-
 def _stop(agent: subprocess.Popen, run_dir: Path) -> None:
     """Tell every node to stop (the stop file), stop this node's agent (SIGTERM, then SIGKILL)."""
     with contextlib.suppress(OSError):
-        open_private(run_dir / "launch" / STOP_FILE).close()
-    with contextlib.suppress(ProcessLookupError):
-        agent.send_signal(signal.SIGTERM)
-    try:
-        agent.wait(STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        agent.kill()
-        agent.wait(5)
+        open_private(RunFiles(run_dir).stop).close()
+    agents = ProcessSet([agent])
+    agents.stop(signal.SIGTERM, grace_s=STOP_GRACE_S)
+    agents.close()
 
 
 class _Follower:
@@ -315,6 +295,7 @@ class _Follower:
         self, run_dir: Path, world_size: int, max_restarts: int, sink: RankOutput, write: Callable[[str], None]
     ) -> None:
         self.run_dir = run_dir
+        self.files = RunFiles(run_dir)
         self.world_size = world_size
         self.max_restarts = max_restarts
         self.sink = sink
@@ -328,7 +309,7 @@ class _Follower:
     def read(self) -> None:
         with self._lock:
             for rank in range(self.world_size):
-                path = rank_file(self.run_dir, rank, "log")
+                path = self.files.rank_log(rank)
                 try:
                     with open(path, "rb") as handle:
                         handle.seek(self.offsets[rank])
@@ -367,16 +348,17 @@ class _Follower:
         self.write(f"[gpumagic] {_first_line(what)}; {then}\n")
 
     def _describe(self, rank: int, attempt: int, failure: dict[str, Any]) -> str:
-        return rank_outcome(self.run_dir, rank, attempt, failure).describe()
+        end = ProcessEnd(failure.get("pid"), failure.get("exitcode"), failure.get("time"))
+        return read_outcome(self.files, rank, attempt, end).describe()
 
     def started(self) -> bool:
-        return all(rank_file(self.run_dir, rank, "json").exists() for rank in range(self.world_size))
+        return all(self.files.rank_start(rank).exists() for rank in range(self.world_size))
 
     def local_pids(self) -> list[int | None]:
         host = socket.gethostname()
         pids: list[int | None] = []
         for rank in range(self.world_size):
-            record = _read_json(rank_file(self.run_dir, rank, "json")) or {}
+            record = read_rank_start(self.files, rank)
             pids.append(record.get("pid") if record.get("host") == host else None)
         return pids
 
@@ -388,37 +370,30 @@ class _Follower:
         for event in events:
             if event["event"] in ("failed", "gave up"):
                 last_failures.update(event.get("failures") or {})
-        outcomes = rank_outcomes(self.run_dir, self.world_size, last_failures)
+        outcomes = rank_outcomes(self.files, self.world_size, last_failures)
         cause = root_cause(outcomes)
         if cause is not None:
             note = f"The group was restarted {self.restarts} time(s) before." if self.restarts else ""
             return LaunchError(outcomes, cause, note)
-        log = self.run_dir / "agents" / "notebook-node.log"
+        log = self.files.notebook_agent_log
         lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.exists() else []
         said = lines[-1] if lines else f"exit code {returncode}"
         return AgentError(f"this node's agent stopped before the ranks could run: {said} (log: {log})")
 
     def results(self) -> dict[int, Any]:
         """Every rank's value, waiting a little for the other nodes' files to appear."""
-        import cloudpickle
-
-        from gpumagic.launch.signing import read_sealed
-
         deadline = time.monotonic() + RESULTS_WAIT_S
-        paths = [rank_file(self.run_dir, rank, "result.pkl") for rank in range(self.world_size)]
+        paths = [self.files.rank_result(rank) for rank in range(self.world_size)]
         while not all(p.exists() for p in paths):
             if time.monotonic() > deadline:
                 missing = [rank for rank, p in enumerate(paths) if not p.exists()]
                 raise AgentError(
                     f"this node finished, but no result came from rank(s) {missing} within {RESULTS_WAIT_S:.0f}s: is "
-                    f"{self.run_dir / RANKS} on a filesystem every node shares?"
+                    f"{self.files.ranks} on a filesystem every node shares?"
                 )
             time.sleep(0.1)
         self.drain()
-        return {
-            rank: cloudpickle.loads(read_sealed(path, f"rank {rank}'s result ({path})"))
-            for rank, path in enumerate(paths)
-        }
+        return {rank: read_result(self.files, rank) for rank in range(self.world_size)}
 
 
 def _first_line(text: str, limit: int = 300) -> str:

@@ -73,8 +73,12 @@ class LaunchError(GpumagicError):
 
     def report(self) -> str:
         lines = [self.headline()]
-        if self.root_cause.traceback:
-            lines += ["", f"Traceback from rank {self.root_cause.rank}:", self.root_cause.traceback.rstrip()]
+        root = self.root_cause
+        if root.traceback and root.exc_type is None and root.signal_name:
+            stack = root.traceback.rstrip()
+            lines += ["", f"Python stack of rank {root.rank} when {root.signal_name} ended it:", stack]
+        elif root.traceback:
+            lines += ["", f"Traceback from rank {root.rank}:", root.traceback.rstrip()]
         lines += ["", "Ranks:"] + [f"  {self._fate(o)}" for o in sorted(self.outcomes, key=lambda o: o.rank)]
         if self.note:
             lines += ["", self.note]

@@ -1,35 +1,29 @@
 """Starting a plan's ranks on this machine through multiprocessing (the contexts ``torch.multiprocessing``
 wraps; the launcher itself never imports torch, so a background job's runner stays small) and watching them.
 
-Ranks start from a forkserver whose server process has torch imported, so a relaunch costs a fork, not a
-torch import (``spawn`` is the fallback); the kernel itself is never forked. The watch loop is all or
-nothing, as in torch elastic: every rank succeeds, or at the first failure the rest are stopped (SIGTERM,
-then SIGKILL) and one error names the root cause.
+Ranks start from the rank server (``rank_server``: a forkserver with torch imported), so a relaunch costs a
+fork, not a torch import (``spawn`` is the fallback); the kernel itself is never forked. The watch loop is
+all or nothing, as in torch elastic: every rank succeeds, or at the first failure the rest are stopped
+(SIGTERM, then SIGKILL) and one error names the root cause, the rank that failed first.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import multiprocessing
-import multiprocessing.forkserver
 import os
-import select
 import signal
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from gpumagic.launch.failures import LaunchError, LaunchInterrupted, RankOutcome, root_cause
 from gpumagic.launch.plan import LaunchPlan
+from gpumagic.launch.process_set import Exit, ProcessSet
+from gpumagic.telemetry.run_files import RunFiles
 
 START_METHODS = ("forkserver", "spawn")
-# torch._dynamo: the first DistributedDataParallel() in a process imports it (about 1 s on a CPU, more on a GPU
-# machine); imported once in the forkserver, no rank pays it again (benchmarks/launch.py measures both).
-_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "gpumagic.launch.worker"]
-STOP_GRACE_S = 3.0
 
 
 def run_local(
@@ -49,58 +43,116 @@ def run_local(
         LaunchError: a rank failed (raised, exited non-zero, was killed); all ranks are gone when it is raised.
         LaunchInterrupted: KeyboardInterrupt (the kernel's interrupt); all ranks are gone when it is raised.
     """
+    from gpumagic.launch.rank import make_launch_directories, read_result
     from gpumagic.launch.signing import write_sealed
-    from gpumagic.launch.worker import run_rank
 
-    write_sealed(Path(plan.job_dir, "payload.pkl"), packed)
+    files = RunFiles(plan.run_dir)
+    make_launch_directories(files)
+    write_sealed(files.payload, packed)
+    with _context(start_method) as context:  # held until the ranks ended: the server is not restarted under them
+        ranks = _start(plan, context, start_method, listener)
+        watcher = _Watcher(plan, ranks, on_output or (lambda rank, data: None), poll_s, cancel)
+        try:
+            if on_start is not None:
+                on_start(plan, ranks.pids)
+            outcomes = watcher.watch()
+        except (KeyboardInterrupt, _Cancelled) as reason:
+            started = time.monotonic()
+            watcher.stop_all(signal.SIGINT)
+            why = "stopped from the dashboard" if isinstance(reason, _Cancelled) else "interrupted"
+            raise LaunchInterrupted(
+                f"{why}; stopped ranks {', '.join(map(str, range(plan.nprocs)))} in "
+                f"{time.monotonic() - started:.1f}s. The next launch starts fresh."
+            ) from None
+        except BaseException:  # gpumagic's own failure (a callback, a full disk): no rank outlives the launch
+            watcher.stop_all(signal.SIGTERM)
+            raise
+        finally:
+            watcher.close()
+    failure = root_cause(outcomes)
+    if failure is not None:
+        raise LaunchError(outcomes, failure, _full_disk_note(plan.run_dir))
+    return {o.rank: read_result(files, o.rank) for o in outcomes}
+
+
+def loopback_listener(port: int | None, keep: bool) -> tuple[Any, int]:
+    """A listening socket on 127.0.0.1 (``keep``: handed to rank 0, so nobody can take the port meanwhile),
+    or just a free port number for code that makes its own process group.
+
+    Raises:
+        InvalidArgument: ``port`` is taken.
+    """
+    import socket
+
+    from gpumagic.errors import InvalidArgument
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", port or 0))
+    except OSError as err:
+        listener.close()
+        raise InvalidArgument(
+            f"port {port} is taken on 127.0.0.1 ({err.strerror}); leave out --port to use a free one"
+        ) from None
+    chosen = listener.getsockname()[1]
+    if not keep:
+        listener.close()
+        return None, chosen
+    listener.listen(256)
+    listener.set_inheritable(False)
+    return listener, chosen
+
+
+@contextlib.contextmanager
+def _context(start_method: str) -> Any:
     if start_method == "forkserver":
-        multiprocessing.forkserver.set_forkserver_preload(_FORKSERVER_PRELOAD)
-    context = multiprocessing.get_context(start_method)
-    if start_method == "spawn":  # start it now, so it does not inherit a rank's GPUs (_initial_environment)
-        from multiprocessing import resource_tracker
+        from gpumagic.launch.rank_server import forkserver_context
 
-        resource_tracker.ensure_running()
+        with forkserver_context() as context:
+            yield context
+        return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # now, so it does not inherit a rank's GPUs (_initial_environment)
+    yield multiprocessing.get_context(start_method)
+
+
+class _Ranks(ProcessSet):
+    """The rank processes of a local launch, with the read ends of their output pipes."""
+
+    readers: dict[int, tuple[int, Any]]
+
+
+def _start(plan: LaunchPlan, context: Any, start_method: str, listener: Any) -> _Ranks:
+    from gpumagic.launch.rank import run_local_rank
+
     pipes = [context.Pipe(duplex=False) for _ in range(plan.nprocs)]
-    readers = {reader.fileno(): (rank, reader) for rank, (reader, _) in enumerate(pipes)}
     processes = []
     try:
         for local_rank in range(plan.nprocs):
             process = context.Process(
-                target=run_rank, args=(local_rank, plan, [w for _, w in pipes], listener), name=f"rank-{local_rank}"
+                target=run_local_rank,
+                args=(local_rank, plan, [w for _, w in pipes], listener),
+                name=f"rank-{local_rank}",
             )
             with _initial_environment(plan, local_rank, start_method):
                 process.start()
             processes.append(process)
     except BaseException:
-        for process in processes:
-            with contextlib.suppress(ProcessLookupError, TypeError):
-                os.kill(process.pid, signal.SIGKILL)
-            process.join(5)
+        started = ProcessSet(processes, groups=True)
+        started.stop(signal.SIGKILL, grace_s=5.0)
+        started.close()
+        for reader, _ in pipes:
+            reader.close()
         raise
     finally:
         for _, writer in pipes:
             writer.close()
         if listener is not None:
             listener.close()
-    watcher = _Watcher(plan, processes, readers, on_output or (lambda rank, data: None), poll_s, cancel)
-    try:
-        if on_start is not None:
-            on_start(plan, [p.pid for p in processes])
-        outcomes = watcher.watch()
-    except (KeyboardInterrupt, _Cancelled) as reason:
-        started = time.monotonic()
-        watcher.stop_all(signal.SIGINT)
-        why = "stopped from the dashboard" if isinstance(reason, _Cancelled) else "interrupted"
-        raise LaunchInterrupted(
-            f"{why}; stopped ranks {', '.join(map(str, range(plan.nprocs)))} in "
-            f"{time.monotonic() - started:.1f}s. The next launch starts fresh."
-        ) from None
-    finally:
-        watcher.close()
-    failure = root_cause(outcomes)
-    if failure is not None:
-        raise LaunchError(outcomes, failure, _full_disk_note(plan.job_dir))
-    return {o.rank: _result(plan, o.rank) for o in outcomes}
+    ranks = _Ranks(processes, groups=True)
+    ranks.readers = {reader.fileno(): (rank, reader) for rank, (reader, _) in enumerate(pipes)}
+    return ranks
 
 
 @contextlib.contextmanager
@@ -123,26 +175,17 @@ def _initial_environment(plan: LaunchPlan, local_rank: int, start_method: str) -
                 os.environ[key] = value
 
 
-def _full_disk_note(job_dir: str) -> str:
+def _full_disk_note(run_dir: str) -> str:
     """A note for a failed launch whose ranks' files have no space left: a rank that cannot write its result
     cannot write its error report either, and would seem to have exited without one."""
     from gpumagic.telemetry.private import out_of_space
 
-    if not out_of_space(job_dir):
+    if not out_of_space(run_dir):
         return ""
     return (
-        f"disk full: {job_dir} has no space left, so a rank may have failed writing its result or its report; "
+        f"disk full: {run_dir} has no space left, so a rank may have failed writing its result or its report; "
         "free space or set GPUMAGIC_RUNS_DIR"
     )
-
-
-def _result(plan: LaunchPlan, rank: int) -> Any:
-    import cloudpickle
-
-    from gpumagic.launch.signing import read_sealed
-
-    path = Path(plan.job_dir, f"rank-{rank}.result.pkl")
-    return cloudpickle.loads(read_sealed(path, f"rank {rank}'s result ({path})")) if path.exists() else None
 
 
 class _Cancelled(Exception):
@@ -150,42 +193,37 @@ class _Cancelled(Exception):
 
 
 class _Watcher:
-    """Multiplexes the ranks' output pipes and exit sentinels in one ``select`` loop."""
+    """Multiplexes the ranks' output pipes and their ends in one ``select`` loop."""
 
     def __init__(
         self,
         plan: LaunchPlan,
-        processes: list[Any],
-        readers: dict[int, tuple[int, Any]],
+        ranks: _Ranks,
         on_output: Callable[[int, bytes], None],
         poll_s: float,
         cancel: threading.Event | None = None,
     ) -> None:
-        self.plan = plan
-        self.processes = processes
-        self.readers = dict(readers)
+        self.files = RunFiles(plan.run_dir)
+        self.ranks = ranks
+        self.readers = dict(ranks.readers)
         self.on_output = on_output
         self.poll_s = poll_s
         self.cancel = cancel
         self.outcomes: dict[int, RankOutcome] = {}
-        self.stopping_since: float | None = None
-        self.stopped: set[int] = set()
 
     def watch(self) -> list[RankOutcome]:
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes)}
-        while len(self.outcomes) < len(self.processes):
-            waiting = list(self.readers) + [s for s, r in sentinels.items() if r not in self.outcomes]
-            ready, _, _ = select.select(waiting, [], [], self.poll_s)
+        while self.ranks.running:
+            ended, ready = self.ranks.poll(self.poll_s, also=list(self.readers))
             for fd in ready:
-                if fd in self.readers:
-                    self._read(fd)
-                elif fd in sentinels:
-                    self._ended(sentinels[fd])
-            self._escalate()
-            if self.cancel is not None and self.cancel.is_set() and self.stopping_since is None:
+                self._read(fd)
+            for exit in ended:
+                self._ended(exit)
+            self.ranks.escalate()
+            if self.cancel is not None and self.cancel.is_set() and not self.ranks.stopping:
                 raise _Cancelled()
+        self.ranks.end_leftovers()  # first: what they left running may hold their output pipes open
         self.drain(timeout=2.0)
-        return [self.outcomes[r] for r in range(len(self.processes))]
+        return [self.outcomes[r] for r in range(len(self.ranks))]
 
     def _read(self, fd: int) -> None:
         rank, _ = self.readers[fd]
@@ -198,74 +236,28 @@ class _Watcher:
         else:
             self.readers.pop(fd)[1].close()
 
-    def _ended(self, rank: int) -> None:
-        process = self.processes[rank]
-        process.join(0.5)
-        if process.exitcode is None:
-            return
-        outcome = self._outcome(rank, process)
-        self.outcomes[rank] = outcome
-        if not outcome.ok and self.stopping_since is None:
-            self._stop_others(signal.SIGTERM)
+    def _ended(self, exit: Exit) -> None:
+        from gpumagic.launch.rank import ProcessEnd, read_outcome
 
-    def _outcome(self, rank: int, process: Any) -> RankOutcome:
-        report_path = Path(self.plan.job_dir, f"rank-{rank}.error.json")
-        stopped = rank in self.stopped
-        if report_path.exists():
-            try:
-                report = json.loads(report_path.read_text())
-                return RankOutcome(
-                    rank,
-                    process.pid,
-                    process.exitcode,
-                    report["phase"],
-                    report["type"],
-                    report["message"],
-                    report["traceback"],
-                    report["timestamp"],
-                    False,
-                )
-            except (OSError, ValueError, KeyError):
-                pass
-        return RankOutcome(
-            rank,
-            process.pid,
-            process.exitcode,
-            "process" if process.exitcode else None,
-            timestamp=time.time(),
-            stopped_by_launcher=stopped and process.exitcode != 0,
-        )
-
-    def _stop_others(self, how: int) -> None:
-        self.stopping_since = time.monotonic()
-        for rank, process in enumerate(self.processes):
-            if rank not in self.outcomes and process.exitcode is None:
-                self.stopped.add(rank)
-                with contextlib.suppress(ProcessLookupError, TypeError):
-                    os.kill(process.pid, how)
-
-    def _escalate(self) -> None:
-        if self.stopping_since is not None and time.monotonic() - self.stopping_since > STOP_GRACE_S:
-            for rank, process in enumerate(self.processes):
-                if rank not in self.outcomes:
-                    with contextlib.suppress(ProcessLookupError, TypeError):
-                        os.kill(process.pid, signal.SIGKILL)
+        end = ProcessEnd(exit.pid, exit.exitcode, exit.time, exit.stopped and exit.exitcode != 0)
+        outcome = read_outcome(self.files, exit.index, 0, end)
+        self.outcomes[exit.index] = outcome
+        if not outcome.ok:
+            self.ranks.begin_stop(signal.SIGTERM)  # the others: SIGTERM, SIGKILL after the grace period
 
     def stop_all(self, first: int) -> None:
         """Stop every rank now (interrupt): ``first`` signal, SIGKILL after the grace period; reap all."""
-        self._stop_others(first)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for rank, process in enumerate(self.processes):
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.exitcode is None:
-                with contextlib.suppress(ProcessLookupError, TypeError):
-                    os.kill(process.pid, signal.SIGKILL)
-                process.join(5)
-            self.outcomes.setdefault(rank, self._outcome(rank, process))
+        self.ranks.stop(first)
+        for exit in self.ranks.exits.values():
+            if exit.index not in self.outcomes:
+                self._ended(exit)
+        self.ranks.end_leftovers()
         self.drain(timeout=0.5)
 
     def drain(self, timeout: float) -> None:
         """Read what the ranks wrote before they ended (their pipes close when they exit)."""
+        import select
+
         deadline = time.monotonic() + timeout
         while self.readers and time.monotonic() < deadline:
             ready, _, _ = select.select(list(self.readers), [], [], max(0.0, deadline - time.monotonic()))
@@ -276,6 +268,4 @@ class _Watcher:
         for _, reader in self.readers.values():
             reader.close()
         self.readers.clear()
-        for process in self.processes:
-            with contextlib.suppress(ValueError, AssertionError):
-                process.close()
+        self.ranks.close()

@@ -15,16 +15,39 @@ BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 MAX_TIMEOUT_S = 7 * 86400.0  # torch overflows (1e9 days) or hangs (1e5 days) on longer ones; a week is ample
 
 
+# the kernel's own variables, which a process it starts must not inherit
+KERNEL_ONLY = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPUMAGIC_RUN_DIR", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def launch_environment() -> dict[str, str]:
+    """The environment a process the kernel starts gets: the kernel's as it is now, less what only the kernel
+    means (Jupyter's ``JPY_*``, its GPUs, its run), with matplotlib drawing off-screen (the inline backend
+    needs a kernel)."""
+    env = {k: v for k, v in os.environ.items() if k not in KERNEL_ONLY and not k.startswith("JPY_")}
+    env["MPLBACKEND"] = "Agg"
+    return env
+
+
+def command_environment() -> dict[str, str]:
+    """``launch_environment()`` for a ``python -m gpumagic...`` process the kernel starts (a job's runner, an
+    elastic agent): with this gpumagic importable, wherever the kernel imported it from."""
+    env = launch_environment()
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH", "")]))
+    return env
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
-    """Everything a rank needs to know before it starts.
+    """Everything a local rank needs to know before it starts.
 
     ``rank_gpus[i]`` are the ``CUDA_VISIBLE_DEVICES`` entries (UUIDs) of local rank ``i``; an empty tuple makes
     it a CPU rank, which sees no GPU at all. ``backend`` ``None`` means no process group is created (``spawn``:
-    the code makes its own).
+    the code makes its own). ``base_env``: the launcher's environment at this launch, which every rank starts
+    from (``launch_environment``).
     """
 
-    job_dir: str
+    run_dir: str
     nprocs: int
     master_port: int
     backend: str | None
@@ -33,10 +56,36 @@ class LaunchPlan:
     threads_per_rank: int
     timeout_s: float
     launcher_pid: int
+    base_env: dict[str, str] = field(default_factory=dict)
     master_addr: str = "127.0.0.1"
     node_rank: int = 0
     nnodes: int = 1
-    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def on_this_machine(
+        cls,
+        run_dir: str | os.PathLike[str],
+        rank_gpus: tuple[tuple[str, ...], ...],
+        *,
+        backend: str | None,
+        use_cuda: bool,
+        master_port: int,
+        timeout_s: float,
+    ) -> LaunchPlan:
+        """The plan of a launch whose ranks all run here, started by this process, now."""
+        nprocs = len(rank_gpus)
+        return cls(
+            run_dir=str(run_dir),
+            nprocs=nprocs,
+            master_port=master_port,
+            backend=backend,
+            rank_gpus=rank_gpus,
+            use_cuda=use_cuda,
+            threads_per_rank=threads_per_rank(nprocs),
+            timeout_s=timeout_s,
+            launcher_pid=os.getpid(),
+            base_env=launch_environment(),
+        )
 
     @property
     def world_size(self) -> int:
@@ -46,29 +95,32 @@ class LaunchPlan:
         return self.node_rank * self.nprocs + local_rank
 
     def environment(self, local_rank: int) -> dict[str, str]:
-        """The variables torchrun sets, plus the rank's GPUs and thread count."""
-        env = {
-            "RANK": str(self.global_rank(local_rank)),
-            "LOCAL_RANK": str(local_rank),
-            "WORLD_SIZE": str(self.world_size),
-            "LOCAL_WORLD_SIZE": str(self.nprocs),
-            "GROUP_RANK": str(self.node_rank),
-            "NODE_RANK": str(self.node_rank),
-            "MASTER_ADDR": self.master_addr,
-            "MASTER_PORT": str(self.master_port),
-            "OMP_NUM_THREADS": str(self.threads_per_rank),
-            "TORCHELASTIC_RUN_ID": os.path.basename(self.job_dir),
-            "GPUMAGIC_JOB_DIR": self.job_dir,
-        }
+        """The rank's whole environment: ``base_env``, the variables torchrun sets, its GPUs and thread count."""
+        from gpumagic.telemetry.store import RUN_DIR_VARIABLE
+
+        env = dict(self.base_env)
+        env.update(
+            {
+                "RANK": str(self.global_rank(local_rank)),
+                "LOCAL_RANK": str(local_rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_WORLD_SIZE": str(self.nprocs),
+                "GROUP_RANK": str(self.node_rank),
+                "NODE_RANK": str(self.node_rank),
+                "MASTER_ADDR": self.master_addr,
+                "MASTER_PORT": str(self.master_port),
+                "OMP_NUM_THREADS": str(self.threads_per_rank),
+                "TORCHELASTIC_RUN_ID": os.path.basename(self.run_dir),
+                RUN_DIR_VARIABLE: self.run_dir,
+            }
+        )
         if self.nnodes == 1:  # keep gloo/NCCL bootstrap sockets on loopback for single-node runs
             env["GLOO_SOCKET_IFNAME"] = "lo"
             env["NCCL_SOCKET_IFNAME"] = "lo"
-        if self.rank_gpus:
-            gpus = self.rank_gpus[local_rank]
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # empty for a CPU rank, so it cannot touch a GPU
-            if gpus:
-                env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        env.update(self.extra_env)
+        gpus = self.rank_gpus[local_rank] if self.rank_gpus else ()
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # empty for a CPU rank, so it cannot touch a GPU
+        if gpus:
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         return env
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from gpumagic.errors import InvalidArgument
 
 SEED_VARIABLE = "GPUMAGIC_SEED"
+DETERMINISTIC_VARIABLE = "GPUMAGIC_DETERMINISTIC"  # "1": the seed was set with --deterministic
 MAX_SEED = 2**32 - 1
 
 
@@ -59,5 +60,6 @@ def seed(value: int, *, deterministic: bool = False) -> SeedReport:
             torch.backends.cudnn.deterministic = True
             torch.backends.cudnn.benchmark = False
     os.environ[SEED_VARIABLE] = str(value)
+    os.environ[DETERMINISTIC_VARIABLE] = "1" if deterministic else "0"
     os.environ["PYTHONHASHSEED"] = str(value)
     return SeedReport(value, tuple(seeded), deterministic)

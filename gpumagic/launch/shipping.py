@@ -47,11 +47,13 @@ class CellPayload:
         _register_sources({self.filename: self.source.splitlines(True), **self.sources})
         self._imported = {alias: importlib.import_module(module) for alias, module in self.modules.items()}
 
-    def run(self, context: Mapping[str, Any]) -> Any:
-        """Execute the cell in a fresh ``__main__``-like namespace; return its last expression's value."""
+    def run(self, context: Mapping[str, Any], namespace: dict[str, Any] | None = None) -> Any:
+        """Execute the cell in ``namespace`` (the rank's ``__main__`` module's, so what it defines pickles by
+        reference; default: a fresh one); return its last expression's value."""
         if not hasattr(self, "_imported"):
             self.prepare()
-        namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+        namespace = {} if namespace is None else namespace
+        namespace.update({"__name__": "__main__", "__builtins__": builtins})
         namespace.update(self._imported)
         namespace.update(self.names)
         namespace.update(context)
@@ -83,7 +85,15 @@ class FunctionPayload:
     def prepare(self) -> None:
         _register_sources(self.sources)
 
-    def run(self, context: Mapping[str, Any]) -> Any:
+    def run(self, context: Mapping[str, Any], namespace: dict[str, Any] | None = None) -> Any:
+        """Call the function; ``namespace`` (the rank's ``__main__``) gets the notebook names it refers to, so
+        they pickle by reference as they would in the notebook."""
+        if namespace is not None:
+            for value in (self.fn, *self.args, *self.kwargs.values()):
+                if getattr(value, "__module__", None) == "__main__" and hasattr(value, "__qualname__"):
+                    namespace.setdefault(value.__qualname__.split(".")[0], value)
+                    for name, known in getattr(value, "__globals__", {}).items():
+                        namespace.setdefault(name, known)
         if self.rank_first:
             return self.fn(context["local_rank"], *self.args, **self.kwargs)
         return self.fn(*self.args, **self.kwargs)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from gpumagic.errors import GpumagicError
 from gpumagic.telemetry import private, store
+from gpumagic.telemetry.run_files import RunFiles
 
 FLUSH_INTERVAL_S = 0.1
 _log = logging.getLogger("gpumagic")
@@ -46,13 +47,13 @@ class Recorder:
         if run_dir is None:
             self._failed(problem)
         else:
-            directory = run_dir / "metrics"
+            files = RunFiles(run_dir)
             try:
-                directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-                self._names = private.open_private(directory / f"rank-{rank}.names")
-                self._bin = private.open_private(directory / f"rank-{rank}.bin")
+                files.metrics.mkdir(parents=True, exist_ok=True, mode=0o700)
+                self._names = private.open_private(files.metric_names(rank))
+                self._bin = private.open_private(files.metric_points(rank))
             except OSError as err:
-                self._failed(str(private.disk_error(err, directory)))
+                self._failed(str(private.disk_error(err, files.metrics)))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._flush_periodically, name="gpumagic-log-flush", daemon=True)
         self._thread.start()
@@ -89,7 +90,7 @@ class Recorder:
                 with self.lock:
                     self._unwritten[:0] = names  # still needed by the points to come
                 if self.run_dir is not None:
-                    self._failed(str(private.disk_error(err, self.run_dir / "metrics")))
+                    self._failed(str(private.disk_error(err, RunFiles(self.run_dir).metrics)))
                 return
             if self._problem:
                 _log.warning("gpumagic.log: writing points again; %d were dropped", self.dropped)

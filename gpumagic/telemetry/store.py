@@ -7,6 +7,8 @@ Layout of a run directory (``gpumagic.telemetry.store.runs_root()/<run id>/``)::
     metrics/rank-N.names  metric names of rank N, one per line, in id order (written before their points)
     metrics/rank-N.bin    batches of points: uint32 count, then count x (time, step, name id, value) float64
 
+``telemetry.run_files`` names these and every other file of a run directory.
+
 A batch is written with one ``write`` call every 0.1 s and at exit, so a SIGKILL loses at most the last
 0.1 s; a reader ignores a batch that is not complete yet. A write that fails part way (a full disk) is cut
 off again, and a reader passes over a torn batch a dead writer left, so one bad batch never hides the rest.
@@ -32,6 +34,7 @@ from typing import Any
 
 from gpumagic.errors import DiskFull
 from gpumagic.telemetry.private import is_own_run, make_own_directory, private_directory, safe_root, write_private
+from gpumagic.telemetry.run_files import RunFiles
 
 RUNS_VARIABLE = "GPUMAGIC_RUNS_DIR"
 RUN_DIR_VARIABLE = "GPUMAGIC_RUN_DIR"
@@ -62,19 +65,22 @@ def new_run(kind: str, ranks: int = 1, root: Path | None = None, **details: Any)
     """
     root = safe_root(root)
     path = make_own_directory(root, kind)
+    files = RunFiles(path)
     try:
-        private_directory(path / "metrics")
+        private_directory(files.metrics)
         info = {
             "id": path.name,
             "kind": kind,
             "created": time.time(),
             "ranks": ranks,
             "pid": os.getpid(),
+            "pid_start": _own_start_time(),
+            "pid_space": _pid_space(),
             "host": socket.gethostname(),
             "status": "running",
             **details,
         }
-        _write_json(path / "run.json", info)
+        _write_json(files.record, info)
     except BaseException as err:
         shutil.rmtree(path, ignore_errors=True)
         if isinstance(err, DiskFull):
@@ -104,9 +110,10 @@ def update_run(path: Path, **fields: Any) -> dict[str, Any]:
         DiskFull: no space even to rewrite it in place.
     """
     with _update_lock:
-        info = json.loads((path / "run.json").read_text())
+        record = RunFiles(path).record
+        info = json.loads(record.read_text())
         info.update(fields)
-        _write_json(path / "run.json", info)
+        _write_json(record, info)
         return info
 
 
@@ -162,8 +169,9 @@ class RankReader:
     TIME_SPAN = 1e8  # seconds (3 years) from the file's first point: a "time" further off is not a point's
 
     def __init__(self, directory: Path, rank: int) -> None:
-        self.bin_path = directory / f"rank-{rank}.bin"
-        self.names_path = directory / f"rank-{rank}.names"
+        files = RunFiles(directory.parent)  # directory: a run's RunFiles.metrics
+        self.bin_path = files.metric_points(rank)
+        self.names_path = files.metric_names(rank)
         self.offset = 0
         self.names: list[str] = []
         self.skipped = 0  # bytes passed over: torn batches
@@ -321,17 +329,58 @@ class Run:
 
     @property
     def status(self) -> str:
+        """``running``, ``finished``, ``failed``, ``interrupted``, or ``lost``: its kernel died while it ran."""
         return self.info.get("status", "?")
+
+    def settle(self) -> Run:
+        """A launch or kernel run still marked ``running`` whose kernel is gone ended with it: record it as
+        ``lost`` and remove the code and results its ranks left (the metrics stay)."""
+        if self.info.get("status") != "running" or self.info.get("kind") not in ("ddp", "kernel"):
+            return self
+        if self.info.get("pid_space") != _pid_space() or _kernel_alive(self.info):
+            return self  # another machine's or container's run cannot be judged from here
+        from gpumagic.launch.rank import remove_launch_directories
+
+        remove_launch_directories(RunFiles(self.path))
+        try:
+            self.info = update_run(self.path, status="lost", ended=time.time())
+        except OSError:
+            self.info = {**self.info, "status": "lost"}
+        return self
 
     def metrics(self) -> dict[int, dict[str, Series]]:
         """``{rank: {metric name: Series}}`` of every point written so far."""
-        directory = self.path / "metrics"
-        ranks = sorted(int(p.stem.split("-")[1]) for p in directory.glob("rank-*.bin"))
-        return {rank: RankReader(directory, rank).read() for rank in ranks}
+        files = RunFiles(self.path)
+        return {rank: RankReader(files.metrics, rank).read() for rank in files.metric_ranks()}
 
     def __repr__(self) -> str:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.info.get("created", 0)))
-        return f"Run({self.id}, {self.info.get('kind')}, {self.info.get('ranks')} rank(s), {self.status}, {created})"
+        status = "lost with its kernel" if self.status == "lost" else self.status
+        return f"Run({self.id}, {self.info.get('kind')}, {self.info.get('ranks')} rank(s), {status}, {created})"
+
+
+def _own_start_time() -> float | None:
+    from gpumagic.devices.processes import process_start_time
+
+    return process_start_time(os.getpid())
+
+
+def _pid_space() -> str:
+    """Where a PID means this process: the machine's boot and this PID namespace (containers sharing a host
+    name have their own PIDs)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot = handle.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return socket.gethostname()
+
+
+def _kernel_alive(info: dict[str, Any]) -> bool:
+    from gpumagic.devices.processes import is_same_process
+
+    pid = info.get("pid")
+    return isinstance(pid, int) and is_same_process(pid, info.get("pid_start"))
 
 
 def load_run(run_id: str) -> Run:
@@ -343,11 +392,12 @@ def load_run(run_id: str) -> Run:
     from gpumagic.errors import InvalidArgument
 
     candidate = Path(run_id)
-    if candidate.is_dir() and (candidate / "run.json").exists():
-        return Run(candidate, json.loads((candidate / "run.json").read_text()))
+    record = RunFiles(candidate).record
+    if candidate.is_dir() and record.exists():
+        return Run(candidate, json.loads(record.read_text())).settle()
     root = runs_root()
     matches = (
-        sorted(p for p in root.glob(f"{run_id}*") if is_own_run(p) and (p / "run.json").exists())
+        sorted(p for p in root.glob(f"{run_id}*") if is_own_run(p) and RunFiles(p).record.exists())
         if root.exists()
         else []
     )
@@ -355,7 +405,7 @@ def load_run(run_id: str) -> Run:
         raise InvalidArgument(f"no run {run_id!r} in {root}; gpumagic.runs() lists them")
     if len(matches) > 1:
         raise InvalidArgument(f"{run_id!r} matches {len(matches)} runs; give more of the id")
-    return Run(matches[0], json.loads((matches[0] / "run.json").read_text()))
+    return Run(matches[0], json.loads(RunFiles(matches[0]).record.read_text())).settle()
 
 
 def list_runs() -> list[Run]:
@@ -369,7 +419,7 @@ def list_runs() -> list[Run]:
             continue  # another user's, in a shared runs directory
         path = Path(entry.path)
         try:
-            runs.append(Run(path, json.loads((path / "run.json").read_text())))
+            runs.append(Run(path, json.loads(RunFiles(path).record.read_text())).settle())
         except (OSError, ValueError):
             continue
     # by creation time: names sort by the second only, then by their random part

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpumagic.telemetry.run_files import RunFiles
 from gpumagic.widgets.gpu_watch import REFRESH_EVERY_S, _owned_box_class
 from gpumagic.widgets.plots import FIRST_REFRESH_S, PALETTE, load_bokehjs, refresh, step_figure
 
@@ -152,7 +153,7 @@ class JobWatch:
         self.plot.legend.click_policy = "hide"
         self.plot.legend.location = "top_right"
         self.sources[path] = source
-        self._readers[path] = RankReader(path / "metrics", 0)
+        self._readers[path] = RankReader(RunFiles(path).metrics, 0)
 
     @staticmethod
     def _row_widgets(texts: tuple[str, ...]) -> Any:
@@ -213,7 +214,7 @@ class JobWatch:
         self.plot.title.text = f"{metric} per job"
         for path, source in self.sources.items():
             source.data = {"step": [], "value": []}
-            self._readers[path] = RankReader(path / "metrics", 0)
+            self._readers[path] = RankReader(RunFiles(path).metrics, 0)
 
     def _kill(self, path: Path) -> None:
         from gpumagic.jobs.api import Job

@@ -11,126 +11,250 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gpumagic.devices.processes import is_running
+from gpumagic.launch.output import in_kernel
 from gpumagic.widgets.gpu_watch import REFRESH_EVERY_S
-from gpumagic.widgets.plots import load_bokehjs, rank_curve, refresh, step_figure, time_figure
+from gpumagic.widgets.plots import FIRST_REFRESH_S, load_bokehjs, rank_curve, refresh, step_figure, time_figure
 
 MIB = float(1 << 20)
 
 
 class LaunchDashboard:
-    """Create it before the launch, ``attach`` the run when the ranks start, ``finish`` when they end."""
+    """Create it before the launch, ``attach`` the run when the ranks start (it shows itself then, so a launch
+    refused before any rank started shows nothing), ``finish`` when they end.
 
-    def __init__(self, history: int = 2000, push_interval: float = 0.5) -> None:
-        import ipywidgets
-        from bokeh.layouts import column
-        from bokeh.models import ColumnDataSource
-        from jupyter_bokeh.widgets import BokehModel
+    Light on a launch: until the ranks have run ``live_after`` seconds it is a status line; then its thread
+    builds the live plots (a bokeh widget) under it. ``stoppable`` (``--no-wait``) adds a Stop button.
+    Finished, it turns into a static copy of its last state, curves included, and closes its widgets: a
+    notebook that launches hundreds of times keeps no live widget per launch.
+    """
 
+    def __init__(
+        self, history: int = 2000, push_interval: float = 0.5, *, stoppable: bool = False, live_after: float = 0.5
+    ) -> None:
         self.nprocs = 0
         self.history = history
         self.push_interval = push_interval
+        self.stoppable = stoppable
+        self.live_after = live_after
         self.started = time.monotonic()
         self.run_dir: Path | None = None
-        self.pids: list[int] = []
+        self.pids: list[int | None] = []
+        self.gpu_uuids: list[str] = []
         self.use_gpus = False
         self.state = "starting"
         self.points = 0
-        self._steps: list[tuple[float, float]] = []  # (time, step) of rank 0's latest points, for the step rate
+        self.cancel = threading.Event()
+        self.metric_sources: dict[tuple[str, int], Any] = {}
+        self.metric_figures: dict[str, Any] = {}
+        self.resource_sources: dict[int, Any] = {}
+        self.resource_figures: tuple[Any, ...] = ()
+        self.layout: Any = None
+        self.plots: Any = None
+        self.status: Any = None
+        self.stop_button: Any = None
+        self.widget: Any = None
+        self.snapshot = ""  # the static copy it turns into when finished (HTML)
+        self._shown = False
+        self._concluded = False
+        self._display: Any = None
+        self._note = ""
+        self._figures_html = ""  # the static copy's plots
+        self._steps: list[tuple[float, float]] = []  # (time, step) of rank 0's first and latest points
         self._readers: list[Any] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.metric_sources: dict[tuple[str, int], ColumnDataSource] = {}
-        self.metric_figures: dict[str, Any] = {}
-        self.resource_sources: dict[int, Any] = {}
-        self._column_data_source = ColumnDataSource
-        memory = time_figure("memory per rank, MiB", 180)
-        busy = time_figure("utilization per rank, %", 160, linked=memory)
-        self.resource_figures = (memory, busy)
-        self.layout = column(memory, busy, sizing_mode="stretch_width")
-        self.cancel = threading.Event()
-        self.status = ipywidgets.HTML(self._status_text())
-        self.stop_button = ipywidgets.Button(
-            description="Stop",
-            icon="stop",
-            tooltip="stop every rank (with --no-wait; a blocking cell stops with the kernel's interrupt)",
-        )
-        self.stop_button.on_click(lambda _: self.cancel.set())
-        self.plots = BokehModel(self.layout)
-        self.widget = ipywidgets.VBox([ipywidgets.HBox([self.stop_button, self.status]), self.plots])
+        self._processes: dict[int, Any] = {}
+        self._samples: dict[int, dict[str, list[float]]] = {}  # resources sampled before the plots exist
 
     def show(self) -> None:
+        """Display the status line now (with the Stop button if ``stoppable``); the plots join it later."""
         from IPython.display import display
 
+        if self._shown:
+            return
+        self._shown = True
+        self._make_widget()
+        if not in_kernel():  # a script, a test: nowhere to show it
+            return
         load_bokehjs()
-        display(self.widget)
+        self._display = display(self.widget, display_id=True)
 
-    def attach(self, plan: Any, pids: list[int | None]) -> None:
-        """The ranks of ``plan`` (a ``LaunchPlan``) started: follow their metrics and processes until ``finish``
-        (``None`` for a rank on another node: its metrics only)."""
+    def attach(
+        self,
+        run_dir: Path,
+        pids: list[int | None],
+        *,
+        rank_gpus: Sequence[Sequence[str]] = (),
+        use_gpus: bool = False,
+    ) -> None:
+        """The ranks started: follow the run's metrics and their processes until ``finish`` (a pid ``None``: a
+        rank on another node, its metrics only; ``rank_gpus``: each rank's GPU UUIDs)."""
+        from gpumagic.telemetry.run_files import RunFiles
         from gpumagic.telemetry.store import RankReader
 
-        self.run_dir = Path(plan.job_dir).parent  # the launch's files live in <run dir>/launch
-        use_gpus = plan.use_cuda
+        self.run_dir = Path(run_dir)
         self.pids = list(pids)
         self.nprocs = len(pids)
-        memory, busy = self.resource_figures
-        for rank in range(self.nprocs):
-            source = self.resource_sources[rank] = self._column_data_source({"time": [], "memory": [], "busy": []})
-            rank_curve(memory, source, rank, x="time", y="memory")
-            rank_curve(busy, source, rank, x="time", y="busy")
         self.use_gpus = use_gpus
-        self.gpu_uuids = [gpus[0] if gpus else "" for gpus in plan.rank_gpus]
+        self.gpu_uuids = [gpus[0] if gpus else "" for gpus in rank_gpus]
         self.state = "running"
-        self._readers = [RankReader(self.run_dir / "metrics", rank) for rank in range(self.nprocs)]
-        self.resource_figures[0].title.text = (
-            "GPU memory per rank, MiB" if use_gpus else "resident memory per rank (CPU ranks), MiB"
-        )
-        self.resource_figures[1].title.text = "GPU utilization per rank, %" if use_gpus else "CPU use per rank, %"
+        self.show()
+        metrics = RunFiles(self.run_dir).metrics
+        self._readers = [RankReader(metrics, rank) for rank in range(self.nprocs)]
+        self._processes = _rank_processes(self.pids)
         self._thread = threading.Thread(target=self._loop, name="gpumagic-launch-dashboard", daemon=True)
         self._thread.start()
 
     def finish(self, state: str) -> None:
-        """The launch ended (``finished``, ``failed``, ``interrupted``): a last update, then the thread stops."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
+        """The launch ended (``finished``, ``failed``, ``interrupted``). Returns at once: the dashboard's thread
+        makes a last update, then turns the dashboard into a static copy of itself and closes its widgets
+        (``join`` waits for that)."""
         self.state = state
-        self.status.value = self._status_text()
-        self.stop_button.disabled = True
+        self._stop.set()
+        if self._thread is None or not self._thread.is_alive():
+            self._conclude()
+
+    def join(self, timeout: float | None = 10.0) -> None:
+        """Wait until a finished dashboard has made its last update and closed its widgets."""
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def _loop(self) -> None:
-        import psutil
+    def _make_widget(self) -> None:
+        """The live widget: the status line (and Stop button), to which ``_go_live`` adds the plots."""
+        import ipywidgets
 
-        processes = {}
-        for rank, pid in enumerate(self.pids):
-            if pid is None:  # a rank on another node
-                continue
+        self.status = ipywidgets.HTML(self._status_text())
+        row: list[Any] = [self.status]
+        if self.stoppable:
+            self.stop_button = ipywidgets.Button(
+                description="Stop", icon="stop", tooltip="stop every rank (a blocking cell: the kernel's interrupt)"
+            )
+            self.stop_button.on_click(lambda _: self.cancel.set())
+            row.insert(0, self.stop_button)
+        self.widget = ipywidgets.VBox([ipywidgets.HBox(row)])
+
+    def _go_live(self) -> None:
+        """The launch runs on: the live plots, under the status line."""
+        from jupyter_bokeh.widgets import BokehModel
+
+        self._build_figures()
+        self.plots = BokehModel(self.layout)
+        self.widget.children = (*self.widget.children, self.plots)
+
+    def _build_figures(self) -> None:
+        from bokeh.layouts import column
+        from bokeh.models import ColumnDataSource
+
+        if self.layout is not None:
+            return
+        memory = time_figure(
+            "GPU memory per rank, MiB" if self.use_gpus else "resident memory per rank (CPU ranks), MiB", 180
+        )
+        busy = time_figure(
+            "GPU utilization per rank, %" if self.use_gpus else "CPU use per rank, %", 160, linked=memory
+        )
+        self.resource_figures = (memory, busy)
+        for rank in range(self.nprocs):
+            sampled = self._samples.pop(rank, {"time": [], "memory": [], "busy": []})
+            source = self.resource_sources[rank] = ColumnDataSource(sampled)
+            rank_curve(memory, source, rank, x="time", y="memory")
+            rank_curve(busy, source, rank, x="time", y="busy")
+        self.layout = column(memory, busy, sizing_mode="stretch_width")
+
+    def _loop(self) -> None:
+        live = False
+        last_refresh = 0.0
+        wait = min(0.1, self.push_interval)  # the first resource sample soon: a short launch gets one too
+        try:
+            while not self._stop.wait(wait):
+                wait = self.push_interval
+                if not live and time.monotonic() - self.started >= self.live_after:
+                    self._go_live()  # the launch runs on: the plots, with what was sampled so far
+                    live = True
+                    last_refresh = time.monotonic() - REFRESH_EVERY_S + FIRST_REFRESH_S  # a view built late
+                try:
+                    self._push_resources(self._processes)
+                    if live:
+                        self._push_metrics()
+                        if time.monotonic() - last_refresh >= REFRESH_EVERY_S:
+                            refresh(self.plots, self.layout)  # so a browser reload shows the curves
+                            last_refresh = time.monotonic()
+                except Exception:  # noqa: BLE001 - a dashboard hiccup must never break the launch
+                    pass
+                if self.status is not None:
+                    self.status.value = self._status_text()
+        except Exception:  # noqa: BLE001 - a dashboard hiccup must never break the launch
+            self._stop.wait()
+        finally:
             try:
-                processes[rank] = psutil.Process(pid)
-                processes[rank].cpu_percent(None)
-            except psutil.Error:
+                self._conclude()
+            except Exception:  # noqa: BLE001
                 pass
-        last_refresh = time.monotonic()
-        while True:
-            stopping = self._stop.wait(self.push_interval)
-            try:
-                self._push_metrics()
-                self._push_resources(processes)
-                if stopping or time.monotonic() - last_refresh >= REFRESH_EVERY_S:
-                    refresh(self.plots, self.layout)  # so a browser reload shows the curves, also at the end
-                    last_refresh = time.monotonic()
-            except Exception:  # noqa: BLE001 - a dashboard hiccup must never break the launch
-                pass
+
+    def _conclude(self) -> None:
+        """The last update, then the static copy in place of the live widgets, which are closed."""
+        if self._concluded or not self._shown:
+            return
+        self._concluded = True
+        self._build_figures()
+        try:
+            self._push_metrics()
+            self._push_resources(self._processes)
+        except Exception:  # noqa: BLE001 - the copy shows what there is
+            pass
+        if self.status is not None:
             self.status.value = self._status_text()
-            if stopping:
-                return
+        if not any(len(s.data["time"]) for s in self.resource_sources.values()):
+            self.layout.children = [c for c in self.layout.children if c not in self.resource_figures]
+        if self.layout.children:
+            from bokeh.embed import components
+
+            script, div = components(self.layout)
+            self._figures_html = div + script
+        self._show_snapshot()
+        self._close_widgets()
+
+    def add_note(self, html: str) -> None:
+        """A line under the status (a background launch's error), in the live view and in the static copy."""
+        self._note = f"<br>{html}"
+        if self._concluded:
+            self._show_snapshot()
+        elif self.status is not None:
+            self.status.value = self._status_text()
+
+    def _show_snapshot(self) -> None:
+        from IPython.display import HTML
+
+        self.snapshot = self._status_html() + self._figures_html
+        if self._display is not None:
+            self._display.update(HTML(self.snapshot))
+
+    def _close_widgets(self) -> None:
+        """Close the live widgets: their comms, their styles and layouts (widgets too), and the bokeh document."""
+        if self.stop_button is not None:
+            self.stop_button.disabled = True
+        if self.widget is not None:
+            row = self.widget.children[0]
+            for widget in (self.plots, self.stop_button, self.status, row, self.widget):
+                for part in (getattr(widget, "style", None), getattr(widget, "layout", None)):
+                    if part is not None and part.comm is not None:
+                        part.close()  # close() leaves a widget's style and layout open
+                if widget is not None and widget.comm is not None:
+                    widget.close()
+        if self.layout is not None and self.layout.document is not None:
+            self.layout.document.remove_root(self.layout)  # frees the document; a second close() is a no-op
+
+    def _status_html(self) -> str:
+        return f"<div class='gpumagic-launch-dashboard'>{self._status_text()}</div>"
 
     def _push_metrics(self) -> None:
         for rank, reader in enumerate(self._readers):
@@ -138,15 +262,17 @@ class LaunchDashboard:
                 source = self.metric_sources.get((name, rank)) or self._add_metric(name, rank)
                 source.stream({"step": series.steps, "value": series.values}, rollover=self.history)
                 self.points += len(series)
-                if rank == 0 and series.steps:
-                    self._steps.append((series.times[-1], series.steps[-1]))
+                if rank == 0 and series.steps:  # the first and the latest: enough for the step rate
+                    self._steps[1:] = [(series.times[-1], series.steps[-1])]
 
     def _add_metric(self, name: str, rank: int) -> Any:
         plot = self.metric_figures.get(name)
         if plot is None:
             plot = self.metric_figures[name] = step_figure(name, 200)
             self.layout.children.insert(len(self.metric_figures) - 1, plot)
-        source = self._column_data_source({"step": [], "value": []})
+        from bokeh.models import ColumnDataSource
+
+        source = ColumnDataSource({"step": [], "value": []})
         rank_curve(plot, source, rank)
         self.metric_sources[(name, rank)] = source
         return source
@@ -157,9 +283,9 @@ class LaunchDashboard:
         now = time.time() * 1000
         gpus = {}
         if self.use_gpus:
-            import gpumagic
+            from gpumagic.devices.inventory import read_inventory
 
-            gpus = {g.uuid: g for g in gpumagic.gpus().gpus}
+            gpus = {g.uuid: g for g in read_inventory().gpus}
         for rank, process in processes.items():
             try:
                 if self.use_gpus and rank < len(self.gpu_uuids) and self.gpu_uuids[rank] in gpus:
@@ -171,25 +297,39 @@ class LaunchDashboard:
                     memory, busy = process.memory_info().rss / MIB, process.cpu_percent(None)
             except psutil.Error:
                 continue
-            self.resource_sources[rank].stream(
-                {"time": [now], "memory": [memory], "busy": [busy]}, rollover=self.history
-            )
+            sample = {"time": [now], "memory": [memory], "busy": [busy]}
+            if rank in self.resource_sources:
+                self.resource_sources[rank].stream(sample, rollover=self.history)
+            else:  # not live yet: kept for the plots
+                kept = self._samples.setdefault(rank, {"time": [], "memory": [], "busy": []})
+                for key, values in sample.items():
+                    kept[key] = (kept[key] + values)[-self.history :]
 
     def _status_text(self) -> str:
         elapsed = time.monotonic() - self.started
-        alive = sum(1 for pid in self.pids if pid is not None and _alive(pid)) if self.state == "running" else 0
+        alive = sum(1 for pid in self.pids if pid is not None and is_running(pid)) if self.state == "running" else 0
         progress = ""
         if self._steps:
             (t0, s0), (t1, s1) = self._steps[0], self._steps[-1]
             rate = (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
             progress = f" · step {s1:,.0f} ({rate:,.1f} steps/s)"
-        return f"<b>%%launch_ddp</b> · {self.state} · {alive}/{self.nprocs} ranks alive{progress} · {elapsed:,.1f}s"
+        return (
+            f"<b>%%launch_ddp</b> · {self.state} · {alive}/{self.nprocs} ranks alive{progress} · {elapsed:,.1f}s"
+            + self._note
+        )
 
 
-def _alive(pid: int) -> bool:
+def _rank_processes(pids: list[int | None]) -> dict[int, Any]:
+    """The local ranks' processes by rank (their CPU use counted from now)."""
     import psutil
 
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+    processes = {}
+    for rank, pid in enumerate(pids):
+        if pid is None:  # a rank on another node
+            continue
+        try:
+            processes[rank] = psutil.Process(pid)
+            processes[rank].cpu_percent(None)
+        except psutil.Error:
+            pass
+    return processes

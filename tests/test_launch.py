@@ -373,7 +373,7 @@ def test_ranks_use_their_simulated_gpus(start_kernel):
     k.ok("%%launch_ddp -n 2 --gpus none -o cpu\nimport os\n(os.environ['CUDA_VISIBLE_DEVICES'], str(device))")
     assert k.ok("print(cpu)").stdout.strip() == "{0: ('', 'cpu'), 1: ('', 'cpu')}"
     assert k.ok("print(os.environ['CUDA_VISIBLE_DEVICES'])").stdout.strip() == picked
-    assert repr(k.ok("%gpu").text[0]).count("leased by this kernel") == 2
+    assert repr(k.ok("%gpu").text).count("leased by this kernel") == 2  # text: a finished dashboard may update late
     # spawn, as mp.spawn: every process sees the kernel's GPUs, however many processes there are
     shared = k.ok("print(gpumagic.spawn(lambda r: os.environ['CUDA_VISIBLE_DEVICES'], nprocs=3))").stdout
     assert shared.strip() == str({0: picked, 1: picked, 2: picked})

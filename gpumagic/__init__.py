@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from gpumagic.devices.visibility import Visibility
     from gpumagic.jobs.api import Job, JobFailed
     from gpumagic.launch.failures import LaunchError, LaunchInterrupted
+    from gpumagic.launch.persistent import RankGroup
     from gpumagic.launch.seeding import SeedReport
     from gpumagic.telemetry.log import log
     from gpumagic.widgets.status_table import StatusTable
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "CellFailed",
+    "CellInterrupted",
     "GpuLeasedError",
     "GpumagicError",
     "InvalidArgument",
@@ -49,8 +52,10 @@ __all__ = [
     "LeaseDirectoryError",
     "NoGpuError",
     "NotEnoughGpusError",
+    "ddp_group",
     "gpus",
     "job",
+    "keep",
     "kill",
     "launch_ddp",
     "list_jobs",
@@ -59,6 +64,7 @@ __all__ = [
     "log",
     "pick",
     "plot_run",
+    "ranks",
     "release",
     "runs",
     "seed",
@@ -77,6 +83,8 @@ _LAZY = {
     "LaunchInterrupted": ("gpumagic.launch.failures", "LaunchInterrupted"),
     "JobFailed": ("gpumagic.jobs.api", "JobFailed"),
     "Job": ("gpumagic.jobs.api", "Job"),
+    "CellFailed": ("gpumagic.launch.persistent", "CellFailed"),
+    "CellInterrupted": ("gpumagic.launch.persistent", "CellInterrupted"),
 }
 
 
@@ -93,12 +101,15 @@ def __getattr__(name: str) -> Any:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """Called by ``%load_ext gpumagic``: registers ``%gpu``, ``%%launch_ddp``, ``%%launch_bg`` and ``%jobs``."""
+    """Called by ``%load_ext gpumagic``: registers ``%gpu``, ``%%launch_ddp``, ``%ddp``/``%%ddp``,
+    ``%%launch_bg`` and ``%jobs``."""
+    from gpumagic.ddp_magics import DdpMagics
     from gpumagic.job_magics import JobMagics
     from gpumagic.magics import GpuMagics, LaunchMagics
 
     ipython.register_magics(GpuMagics)
     ipython.register_magics(LaunchMagics)
+    ipython.register_magics(DdpMagics)
     ipython.register_magics(JobMagics)
 
 
@@ -198,6 +209,39 @@ def spawn(fn: Any, args: tuple = (), nprocs: int = 1, join: bool = True, **optio
     from gpumagic.launch.ddp import spawn as _spawn
 
     return _spawn(fn, args, nprocs, join, **options)
+
+
+def ranks(nprocs: int | None = None, **options: Any) -> RankGroup:
+    """Start ``nprocs`` ranks with their process group ready, kept across calls (``%ddp start``'s API).
+
+    ``group.run(fn, *args)`` and ``group.exec(code)`` return ``{rank: value}``; each rank keeps its namespace
+    between them (``rank``, ``world_size``, ``device``, ``dist`` defined). ``group.pull(name, rank=0)`` copies a
+    value to the kernel (tensors on the CPU), ``group.push(name=value)`` sets names on every rank,
+    ``group.status()``, ``group.free()``, ``group.close()``; a context manager. Options: ``gpus`` (a spec,
+    ``"auto"`` or ``"none"``), ``gpus_per_rank``, ``backend``, ``timeout`` (the process group's), ``grace``
+    (how long an interrupted rank may stay busy before its collective is broken, default 5 s), ``output``
+    (``rank0``, ``all``, ``none``). See docs/launch.md.
+    """
+    from gpumagic.launch.persistent import RankGroup
+
+    return RankGroup(nprocs, **options)
+
+
+def ddp_group() -> RankGroup | None:
+    """The group ``%ddp start`` (or the first ``%%ddp`` cell) started in this kernel; ``None`` if none runs."""
+    from gpumagic.ddp_magics import DdpMagics
+
+    group = DdpMagics.group
+    return group if group is not None and not group.closed else None
+
+
+def keep(*objects: Any, **named: Any) -> None:
+    """In a rank of a persistent group: state to restore when a dead rank is replaced (``keep(model, optimizer)``
+    or ``keep(model=m)``). A healthy rank's copy is sent to the fresh rank; DDP models are wrapped again. Outside
+    such a rank it does nothing."""
+    from gpumagic.launch.group_rank import keep as _keep
+
+    _keep(*objects, **named)
 
 
 def runs() -> list:

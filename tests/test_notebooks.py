@@ -70,8 +70,22 @@ def test_notebook_runs(path, isolated_leases, monkeypatch):
         assert "[rank 0] epoch 0: loss" in outputs and "rank 1: accuracy" in outputs
         assert "rank 1 failed: raised RuntimeError: rank 1 ran out of luck" in outputs
         assert "{0: 3.0, 1: 3.0}" in outputs
+    if path.name == "05_interactive_ddp.ipynb":
+        assert "2 ranks ready (gloo, CPU)" in outputs and "(same on rank 1)" in outputs
+        assert "[rank 0] epoch 50: loss" in outputs and "[rank 0] epoch 80: loss" in outputs  # trained on
+        assert "(lr 0.02)" in outputs  # the changed learning rate reached the ranks
+        assert "timed out: the cell was stopped on every rank" in outputs
+        assert "re-wrapped model in DistributedDataParallel on the new group" in outputs
+        assert "[rank 0] epochs so far: 100" in outputs  # the model and its epoch count survived the stuck cell
+        assert "Sequential" in outputs and "stopped 2 ranks" in outputs
 
 
 def test_there_are_notebooks():
-    expected = {"01_pick_gpus.ipynb", "02_ddp.ipynb", "03_live_dashboard.ipynb", "04_background_sweep.ipynb"}
+    expected = {
+        "01_pick_gpus.ipynb",
+        "02_ddp.ipynb",
+        "03_live_dashboard.ipynb",
+        "04_background_sweep.ipynb",
+        "05_interactive_ddp.ipynb",
+    }
     assert expected <= {p.name for p in NOTEBOOKS}

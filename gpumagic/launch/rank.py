@@ -432,7 +432,7 @@ class ProcessGroupExists(RuntimeError):
     """The user's code asked for a process group other than the one the launch made."""
 
 
-def _accept_the_users_own_set_up(backend: str, world_size: int, rank: int) -> None:
+def _accept_the_users_own_set_up(backend: str, world_size: int, rank: int, made_by: str = "%%launch_ddp") -> None:
     """Let code written for torchrun (``init_process_group(...)`` first thing, as pytorch/examples' multigpu.py)
     run unchanged: a call asking for the group the launch made does nothing, with one line from rank 0; a call
     asking for another group fails in one line that says what to change."""
@@ -459,13 +459,13 @@ def _accept_the_users_own_set_up(backend: str, world_size: int, rank: int) -> No
             if not same:
                 wanted = ", ".join(f"{k}={v!r}" for k, v in asked.items() if k in ("backend", "world_size", "rank"))
                 raise ProcessGroupExists(
-                    f"init_process_group({wanted}): %%launch_ddp made the process group already ({made}, this is rank "
+                    f"init_process_group({wanted}): {made_by} made the process group already ({made}, this is rank "
                     f"{rank}); remove the call, or launch with the backend (--backend) and number of ranks (-n) it "
                     "asks for"
                 )
             if rank == 0:
                 print(
-                    f"[gpumagic] init_process_group: %%launch_ddp made the process group already ({made}); "
+                    f"[gpumagic] init_process_group: {made_by} made the process group already ({made}); "
                     "the call does nothing",
                     file=sys.stderr,
                 )

@@ -21,7 +21,14 @@ import sys
 import threading
 from typing import Any
 
-BASE_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "cloudpickle", "gpumagic.launch.rank")
+BASE_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "cloudpickle",
+    "gpumagic.launch.rank",
+    "gpumagic.launch.group_rank",
+)
 # imported by the kernel's user, these are worth importing once in the server instead of once per rank
 HEAVY_LIBRARIES = (
     "numpy",

@@ -34,8 +34,15 @@ class LaunchDashboard:
     """
 
     def __init__(
-        self, history: int = 2000, push_interval: float = 0.5, *, stoppable: bool = False, live_after: float = 0.5
+        self,
+        history: int = 2000,
+        push_interval: float = 0.5,
+        *,
+        stoppable: bool = False,
+        live_after: float = 0.5,
+        title: str = "%%launch_ddp",
     ) -> None:
+        self.title = title  # what the status line is about: a launch, or a persistent group (%ddp)
         self.nprocs = 0
         self.history = history
         self.push_interval = push_interval
@@ -314,7 +321,7 @@ class LaunchDashboard:
             rate = (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
             progress = f" · step {s1:,.0f} ({rate:,.1f} steps/s)"
         return (
-            f"<b>%%launch_ddp</b> · {self.state} · {alive}/{self.nprocs} ranks alive{progress} · {elapsed:,.1f}s"
+            f"<b>{self.title}</b> · {self.state} · {alive}/{self.nprocs} ranks alive{progress} · {elapsed:,.1f}s"
             + self._note
         )
 

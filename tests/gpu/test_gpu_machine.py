@@ -1,6 +1,7 @@
 """gpumagic on a real NVIDIA GPU (``pytest -m gpu``): the inventory, a pick that a child's torch follows, no
 false "too late" in a fresh kernel, an NCCL launch training on the GPU with its dashboard, CPU ranks beside a
-GPU, a background GPU job, ``%gpu kill`` of one's own GPU process, and two jobs sharing one GPU.
+GPU, a persistent NCCL group started from a kernel that uses CUDA, a background GPU job, ``%gpu kill`` of one's
+own GPU process, and two jobs sharing one GPU.
 
 Skipped, with the reason, where there is no NVIDIA driver, GPU or CUDA build of torch (see ``real_gpu``).
 """
@@ -140,6 +141,25 @@ def test_launch_ddp_trains_with_nccl_on_the_gpu_and_the_dashboard_shows_its_memo
     ).stdout.splitlines()
     assert dashboard[0] == "finished" and dashboard[1].startswith("GPU memory per rank")
     assert float(dashboard[2]) >= 1024  # MiB: the rank's GiB block on its GPU
+
+
+def test_a_kernel_that_started_cuda_runs_a_persistent_nccl_group_that_keeps_the_model_on_the_gpu(start_kernel):
+    kernel = start_kernel()
+    kernel.ok("import torch\nx = torch.ones(1, device='cuda')\n%load_ext gpumagic\nimport gpumagic")
+    kernel.ok("%ddp start -n 1 --gpus auto --no-dashboard", timeout=240)
+    kernel.ok("%%ddp\nmodel = torch.nn.Linear(1024, 1024).to(device)\nfirst = model.weight.data_ptr()")
+    out = kernel.ok(
+        "%%ddp -o seen\nt = torch.ones(1, device=device)\ndist.all_reduce(t)\n"
+        "(dist.get_backend(), str(model.weight.device), model.weight.data_ptr() == first,\n"
+        " torch.cuda.memory_allocated())"
+    )
+    backend, device, same, allocated = eval(kernel.ok("print(seen[0])").stdout)
+    assert (backend, device, same) == ("nccl", "cuda:0", True) and allocated >= 4 << 20, out.all_text
+    status = kernel.ok("%ddp status").all_text
+    assert "MiB" in status and "idle" in status
+    freed = kernel.ok("%%ddp\ndel model\n").status
+    assert freed == "ok" and "released" in kernel.ok("%ddp free").all_text
+    kernel.ok("%ddp stop")
 
 
 def test_cpu_ranks_on_a_gpu_machine_use_gloo_and_see_no_gpu(start_kernel):

@@ -1,0 +1,555 @@
+"""A rank that lives across cells (``%%ddp``, ``gpumagic.ranks``): the rank runtime's set-up, then a loop that
+runs what the kernel sends (cells, functions, pull/push, re-forming the process group) in one namespace that
+persists, until the kernel closes the group or dies.
+
+Two threads. The main thread runs the user's code, so the kernel's interrupt (SIGINT) raises
+KeyboardInterrupt there. The control thread reads every message from the kernel: ``status`` and ``break``
+(shut the process group's connections so a collective stuck waiting for a peer fails at once) it answers
+itself, even while the main thread is busy; the rest it queues for the main thread.
+
+Started from the rank server like a launch's ranks (``run_local_rank``); imported there, so nothing heavy is
+imported at module level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import queue
+import signal
+import socket
+import stat
+import threading
+import time
+import types
+from typing import Any
+
+from gpumagic.launch.plan import LaunchPlan
+from gpumagic.launch.rank import (
+    RankSetup,
+    _accept_the_users_own_set_up,
+    _die_with,
+    _end_own_group,
+    _fork_for_workers,
+    _keep_ended_process_groups,
+    _notebook_main,
+    _replace_in_torch_distributed,
+    _route_output,
+    _seed_from_environment,
+    _set_environment,
+    _user_traceback,
+    flush,
+    join_process_group,
+    rank_namespace,
+)
+from gpumagic.telemetry.run_files import RunFiles
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "recv",
+)
+
+_kept: dict[str, None] = {}  # names registered with gpumagic.keep, in registration order
+_this_rank: GroupRank | None = None
+
+
+def serve_group_rank(local_rank: int, plan: LaunchPlan, output: Any, connection: Any, status: Any) -> None:
+    """The target of a group rank's process: set up, then serve the kernel until it closes the group."""
+    os.setpgid(0, 0)  # the rank leads its own process group: what it starts ends with it
+    _die_with(plan.launcher_pid)
+    _route_output(0, [output])
+    _set_environment(plan.environment(local_rank))
+    setup = RankSetup(
+        files=RunFiles(plan.run_dir),
+        rank=plan.global_rank(local_rank),
+        local_rank=local_rank,
+        world_size=plan.world_size,
+        backend=plan.backend,
+        master_addr=plan.master_addr,
+        timeout_s=plan.timeout_s,
+        use_cuda=plan.use_cuda,
+        threads=plan.threads_per_rank,
+    )
+    code = GroupRank(setup, connection, status).serve()
+    flush()
+    os._exit(code)
+
+
+def keep(*objects: Any, **named: Any) -> None:
+    """Register state to restore in a rank that replaces a dead one (``gpumagic.keep``); a no-op outside a
+    persistent group. See ``gpumagic.keep``."""
+    if _this_rank is None:
+        return
+    namespace = _this_rank.namespace
+    for name, value in named.items():
+        namespace[name] = value
+        _kept[name] = None
+    for value in objects:
+        names = [n for n, v in namespace.items() if v is value and not n.startswith("_")]
+        if not names:
+            raise ValueError(
+                f"gpumagic.keep: this {type(value).__name__} has no name in the cell's namespace; "
+                "assign it to a variable first, or name it: gpumagic.keep(model=model)"
+            )
+        _kept[sorted(names)[0]] = None
+
+
+class GroupRank:
+    """One rank of a persistent group: its namespace, its process group, and the loop serving the kernel."""
+
+    def __init__(self, setup: RankSetup, connection: Any, status_connection: Any) -> None:
+        self.setup = setup
+        self.connection = connection
+        self.status_connection = status_connection
+        self.jobs: queue.Queue[tuple] = queue.Queue()
+        self.sending = threading.Lock()
+        self.namespace: dict[str, Any] = {}
+        self.shipped: dict[str, int] = {}  # names the kernel sent: the id of the object each was sent as
+        self.device: Any = None
+        self.executing: str | None = None  # the cell being run
+        self.executing_since = 0.0
+        self.collective: tuple[str, float] | None = None
+        self.group_sockets: dict[int, int] = {}  # fd -> inode of the process group's connections
+        self.store_port = 0
+        self.broken = False
+        self.to_wrap: dict[str, dict[str, Any]] = {}  # kept DDP models a fresh rank got as modules
+
+    # --- the loop --------------------------------------------------------------------------------------
+
+    def serve(self) -> int:
+        global _this_rank
+        try:
+            self.set_up()
+        except BaseException as err:  # noqa: BLE001 - the kernel must hear why the rank cannot serve
+            self.send(("failed", 0, _report("setup", err)))
+            return 1
+        _this_rank = self
+        threading.Thread(target=self._control, name="gpumagic-control", daemon=True).start()
+        threading.Thread(target=self._answer_status, name="gpumagic-status", daemon=True).start()
+        self.send(("ready", 0, os.getpid()))
+        while True:
+            try:
+                message = self.jobs.get()
+            except KeyboardInterrupt:  # an interrupt that came after the cell it was meant for ended
+                continue
+            kind, ident, *args = message
+            if kind == "close":
+                self.send(("done", ident, None))
+                return 0
+            self.send(self._handle(kind, ident, args))
+
+    def _handle(self, kind: str, ident: int, args: list[Any]) -> tuple:
+        """Do one request; the reply. An interrupt meant for the user's code that arrives late (while the
+        reply is made) is absorbed here: it must never end the loop."""
+        while True:
+            try:
+                try:
+                    return ("done", ident, getattr(self, f"do_{kind}")(*args))
+                except KeyboardInterrupt:
+                    collective = self.collective
+                    return ("interrupted", ident, collective[0] if collective else None)
+                except BaseException as err:  # noqa: BLE001 - every failure goes back to the kernel
+                    self.executing = None
+                    return ("failed", ident, _report("user code", err))
+                finally:
+                    self.executing = None  # before the reply: a late interrupt must not hit the loop
+                    self.collective = None
+                    flush()
+            except KeyboardInterrupt:
+                if kind in ("exec", "call"):
+                    return ("interrupted", ident, None)
+
+    def send(self, message: tuple) -> None:
+        with self.sending:
+            try:
+                self.connection.send(message)
+            except (OSError, ValueError):  # the kernel is gone: so is this rank
+                _end_own_group()
+
+    def _answer_status(self) -> None:
+        """The status channel: answered at once, whatever the main thread does (the kernel may ask from another
+        thread than the one running cells)."""
+        while True:
+            try:
+                ident = self.status_connection.recv()
+                self.status_connection.send((ident, self.status()))
+            except (EOFError, OSError):
+                return
+
+    def _control(self) -> None:
+        """Read the kernel's messages: ``break`` now, the rest queued for the main thread."""
+        while True:
+            try:
+                message = self.connection.recv()
+            except (EOFError, OSError):
+                _end_own_group()
+                return
+            if message[0] == "break":
+                self.break_group()
+            else:
+                self.jobs.put(message)
+
+    # --- set-up ----------------------------------------------------------------------------------------
+
+    def set_up(self) -> None:
+        import torch
+
+        setup = self.setup
+        torch.set_num_threads(setup.threads)
+        _fork_for_workers()
+        _keep_ended_process_groups()
+        _seed_from_environment()
+        _accept_the_users_own_set_up(setup.backend or "gloo", setup.world_size, setup.rank, made_by="%ddp start")
+        self._track_collectives()
+        self.device = torch.device("cpu")
+        if setup.use_cuda:
+            torch.cuda.set_device(0)
+            self.device = torch.device("cuda", 0)
+        self.namespace = _notebook_main().__dict__
+        self.namespace.update(rank_namespace(setup.rank, setup.local_rank, setup.world_size, self.device))
+        self.provided = set(self.namespace)
+        signal.signal(signal.SIGINT, self._on_interrupt)
+
+    def _on_interrupt(self, signum: int, frame: Any) -> None:
+        if self.executing is not None:
+            raise KeyboardInterrupt
+
+    def _track_collectives(self) -> None:
+        """Note which collective the rank is in, and since when (for ``status`` and interrupts)."""
+
+        def wrap(original: Any) -> Any:
+            name = original.__name__
+
+            def collective(*args: Any, **kwargs: Any) -> Any:
+                outer = self.collective
+                if outer is None:
+                    self.collective = (name, time.time())
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    if outer is None:
+                        self.collective = None
+
+            return collective
+
+        for name in COLLECTIVES:
+            _replace_in_torch_distributed(name, wrap)
+
+    # --- the process group -----------------------------------------------------------------------------
+
+    def do_join(self, addr: str, port: int | None) -> int:
+        """Join a fresh process group (rank 0 serves its store on a free port and reports it first)."""
+        before = set(_socket_inodes().values())
+        listener = None
+        if port is None:
+            listener = socket.create_server((addr, 0), backlog=256)
+            port = listener.getsockname()[1]
+            self.send(("port", -1, port))  # persistent.PORT
+        self.store_port = port
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+        join_process_group(
+            self.setup.backend or "gloo",
+            addr,
+            port,
+            self.setup.rank,
+            self.setup.world_size,
+            self.setup.timeout_s,
+            listener,
+        )
+        self.group_sockets = {fd: inode for fd, inode in _socket_inodes().items() if inode not in before}
+        self.broken = False
+        return port
+
+    def do_leave(self) -> None:
+        """Leave the process group (broken first, so that no peer waits on this rank)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        if not self.broken:
+            self.break_group()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - an aborted group may refuse; it is left behind either way
+            pass
+
+    def break_group(self) -> None:
+        """End every connection of the process group now, from any thread: a collective waiting on a peer fails
+        at once ("Connection closed by peer") instead of after the group's timeout. NCCL groups are aborted."""
+        self.broken = True
+        if (self.setup.backend or "gloo") != "gloo":
+            try:
+                from torch.distributed import distributed_c10d
+
+                distributed_c10d._abort_process_group()
+            except Exception:  # noqa: BLE001 - the kernel kills the rank if it stays stuck
+                pass
+        for fd, inode in self.group_sockets.items():
+            try:
+                if os.stat(f"/proc/self/fd/{fd}").st_ino != inode:
+                    continue
+                connection = socket.socket(fileno=fd)
+            except OSError:
+                continue
+            try:
+                if connection.family in (socket.AF_INET, socket.AF_INET6) and not connection.getsockopt(
+                    socket.SOL_SOCKET, socket.SO_ACCEPTCONN
+                ):
+                    ports = (connection.getsockname()[1], connection.getpeername()[1])
+                    if self.store_port not in ports:  # the store's own connections stay: it is dropped whole
+                        connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            finally:
+                connection.detach()
+
+    def do_wrapped(self) -> list[str]:
+        """The names of DistributedDataParallel models here (and kept ones a fresh rank is to wrap)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        found = {n for n, v in self.namespace.items() if isinstance(v, DistributedDataParallel)}
+        return sorted(found | set(self.to_wrap))
+
+    def do_rewrap(self, names: list[str]) -> list[str]:
+        """After the group was re-formed: the DistributedDataParallel models ``names`` wrapped anew on it (the old
+        ones hold the ended group). A collective: every rank wraps the same names in the same order."""
+        for name in names:
+            old = self.namespace[name]
+            if name in self.to_wrap:
+                self.namespace[name] = _wrap_like(old, None, self.to_wrap.pop(name))
+            else:
+                self.namespace[name] = _wrap_like(old.module, old)
+        self.to_wrap.clear()
+        return names
+
+    # --- the user's code -------------------------------------------------------------------------------
+
+    def do_exec(self, label: str, packed: bytes) -> tuple[Any, list[str], list[str]]:
+        """Run a shipped cell (``shipping.CellPayload``) in the namespace; its value (pickled), and the names the
+        ranks now hold as their own and all the names they hold."""
+        import cloudpickle
+
+        payload = cloudpickle.loads(packed)
+        payload.prepare()
+        for name, value in payload.names.items():
+            self.shipped[name] = id(value)
+        self.namespace.update(payload.names)
+        self._start(label)
+        value = payload.run(self._context(), self.namespace)
+        return (_dumps_to_cpu(value), *self.names())
+
+    def do_call(self, label: str, packed: bytes) -> tuple[Any, list[str], list[str]]:
+        """Call a shipped function (``shipping.FunctionPayload``)."""
+        import cloudpickle
+
+        payload = cloudpickle.loads(packed)
+        payload.prepare()
+        fn = payload.fn
+        if isinstance(fn, types.FunctionType):  # run in the rank's namespace: it sees rank, dist, what cells made
+            for name, value in fn.__globals__.items():
+                held = name in self.namespace and self.shipped.get(name) != id(self.namespace[name])
+                if not name.startswith("__") and not held:
+                    self.namespace[name] = value
+                    self.shipped[name] = id(value)
+            rebound = types.FunctionType(fn.__code__, self.namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+            rebound.__kwdefaults__ = fn.__kwdefaults__
+            fn = rebound
+        self._start(label)
+        value = fn(*payload.args, **payload.kwargs)
+        return (_dumps_to_cpu(value), *self.names())
+
+    def _start(self, label: str) -> None:
+        self.executing = label
+        self.executing_since = time.time()
+
+    def _context(self) -> dict[str, Any]:
+        return {k: self.namespace.get(k) for k in ("rank", "local_rank", "world_size", "device", "dist", "gpumagic")}
+
+    def names(self) -> tuple[list[str], list[str]]:
+        """The names this rank holds as its own (made by its code or pushed), and every name it holds."""
+        present = [n for n in self.namespace if not _hidden(n) and n not in self.provided]
+        own = [n for n in present if self.shipped.get(n) != id(self.namespace[n])]
+        return own, present
+
+    def do_pull(self, name: str) -> bytes:
+        """A name's value, pickled with every tensor copied to the CPU (a DDP model: its module)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        if name not in self.namespace or _hidden(name):
+            raise NameError(f"name {name!r} is not defined on rank {self.setup.rank}")
+        value = self.namespace[name]
+        if isinstance(value, DistributedDataParallel):
+            value = value.module
+        return _dumps_to_cpu(value)
+
+    def do_push(self, packed: bytes) -> None:
+        import cloudpickle
+
+        values = cloudpickle.loads(packed)
+        self.namespace.update(values)
+        for name in values:
+            self.shipped.pop(name, None)  # pushed: the rank's own from now on
+
+    def do_export(self) -> tuple[bytes, list[str]]:
+        """The state registered with ``gpumagic.keep``, pickled together (DDP models as their modules), and
+        the names it could not include."""
+        import cloudpickle
+        from torch.nn.parallel import DistributedDataParallel
+
+        state: dict[str, Any] = {}
+        wrapped: dict[str, dict[str, Any]] = {}
+        missing = []
+        for name in _kept:
+            if name not in self.namespace:
+                missing.append(name)
+                continue
+            value = self.namespace[name]
+            if isinstance(value, DistributedDataParallel):
+                wrapped[name] = _wrapping_of(value)
+                value = value.module
+            state[name] = value
+        modules = {
+            n: v.__name__
+            for n, v in self.namespace.items()
+            if isinstance(v, types.ModuleType) and not _hidden(n) and n not in self.provided
+        }
+        return cloudpickle.dumps((state, wrapped, list(_kept), modules)), missing
+
+    def do_import(self, packed: bytes) -> list[str]:
+        """Take the state another rank exported (tensors land on this rank's own device); the names set."""
+        import importlib
+
+        import cloudpickle
+
+        state, wrapped, kept, modules = cloudpickle.loads(packed)
+        for name, module in modules.items():  # the healthy rank's imports: cheap to redo, never "lost"
+            with contextlib.suppress(ImportError):
+                self.namespace.setdefault(name, importlib.import_module(module))
+        self.namespace.update(state)
+        self.to_wrap.update(wrapped)  # wrapped with the others' (a collective), in do_rewrap
+        _kept.update(dict.fromkeys(kept))
+        return sorted(state), sorted(n for n in modules if n in self.namespace)
+
+    def do_kept(self) -> list[str]:
+        return list(_kept)
+
+    def do_free(self) -> dict[str, Any]:
+        """Collect garbage and return cached GPU memory; what was released."""
+        import torch
+
+        cuda = self.setup.use_cuda and torch.cuda.is_initialized()
+        before = torch.cuda.memory_reserved() if cuda else 0
+        collected = gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        after = torch.cuda.memory_reserved() if cuda else 0
+        return {"collected": collected, "reserved_before": before, "reserved_after": after, "cuda": cuda}
+
+    def status(self) -> dict[str, Any]:
+        import torch
+
+        cuda = self.setup.use_cuda and torch.cuda.is_initialized()
+        return {
+            "rank": self.setup.rank,
+            "pid": os.getpid(),
+            "cell": self.executing,
+            "since": self.executing_since if self.executing else None,
+            "collective": self.collective,
+            "allocated": torch.cuda.memory_allocated() if cuda else None,
+            "reserved": torch.cuda.memory_reserved() if cuda else None,
+            "rss": _rss(),
+        }
+
+
+def _hidden(name: str) -> bool:
+    """Python's own names in a namespace (``__builtins__``, ``__warningregistry__``): never the user's state."""
+    return name.startswith("__") and name.endswith("__")
+
+
+def _wrapping_of(model: Any) -> dict[str, Any]:
+    how = {
+        "device_ids": model.device_ids,
+        "output_device": model.output_device,
+        "find_unused_parameters": model.find_unused_parameters,
+        "gradient_as_bucket_view": model.gradient_as_bucket_view,
+    }
+    if not model.broadcast_buffers:  # deprecated as an argument: given only when it differs from the default
+        how["broadcast_buffers"] = False
+    return how
+
+
+def _wrap_like(module: Any, old: Any, how: dict[str, Any] | None = None) -> Any:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(module, **(how if how is not None else _wrapping_of(old)))
+
+
+def _dumps_to_cpu(value: Any) -> bytes:
+    """``value`` pickled (cloudpickle: what the notebook's ranks defined travels by value) with every GPU
+    tensor copied to the CPU, so the kernel can load it without a GPU."""
+    import io
+
+    import cloudpickle
+    import torch
+
+    class ToCpu(cloudpickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+                copy = obj.detach().to("cpu")
+                if isinstance(obj, torch.nn.Parameter):
+                    copy = torch.nn.Parameter(copy, requires_grad=obj.requires_grad)
+                return copy.__reduce_ex__(self.proto)
+            return super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    ToCpu(buffer).dump(value)
+    return buffer.getvalue()
+
+
+def _report(phase: str, err: BaseException) -> dict[str, Any]:
+    return {
+        "phase": phase,
+        "type": type(err).__name__,
+        "message": str(err),
+        "traceback": _user_traceback(err) if not isinstance(err, SystemExit) else None,
+        "time": time.time(),
+    }
+
+
+def _socket_inodes() -> dict[int, int]:
+    """This process's open sockets: file descriptor -> inode."""
+    found = {}
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            status = os.stat(f"/proc/self/fd/{entry}")
+        except OSError:
+            continue
+        if stat.S_ISSOCK(status.st_mode):
+            found[int(entry)] = status.st_ino
+    return found
+
+
+def _rss() -> int | None:
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None

@@ -1,0 +1,1027 @@
+"""Persistent ranks: a DDP group that lives across cells (``gpumagic.ranks``, ``%ddp``/``%%ddp``).
+
+The kernel starts N ranks from the rank server (``launch.rank_server``, as a launch does) running
+``launch.group_rank``'s loop, forms their process group, and then sends them work over one pipe each: cells,
+functions, pull/push of names. Each rank keeps its namespace between cells. Names a cell uses from the kernel
+travel by value once and again only when they change; names the ranks made themselves never travel.
+
+Failures keep what can be kept:
+
+- an interrupt (or a cell's ``timeout``) raises KeyboardInterrupt in every busy rank; a rank still busy after
+  ``grace_s`` (stuck in a collective) gets the process group's connections shut on every rank, the group is
+  re-formed on a fresh rendezvous, namespaces kept; a rank still busy after that is killed and replaced;
+- a rank that dies is replaced by a fresh one: the group re-forms, the state registered with
+  ``gpumagic.keep`` is copied to it from a healthy rank, and what it lost is listed by name.
+
+Only the group's own processes are ever signalled.
+"""
+
+from __future__ import annotations
+
+import atexit
+import codecs
+import contextlib
+import hashlib
+import os
+import select
+import signal
+import sys
+import time
+import types
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpumagic.errors import GpumagicError, InvalidArgument
+from gpumagic.launch.failures import LaunchError, RankOutcome, root_cause
+from gpumagic.launch.output import OUTPUT_MODES, RankOutput
+from gpumagic.launch.plan import LaunchPlan, assign_gpus, check_backend, check_timeout
+from gpumagic.launch.shipping import CellPayload, FunctionPayload, ShippingError, pack, ship_cell, ship_function
+
+DEFAULT_GRACE_S = 5.0
+START_TIMEOUT_S = 120.0
+CLOSE_GRACE_S = 5.0
+MAX_BUFFERED_LINES = 2000
+
+
+class GroupError(GpumagicError):
+    """The group could not do what was asked (it is closed, it could not start, a rank could not rejoin)."""
+
+
+class CellInterrupted(GpumagicError):
+    """A cell on the group was interrupted or timed out; the message says what was kept and what was lost."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
+class CellFailed(LaunchError):
+    """A cell raised on some rank (or a rank died): the first failure's traceback, every rank's fate, and what
+    gpumagic did about it (a replaced rank, lost names)."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"CellFailed: {self.report()}"]
+
+
+@dataclass
+class _Member:
+    """The kernel's side of one rank: its process, pipes, and what it holds."""
+
+    rank: int
+    process: Any
+    pid: int
+    connection: Any
+    output: Any
+    pidfd: int | None
+    status_connection: Any = None  # answered by the rank's status thread, even while it runs a cell
+    own: set[str] = field(default_factory=set)  # names the rank made itself (or were pushed)
+    present: set[str] = field(default_factory=set)
+    shipped: dict[str, str] = field(default_factory=dict)  # name -> digest of the value the kernel sent
+    busy: str | None = None
+    exitcode: int | None = None
+    died_at: float | None = None
+    killed: bool = False  # by gpumagic, because it stayed stuck
+    sending: frozenset[str] = frozenset()  # the kernel names the current cell sends it
+    lost: set[str] = field(default_factory=set)  # what the rank it replaced held
+
+    @property
+    def alive(self) -> bool:
+        return self.died_at is None
+
+    def send(self, message: tuple) -> None:
+        try:
+            self.connection.send(message)
+        except (OSError, ValueError):
+            pass  # it died: the pidfd says so
+
+
+class _Died(Exception):
+    def __init__(self, ranks: list[int]) -> None:
+        self.ranks = ranks
+
+
+class _Expired(Exception):
+    pass
+
+
+class _Failed(Exception):
+    """A rank's cell failed while others still run it."""
+
+
+class RankGroup:
+    """N ranks with a process group, kept across calls. Use as a context manager, or ``close()`` it.
+
+    ``run(fn, *args)`` and ``exec(code)`` return ``{rank: value}``; ``pull``/``push`` move names;
+    ``status()``/``free()`` look after the ranks. See ``gpumagic.ranks``.
+    """
+
+    def __init__(
+        self,
+        nprocs: int | None = None,
+        *,
+        gpus: str | None = None,
+        gpus_per_rank: int = 1,
+        backend: str | None = None,
+        timeout: str | float = "30m",
+        grace: str | float = DEFAULT_GRACE_S,
+        output: str = "rank0",
+        write: Callable[[str], None] | None = None,
+        on_note: Callable[[str], None] | None = None,
+    ) -> None:
+        from gpumagic.launch.ddp import _check_nprocs
+        from gpumagic.units import parse_duration
+
+        if output not in OUTPUT_MODES:
+            raise InvalidArgument(f"output must be one of {', '.join(OUTPUT_MODES)}, got {output!r}")
+        if isinstance(gpus_per_rank, bool) or not isinstance(gpus_per_rank, int) or gpus_per_rank < 1:
+            raise InvalidArgument(f"gpus_per_rank must be a whole number of at least 1, got {gpus_per_rank!r}")
+        if nprocs is not None:
+            _check_nprocs(nprocs)
+        check_backend(backend)
+        self.timeout_s = check_timeout(timeout)
+        self.grace_s = parse_duration(grace, at_most=3600.0, what="a grace period")
+        self.options = dict(gpus=gpus, gpus_per_rank=gpus_per_rank, backend=backend, timeout=timeout, grace=grace)
+        self.requested = nprocs
+        self.output = output
+        self.write = write or _stdout_writer()
+        self.on_note = on_note or (lambda text: self.write(text + "\n"))
+        self.members: list[_Member] = []
+        self.closed = True
+        self.cells = 0
+        self.replaced = 0
+        self.reformed = 0
+        self._ident = 0
+        self._sink: _CellOutput | None = None
+        self._between_cells: list[tuple[int, bytes]] = []
+        self._mailbox: dict[tuple[int, int], tuple] = {}  # (rank, request) -> its reply
+        self._partial: dict[int, tuple] = {}
+        self._fingerprints: dict[str, tuple[Any, int | None, str]] = {}  # name -> (value, tensor version, digest)
+        self._stack = contextlib.ExitStack()
+        self._start()
+
+    # --- life --------------------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        from gpumagic.launch.ddp import DEFAULT_CPU_RANKS, _rank_gpus
+        from gpumagic.launch.rank_server import forkserver_context
+        from gpumagic.telemetry import store
+
+        gpus, per_rank = self.options["gpus"], self.options["gpus_per_rank"]
+        self.run_dir = store.new_run("ddp-group", ranks=0)
+        try:
+            available, simulated = _rank_gpus(gpus, self.requested, per_rank)
+            nprocs = self.requested
+            if nprocs is None:
+                nprocs = len(available) // per_rank if available else DEFAULT_CPU_RANKS
+            self.rank_gpus = assign_gpus(available, nprocs, per_rank)
+        except BaseException:
+            store.finish_run(self.run_dir, "failed")
+            raise
+        self.leased = gpus is not None and gpus not in ("none", "cpu") and bool(available) and not simulated
+        self.nprocs = nprocs
+        self.use_cuda = bool(available) and not simulated
+        self.backend = self.options["backend"] or ("nccl" if self.use_cuda else "gloo")
+        store.update_run(self.run_dir, ranks=nprocs, backend=self.backend, gpus=[list(g) for g in self.rank_gpus])
+        self.plan = LaunchPlan.on_this_machine(
+            self.run_dir,
+            self.rank_gpus,
+            backend=self.backend,
+            use_cuda=self.use_cuda,
+            master_port=0,
+            timeout_s=self.timeout_s,
+        )
+        self.closed = False
+        atexit.register(self.close)
+        try:
+            self.context = self._stack.enter_context(forkserver_context())  # held: the server is not restarted
+            self.members = [self._spawn(rank) for rank in range(nprocs)]
+            self._await_ready(self.members)
+            self._form()
+        except _Died as died:
+            self.close(status="failed")
+            member = self.members[died.ranks[0]]
+            raise GroupError(f"rank {member.rank} {_death(member)} while the group was starting") from None
+        except BaseException:
+            self.close(status="failed")
+            raise
+
+    def _spawn(self, rank: int) -> _Member:
+        from gpumagic.launch.group_rank import serve_group_rank
+
+        reader, writer = self.context.Pipe(duplex=False)
+        ours, theirs = self.context.Pipe()
+        status_ours, status_theirs = self.context.Pipe()
+        process = self.context.Process(
+            target=serve_group_rank, args=(rank, self.plan, writer, theirs, status_theirs), name=f"ddp-rank-{rank}"
+        )
+        try:
+            process.start()
+        finally:
+            writer.close()
+            theirs.close()
+            status_theirs.close()
+        try:
+            pidfd = os.pidfd_open(process.pid)
+        except (AttributeError, OSError):
+            pidfd = None
+        return _Member(rank, process, process.pid, ours, reader, pidfd, status_ours)
+
+    def _await_ready(self, members: list[_Member]) -> None:
+        replies = self._wait(READY, members, time.monotonic() + START_TIMEOUT_S, kinds=("ready", "failed"))
+        failed = {r: m for r, m in replies.items() if m[0] == "failed"}
+        if failed:
+            rank, message = min(failed.items())
+            raise GroupError(f"rank {rank} could not start: {message[2]['type']}: {message[2]['message']}")
+
+    def _form(self) -> None:
+        """Form a fresh process group: rank 0 serves a new store on a free port, the others join it."""
+        addr = self.plan.master_addr
+        first, rest = self.members[0], self.members[1:]
+        ident = self._next()
+        first.send(("join", ident, addr, None))
+        port_reply = self._wait(PORT, [first], time.monotonic() + START_TIMEOUT_S, kinds=("port", "failed"), also=ident)
+        if port_reply[0][0] == "failed":
+            raise GroupError(f"rank 0 could not serve the rendezvous: {port_reply[0][2]['message']}")
+        port = port_reply[0][2]
+        for member in rest:
+            member.send(("join", ident, addr, port))
+        replies = self._wait(ident, self.members, time.monotonic() + START_TIMEOUT_S)
+        failed = sorted(r for r, m in replies.items() if m[0] != "done")
+        if failed:
+            raise GroupError(
+                f"rank {failed[0]} could not join the process group: {replies[failed[0]][2].get('message')}"
+            )
+
+    def close(self, status: str = "finished") -> None:
+        """End the ranks (their process trees), release the group's leases and its rank server hold."""
+        if self.closed:
+            return
+        self.closed = True
+        atexit.unregister(self.close)
+        from gpumagic.devices.processes import end_processes
+        from gpumagic.telemetry import store
+
+        alive = [m for m in self.members if m.alive]
+        ident = self._next()
+        for member in alive:
+            member.send(("close", ident))
+        with contextlib.suppress(_Died, _Expired, KeyboardInterrupt, OSError):
+            self._wait(ident, alive, time.monotonic() + CLOSE_GRACE_S)
+        pids = [m.pid for m in self.members]
+        end_processes(pids, groups=pids, grace_s=1.0)
+        for member in self.members:
+            with contextlib.suppress(OSError, ValueError):
+                member.process.join(1.0)
+            for handle in (member.connection, member.output, member.status_connection):
+                with contextlib.suppress(OSError):
+                    handle.close()
+            if member.pidfd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(member.pidfd)
+            with contextlib.suppress(ValueError, AssertionError):
+                member.process.close()
+        self._stack.close()
+        if getattr(self, "leased", False):
+            from gpumagic.devices import selection
+
+            with contextlib.suppress(GpumagicError, OSError):
+                selection.release()
+        if getattr(self, "run_dir", None) is not None:
+            store.finish_run(self.run_dir, status)
+
+    def __enter__(self) -> RankGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{sum(m.alive for m in self.members)} alive"
+        return f"<RankGroup {self.nprocs} ranks ({self.backend}), {state}>"
+
+    @property
+    def pids(self) -> list[int]:
+        return [m.pid for m in self.members]
+
+    # --- work --------------------------------------------------------------------------------------------
+
+    def exec(
+        self,
+        code: str,
+        namespace: Mapping[str, Any] | None = None,
+        *,
+        ranks: Iterable[int] | None = None,
+        timeout: str | float | None = None,
+        filename: str | None = None,
+        hidden: Collection[str] = (),
+    ) -> dict[int, Any]:
+        """Run ``code`` on the ranks (all, or ``ranks``) in their namespaces; ``{rank: last expression}``.
+
+        Names the code reads from ``namespace`` (default: the caller's globals) travel by value, once while
+        unchanged; names the ranks hold themselves are not sent.
+
+        Raises:
+            CellFailed: a rank raised or died (the traceback, what was replaced and lost).
+            CellInterrupted: interrupted or timed out (what was kept and lost). ShippingError, InvalidArgument.
+        """
+        if namespace is None:
+            namespace = sys._getframe(1).f_globals
+        self.cells += 1
+        filename = filename or f"<ddp cell {self.cells}>"
+        payload = ship_cell(code, namespace, filename, hidden)
+        deadline = self._deadline(timeout)
+        self._recover_dead()
+        targets = self._targets(ranks)
+        packed, digests = self._pack_for(payload, targets, namespace, hidden)
+        return self._run("exec", filename, packed, targets, deadline, digests)
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[int, Any]:
+        """Call ``fn(*args, **kwargs)`` on every rank (in its namespace: globals it defines persist);
+        ``{rank: value}``."""
+        self.cells += 1
+        packed = pack(ship_function(fn, args, kwargs, rank_first=False))
+        self._recover_dead()
+        targets = self._targets(None)
+        return self._run("call", getattr(fn, "__name__", "fn"), {m.rank: packed for m in targets}, targets, None, {})
+
+    def pull(self, name: str, rank: int = 0) -> Any:
+        """A copy of ``name`` from ``rank`` (tensors, modules and state_dicts on the CPU; a DDP model: its module)."""
+        import cloudpickle
+
+        self._check_open()
+        if not isinstance(name, str) or not name.isidentifier():
+            raise InvalidArgument(f"pull needs a variable name, got {name!r}")
+        (member,) = self._targets([rank])
+        reply = self._request(member, "pull", name)
+        return cloudpickle.loads(reply)
+
+    def push(self, **values: Any) -> None:
+        """Set names on every rank (``push(lr=1e-3, batch=b)``); pushed names are the ranks' own from then on."""
+        self._check_open()
+        import cloudpickle
+
+        try:
+            packed = cloudpickle.dumps(values)
+        except Exception:
+            pack(FunctionPayload(dict, kwargs=values))
+            raise
+        self._recover_dead()
+        ident = self._next()
+        for member in self.members:
+            member.send(("push", ident, packed))
+        replies = self._wait(ident, self.members, None)
+        for member in self.members:
+            if replies[member.rank][0] == "done":
+                member.own.update(values)
+                member.present.update(values)
+                for name in values:
+                    member.shipped.pop(name, None)
+
+    def status(self) -> list[dict[str, Any]]:
+        """Each rank: alive, pid, the cell it is running and since when, the collective it is in and since
+        when, GPU memory allocated and reserved (bytes; ``None`` on a CPU rank), resident memory."""
+        self._check_open()
+        members = list(self.members)
+        replies = _ask_status([m for m in members if m.alive and _running(m.pid)], 2.0)
+        rows = []
+        for member in members:
+            row = {"rank": member.rank, "pid": member.pid, "alive": member.alive and _running(member.pid)}
+            row.update(replies.get(member.rank, {}))
+            rows.append(row)
+        return rows
+
+    def free(self) -> list[dict[str, Any]]:
+        """Collect garbage and empty the CUDA cache on every rank; per rank what was released."""
+        self._check_open()
+        self._recover_dead()
+        ident = self._next()
+        for member in self.members:
+            member.send(("free", ident))
+        replies = self._wait(ident, self.members, None)
+        return [{"rank": r, **replies[r][2]} for r in sorted(replies) if replies[r][0] == "done"]
+
+    def kept(self) -> list[str]:
+        """The names registered with ``gpumagic.keep`` (rank 0's list)."""
+        self._check_open()
+        return list(self._request(self.members[0], "kept"))
+
+    # --- the request machinery -----------------------------------------------------------------------
+
+    def _next(self) -> int:
+        self._ident += 1
+        for key in [k for k in self._mailbox if 0 < k[1] < self._ident - 100]:  # replies nobody waits for now
+            del self._mailbox[key]
+        return self._ident
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise GroupError("this group of ranks is closed; start another (gpumagic.ranks, %ddp start)")
+
+    def _targets(self, ranks: Iterable[int] | None) -> list[_Member]:
+        self._check_open()
+        if ranks is None:
+            return list(self.members)
+        chosen = sorted(set(ranks))
+        bad = [r for r in chosen if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.nprocs]
+        if bad or not chosen:
+            raise InvalidArgument(f"ranks must be among 0..{self.nprocs - 1}, got {list(ranks)!r}")
+        return [self.members[r] for r in chosen]
+
+    def _deadline(self, timeout: str | float | None) -> float | None:
+        if timeout is None:
+            return None
+        from gpumagic.units import parse_duration
+
+        seconds = parse_duration(timeout, at_most=7 * 86400.0, what="a cell timeout")
+        if seconds <= 0:
+            raise InvalidArgument("a cell timeout must be more than 0 seconds")
+        return time.monotonic() + seconds
+
+    def _request(self, member: _Member, kind: str, *args: Any) -> Any:
+        """One request to one rank, outside a cell (no interrupt handling beyond the kernel's own)."""
+        self._recover_dead()
+        ident = self._next()
+        member.send((kind, ident, *args))
+        reply = self._wait(ident, [member], None)[member.rank]
+        if reply[0] != "done":
+            report = reply[2] or {}
+            raise GroupError(f"rank {member.rank}: {report.get('type')}: {report.get('message')}")
+        return reply[2]
+
+    def _wait(
+        self,
+        ident: int,
+        members: list[_Member],
+        deadline: float | None,
+        kinds: tuple[str, ...] = ("done", "failed", "interrupted"),
+        also: int | None = None,
+        stop_on_failure: bool = False,
+    ) -> dict[int, tuple]:
+        """The replies of ``members`` to request ``ident`` (or ``also``), streaming their output meanwhile.
+
+        Raises:
+            _Died: a member died first (the replies so far are in ``self._partial``). _Expired: ``deadline``.
+            _Failed: ``stop_on_failure`` and a member failed while others are still busy.
+        """
+        waiting = {m.rank: m for m in members if m.alive}
+        replies: dict[int, tuple] = {}
+        self._partial = replies
+        if len(waiting) < len(members):
+            raise _Died([m.rank for m in members if not m.alive])
+        while waiting:
+            timeout = 0.25 if deadline is None else max(0.0, min(0.25, deadline - time.monotonic()))
+            died = self._pump(timeout, waiting, replies, (ident, also), kinds)
+            if died:
+                raise _Died(died)
+            if stop_on_failure and waiting and any(reply[0] == "failed" for reply in replies.values()):
+                raise _Failed()
+            if deadline is not None and time.monotonic() >= deadline and waiting:
+                raise _Expired()
+        return replies
+
+    def _pump(
+        self,
+        timeout: float,
+        waiting: dict[int, _Member],
+        replies: dict[int, tuple],
+        idents: tuple[int | None, ...],
+        kinds: tuple[str, ...],
+    ) -> list[int]:
+        """One round: read output, messages (into the mailbox) and deaths; move the replies ``waiting`` ranks
+        gave to ``idents`` into ``replies``. Returns the ranks among ``waiting`` that died."""
+        watched: dict[int, tuple[str, _Member]] = {}
+        for member in self.members:
+            if not member.alive:
+                continue
+            watched[member.connection.fileno()] = ("message", member)
+            if not member.output.closed:
+                watched[member.output.fileno()] = ("output", member)
+            if member.pidfd is not None:
+                watched[member.pidfd] = ("death", member)
+        ready, _, _ = select.select(list(watched), [], [], timeout) if watched else ([], [], [])
+        seen = time.time()
+        for fd in ready:
+            what, member = watched[fd]
+            if what == "output":
+                self._read_output(member)
+            elif what == "message":
+                self._receive(member)
+        died = []
+        for fd in ready:
+            what, member = watched[fd]
+            if what == "death" and member.alive:
+                self._receive(member)  # what it said before it died
+                self._mark_dead(member, seen)
+        if not any(what == "death" for what, _ in watched.values()):  # no pidfds: ask the processes
+            for member in list(waiting.values()):
+                if not _running(member.pid):
+                    self._mark_dead(member)
+        for rank, member in list(waiting.items()):
+            for ident in idents:
+                message = self._mailbox.get((rank, ident)) if ident is not None else None
+                if message is not None and message[0] in kinds:
+                    replies[rank] = self._mailbox.pop((rank, ident))
+                    waiting.pop(rank)
+                    break
+            else:
+                if not member.alive:
+                    died.append(rank)
+                    waiting.pop(rank)
+        return died
+
+    def _receive(self, member: _Member) -> None:
+        try:
+            while member.connection.poll():
+                message = member.connection.recv()
+                self._mailbox[(member.rank, message[1])] = message
+                if message[0] in _REPLIES:
+                    member.busy = None
+        except (EOFError, OSError):
+            pass  # it is dying: the pidfd tells
+
+    def _mark_dead(self, member: _Member, when: float | None = None) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            member.process.join(5.0)
+        member.exitcode = member.process.exitcode
+        member.died_at = when or time.time()
+        while self._read_output(member):
+            pass
+
+    def _read_output(self, member: _Member) -> bool:
+        try:
+            data = os.read(member.output.fileno(), 65536) if not member.output.closed else b""
+        except OSError:
+            data = b""
+        if not data:
+            if not member.output.closed and not member.alive:
+                member.output.close()
+            return False
+        if self._sink is not None:
+            self._sink.feed(member.rank, data)
+        else:
+            self._between_cells.append((member.rank, data))
+        return True
+
+    # --- cells -------------------------------------------------------------------------------------------
+
+    def _pack_for(
+        self, payload: CellPayload, targets: list[_Member], namespace: Mapping[str, Any], hidden: Collection[str]
+    ) -> tuple[dict[int, bytes], dict[str, str]]:
+        """Each rank's packed cell: only the kernel's names it lacks or that changed since sent. Names sent
+        before are checked too, used by the cell or not: a function the ranks defined may read them (``lr``)."""
+        for member in targets:
+            for name in member.shipped:
+                if name in namespace and name not in member.own and name not in hidden and name not in payload.names:
+                    value = namespace[name]
+                    if not isinstance(value, types.ModuleType):
+                        payload.names[name] = value
+        digests: dict[str, str] = {}
+        for name, value in payload.names.items():
+            digests[name] = self._digest(name, value)
+        packed: dict[int, bytes] = {}
+        by_names: dict[frozenset[str], bytes] = {}
+        for member in targets:
+            send = frozenset(
+                name
+                for name in payload.names
+                if name not in member.own and not (member.shipped.get(name) == digests[name] and name in member.present)
+            )
+            if send not in by_names:
+                part = CellPayload(
+                    payload.source,
+                    payload.filename,
+                    {n: payload.names[n] for n in sorted(send)},
+                    payload.modules,
+                    payload.sources,
+                )
+                by_names[send] = pack(part)
+            packed[member.rank] = by_names[send]
+            member.sending = send
+        return packed, digests
+
+    def _run(
+        self,
+        kind: str,
+        label: str,
+        packed: dict[int, bytes],
+        targets: list[_Member],
+        deadline: float | None,
+        digests: dict[str, str],
+    ) -> dict[int, Any]:
+        import cloudpickle
+
+        self._sink = _CellOutput(self.write, self.output if len(targets) > 1 else "all", self.nprocs)
+        self._show_between_cells()
+        ident = self._next()
+        for member in targets:
+            member.busy = label
+            member.send((kind, ident, label, packed[member.rank]))
+        notes: list[str] = []
+        why = None
+        try:
+            try:
+                replies = self._wait(ident, targets, deadline, stop_on_failure=True)
+            except KeyboardInterrupt:
+                why = "interrupted"
+                replies = self._recover(ident, targets, why, notes)
+            except _Expired:
+                why = "timed out"
+                replies = self._recover(ident, targets, why, notes)
+            except (_Died, _Failed):
+                replies = self._recover(ident, targets, None, notes)
+            else:
+                if any(reply[0] == "interrupted" and reply[2] for reply in replies.values()):
+                    replies = self._recover(ident, targets, None, notes, replies)
+        finally:
+            self._sink.finish()
+            self._sink = None
+        for member in targets:
+            reply = replies.get(member.rank)
+            if reply is not None and reply[0] == "done" and kind in ("exec", "call"):
+                own, present = reply[2][1], reply[2][2]
+                member.own, member.present = set(own), set(present)
+                for name in member.sending:
+                    member.shipped[name] = digests[name]
+        failed = {r: m for r, m in replies.items() if m[0] == "failed"}
+        dead = [m for m in targets if m.rank not in replies]
+        if why is not None:
+            raise CellInterrupted("; ".join([f"{why}: the cell was stopped on every rank", *notes]))
+        if failed or dead:
+            raise self._failure(targets, replies, notes)
+        return {rank: cloudpickle.loads(reply[2][0]) for rank, reply in sorted(replies.items())}
+
+    def _failure(self, targets: list[_Member], replies: dict[int, tuple], notes: list[str]) -> CellFailed:
+        outcomes = []
+        for member in targets:
+            reply = replies.get(member.rank)
+            if reply is None or reply[0] == "interrupted":
+                if not member.alive:
+                    outcomes.append(
+                        RankOutcome(
+                            member.rank,
+                            member.pid,
+                            member.exitcode,
+                            "process",
+                            timestamp=member.died_at,
+                            stopped_by_launcher=member.killed,
+                        )
+                    )
+                else:
+                    outcomes.append(RankOutcome(member.rank, member.pid, -int(signal.SIGINT), stopped_by_launcher=True))
+                continue
+            if reply[0] == "done":
+                outcomes.append(RankOutcome(member.rank, member.pid, 0))
+                continue
+            report = reply[2]
+            outcomes.append(
+                RankOutcome(
+                    member.rank,
+                    member.pid,
+                    1,
+                    report.get("phase"),
+                    report.get("type"),
+                    report.get("message"),
+                    report.get("traceback"),
+                    report.get("time"),
+                )
+            )
+        deaths = [o for o in outcomes if o.phase == "process" and not o.stopped_by_launcher]
+        cause = deaths[0] if deaths else (root_cause(outcomes) or outcomes[0])  # peers of a dead rank fail after it
+        return CellFailed(outcomes, cause, "\n".join(notes))
+
+    def _digest(self, name: str, value: Any) -> str:
+        """``_digest``, skipped for the same immutable object or the same tensor unchanged since (its version)."""
+        version = None
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(value, torch.Tensor):
+            version = value._version
+        elif not isinstance(value, (int, float, complex, str, bytes, bool, type(None))):
+            return _digest(name, value)
+        known = self._fingerprints.get(name)
+        if known is not None and known[0] is value and known[1] == version:
+            return known[2]
+        digest = _digest(name, value)
+        self._fingerprints[name] = (value, version, digest)
+        return digest
+
+    def _show_between_cells(self) -> None:
+        pending, self._between_cells = self._between_cells, []
+        if not pending:
+            return
+        sink = RankOutput(self.write, "all", self.nprocs)
+        for rank, data in pending:
+            sink.feed(rank, data)
+        sink.flush()
+
+    # --- recovery --------------------------------------------------------------------------------------
+
+    def _recover(
+        self,
+        ident: int,
+        targets: list[_Member],
+        why: str | None,
+        notes: list[str],
+        replies: dict[int, tuple] | None = None,
+    ) -> dict[int, tuple]:
+        """Bring the group back after an interrupt, a timeout, a failure or a death; the replies gathered.
+
+        Busy ranks get SIGINT; those still busy after the grace period, the group's connections shut on every
+        rank (and the group re-formed); those still busy after that, SIGKILL. Dead ranks are replaced.
+        """
+        replies = dict(self._partial if replies is None else replies)
+        busy = [m for m in targets if m.rank not in replies and m.alive]
+        broken = False
+        stuck_in: dict[int, Any] = {}
+        steps = ["interrupt", "break"]
+        if busy and why is None:  # a rank failed or died: are the others waiting for it in a collective?
+            stuck_in = self._collectives_of(busy)
+            if any(not m.alive for m in self.members) or all(stuck_in.get(m.rank) for m in busy):
+                steps.reverse()  # break the group first: interrupting would wait the grace period for nothing
+        for step in steps:
+            if not busy and step == "interrupt":
+                continue
+            if step == "interrupt":
+                for member in busy:
+                    with contextlib.suppress(OSError):
+                        os.kill(member.pid, signal.SIGINT)
+            else:
+                if not busy and all(m.alive for m in self.members):
+                    continue
+                stuck_in = {**self._collectives_of(busy), **{r: c for r, c in stuck_in.items() if c}}
+                for member in self.members:
+                    if member.alive:
+                        member.send(("break", ident))
+                broken = True
+            busy = self._gather(ident, busy, replies, self.grace_s)
+        if any(r[0] == "interrupted" and r[2] for r in replies.values()):
+            broken = True  # a rank was interrupted inside a collective: its peers' sequence no longer matches
+        for member in busy:
+            self._kill(member)
+            notes.append(f"rank {member.rank} did not stop{_in(stuck_in.get(member.rank))} and was killed")
+        if broken:
+            stuck = [f"rank {r}{_in(c)}" for r, c in sorted(stuck_in.items()) if c and self.members[r].alive]
+            if stuck:
+                notes.append("stuck in a collective: " + ", ".join(stuck))
+            self._reform(notes, stuck_in)
+        return replies
+
+    def _kill(self, member: _Member) -> None:
+        """SIGKILL a rank that stays stuck, with what it started (it leads its process group)."""
+        member.killed = True
+        for kill in (os.killpg, os.kill):
+            with contextlib.suppress(OSError):
+                kill(member.pid, signal.SIGKILL)
+        self._mark_dead(member)
+
+    def _gather(
+        self,
+        ident: int,
+        busy: list[_Member],
+        replies: dict[int, tuple],
+        within: float,
+        kinds: tuple[str, ...] = ("done", "failed", "interrupted"),
+    ) -> list[_Member]:
+        """Wait up to ``within`` seconds for ``busy`` ranks' replies; those still busy (alive)."""
+        deadline = time.monotonic() + within
+        waiting = {m.rank: m for m in busy if m.alive}
+        while waiting and time.monotonic() < deadline:
+            try:
+                self._pump(min(0.25, max(0.0, deadline - time.monotonic())), waiting, replies, (ident,), kinds)
+            except KeyboardInterrupt:
+                break  # interrupted again: stop waiting
+        return [m for m in waiting.values() if m.alive]
+
+    def _collectives_of(self, members: list[_Member]) -> dict[int, tuple[str, float] | None]:
+        return {rank: row.get("collective") for rank, row in _ask_status(members, 1.0).items()}
+
+    def _recover_dead(self) -> None:
+        """Ranks that died between cells: replace them now, telling what they lost."""
+        self._check_open()
+        waiting = {m.rank: m for m in self.members if m.alive}
+        self._pump(0.0, waiting, {}, (), ())
+        if any(not m.alive for m in self.members):
+            notes: list[str] = []
+            for member in self.members:
+                if member.alive:
+                    member.send(("break", -2))
+            self._reform(notes, {})
+            for note in notes:
+                self.on_note(note)
+
+    def _reform(self, notes: list[str], stuck_in: dict[int, Any]) -> None:
+        """Re-form the process group: the living ranks leave the old one, dead ranks are replaced by fresh
+        ones, the group forms on a new rendezvous, the kept state reaches the new ranks, and every
+        DistributedDataParallel model is wrapped anew."""
+        ident = self._next()
+        living = [m for m in self.members if m.alive]
+        for member in living:
+            member.send(("leave", ident))
+        left: dict[int, tuple] = {}
+        stuck = self._gather(ident, living, left, self.grace_s)
+        for member in stuck:  # cannot even leave: killed, replaced below
+            self._kill(member)
+            notes.append(f"rank {member.rank} could not leave the broken group and was killed")
+        dead = [m for m in self.members if not m.alive]
+        healthy = [m for m in self.members if m.alive]
+        for member in dead:
+            notes.append(f"rank {member.rank} {_death(member)}; replaced by a fresh rank")
+            self._replace(member)
+        if dead:
+            self._await_ready([self.members[m.rank] for m in dead])
+        self._form()
+        self.reformed += 1
+        if not dead:
+            notes.append("the process group was re-formed on a fresh rendezvous; every rank kept its namespace")
+        if dead:
+            self._restore(dead, healthy, notes)
+        ident = self._next()
+        for member in self.members:
+            member.send(("wrapped", ident))
+        held = self._wait(ident, self.members, time.monotonic() + START_TIMEOUT_S)
+        everywhere = set.intersection(*(set(reply[2]) for reply in held.values() if reply[0] == "done"))
+        names = sorted(everywhere)
+        if names:
+            ident = self._next()
+            for member in self.members:
+                member.send(("rewrap", ident, names))
+            self._wait(ident, self.members, time.monotonic() + START_TIMEOUT_S)
+            notes.append(f"re-wrapped {', '.join(names)} in DistributedDataParallel on the new group")
+        stale = sorted({n for reply in held.values() if reply[0] == "done" for n in reply[2]} - everywhere)
+        if stale:
+            notes.append(
+                f"{', '.join(stale)}: DistributedDataParallel on the ended group, not on every rank; wrap it again "
+                "(or register it with gpumagic.keep)"
+            )
+
+    def _replace(self, dead: _Member) -> None:
+        for handle in (dead.connection, dead.output, dead.status_connection):
+            with contextlib.suppress(OSError):
+                handle.close()
+        if dead.pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(dead.pidfd)
+        with contextlib.suppress(ValueError, AssertionError):
+            dead.process.close()
+        fresh = self._spawn(dead.rank)
+        fresh.lost = set(dead.own)
+        self.members[dead.rank] = fresh
+        self.replaced += 1
+
+    def _restore(self, dead: list[_Member], healthy: list[_Member], notes: list[str]) -> None:
+        fresh = [self.members[m.rank] for m in dead]
+        if not healthy:
+            lost = sorted(set().union(*(m.lost for m in fresh)))
+            notes.append("every rank was replaced: all their state is lost" + (f" ({', '.join(lost)})" if lost else ""))
+            return
+        source = healthy[0]
+        state, missing = self._request(source, "export")
+        ident = self._next()
+        for member in fresh:
+            member.send(("import", ident, state))
+        restored = self._wait(ident, fresh, time.monotonic() + START_TIMEOUT_S)
+        for member in fresh:
+            reply = restored.get(member.rank)
+            names, modules = (set(reply[2][0]), set(reply[2][1])) if reply and reply[0] == "done" else (set(), set())
+            member.own = names | modules
+            member.present = set(member.own)
+            lost = sorted(set(source.own) - names - modules)
+            kept = f"restored {', '.join(sorted(names))} (gpumagic.keep) from rank {source.rank}" if names else ""
+            gone = f"lost on rank {member.rank}: {', '.join(lost)}" if lost else ""
+            if kept or gone:
+                notes.append("; ".join(p for p in (kept, gone) if p))
+            if reply is not None and reply[0] != "done":
+                notes.append(f"rank {member.rank} could not take the kept state: {reply[2].get('message')}")
+        if missing:
+            notes.append(f"kept names no longer defined on rank {source.rank}: {', '.join(missing)}")
+
+
+_REPLIES = ("done", "failed", "interrupted")
+READY = 0  # the request number of a rank's "ready"
+PORT = -1  # and of rank 0's rendezvous port
+
+
+def _ask_status(members: list[_Member], within: float) -> dict[int, dict[str, Any]]:
+    """Each member's status through its status channel (safe from any thread: one request at a time each)."""
+    import uuid
+
+    ident = uuid.uuid4().hex
+    asked = []
+    for member in members:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            member.status_connection.send(ident)
+            asked.append(member)
+    found: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + within
+    for member in asked:
+        try:
+            while member.status_connection.poll(max(0.0, deadline - time.monotonic())):
+                answer, row = member.status_connection.recv()
+                if answer == ident:
+                    found[member.rank] = row
+                    break
+        except (EOFError, OSError):
+            continue
+    return found
+
+
+def _digest(name: str, value: Any) -> str:
+    """A digest of the value as it would travel: equal digests, the ranks have it already."""
+    import cloudpickle
+
+    try:
+        data = cloudpickle.dumps(value)
+    except Exception:  # noqa: BLE001 - pack() names the culprit
+        pack(CellPayload("", "", {name: value}))
+        raise ShippingError(f"cannot send {name!r} to the ranks") from None
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _death(member: _Member) -> str:
+    code = member.exitcode
+    if code is not None and code < 0:
+        try:
+            how = signal.Signals(-code).name
+        except ValueError:
+            how = f"signal {-code}"
+        return f"was killed by {how} (pid {member.pid})"
+    return f"exited with code {code} (pid {member.pid})"
+
+
+def _in(collective: tuple[str, float] | None) -> str:
+    if not collective:
+        return ""
+    return f" (stuck in {collective[0]} for {time.time() - collective[1]:.1f}s)"
+
+
+def _running(pid: int) -> bool:
+    from gpumagic.devices.processes import is_running
+
+    return is_running(pid)
+
+
+def _stdout_writer() -> Callable[[str], None]:
+    from gpumagic.launch.ddp import _stdout_writer as writer
+
+    return writer()
+
+
+class _CellOutput:
+    """A cell's output on the group. ``all``: every rank's lines, live and prefixed. ``rank0``: rank 0's lines
+    live; the other ranks' lines at the end, where they differ from rank 0's, else "(same on ranks 1–3)".
+    ``none``: nothing (failures still show their traceback)."""
+
+    def __init__(self, write: Callable[[str], None], mode: str, nprocs: int) -> None:
+        self.write = write
+        self.mode = mode
+        self.nprocs = nprocs
+        self.live = RankOutput(write, "all" if mode == "all" else ("none" if mode == "none" else "all"), nprocs)
+        self.lines: dict[int, list[str]] = {}
+        self.partial: dict[int, str] = {}
+        self.decoders: dict[int, Any] = {}
+
+    def feed(self, rank: int, data: bytes) -> None:
+        if self.mode == "all" or (self.mode == "rank0" and rank == 0):
+            self.live.feed(rank, data)
+        if self.mode != "rank0":
+            return
+        decoder = self.decoders.setdefault(rank, codecs.getincrementaldecoder("utf-8")(errors="replace"))
+        text = self.partial.pop(rank, "") + decoder.decode(data)
+        *done, rest = text.split("\n")
+        lines = self.lines.setdefault(rank, [])
+        lines.extend(line.rstrip("\r").rsplit("\r", 1)[-1] for line in done)
+        del lines[:-MAX_BUFFERED_LINES]
+        if rest:
+            self.partial[rank] = rest
+
+    def finish(self) -> None:
+        self.live.flush()
+        if self.mode != "rank0":
+            return
+        for rank, rest in self.partial.items():
+            self.lines.setdefault(rank, []).append(rest.rsplit("\r", 1)[-1])
+        first = self.lines.get(0, [])
+        same = []
+        for rank in range(1, self.nprocs):
+            lines = self.lines.get(rank, [])
+            if not lines:
+                continue
+            if lines == first:
+                same.append(rank)
+                continue
+            seen = list(first)
+            width = len(str(self.nprocs - 1))
+            for line in lines:
+                if line in seen:
+                    seen.remove(line)
+                else:
+                    self.write(f"[rank {rank:>{width}}] {line}\n")
+        if same:
+            self.write(f"(same on {_ranks_text(same)})\n")
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}–{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))

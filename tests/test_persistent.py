@@ -1,0 +1,300 @@
+"""Persistent ranks (``%ddp``/``%%ddp``, ``gpumagic.ranks``) in a real kernel, on CPU ranks with gloo."""
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from test_launch import alive, rank_processes
+
+pytestmark = pytest.mark.kernel
+
+GRACE_S = 2.0
+TRAIN = """
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(8, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+torch.manual_seed(1 + rank)
+x, y = torch.randn(64, 8), torch.randn(64, 1)
+steps = 0
+gpumagic.keep(model, optimizer)
+"""
+STEP = """
+for _ in range(n):
+    optimizer.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    steps += 1
+weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+gathered = [torch.zeros_like(weights) for _ in range(world_size)]
+dist.all_gather(gathered, weights)
+(steps, round(loss.item(), 6), all(torch.equal(gathered[0], g) for g in gathered))
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    from conftest import Kernel, kernel_env
+
+    k = Kernel(kernel_env(tmp_path_factory.mktemp("leases"), CUDA_VISIBLE_DEVICES=""))
+    k.ok("%load_ext gpumagic\nimport gpumagic, os")
+    k.pid_ = int(k.ok("print(os.getpid())").stdout)
+    yield k
+    k.shutdown()
+
+
+@pytest.fixture
+def group(kernel):
+    """A started group of 2 CPU ranks; stopped after the test, leaving no rank behind."""
+    kernel.ok(f"%ddp start -n 2 --grace {GRACE_S}s --no-dashboard")
+    yield kernel
+    kernel.ok("%ddp stop")
+    deadline = time.time() + 5
+    while rank_processes(kernel.pid_) and time.time() < deadline:
+        time.sleep(0.1)
+    assert rank_processes(kernel.pid_) == [], "ranks outlived %ddp stop"
+
+
+def rank_pids(kernel) -> list[int]:
+    return [int(p) for p in kernel.ok("print(*gpumagic.ddp_magics.DdpMagics.group.pids)").stdout.split()]
+
+
+def interrupt_after(kernel, cell: str, wait_s: float) -> tuple[dict, float]:
+    """Run ``cell``, interrupt the kernel after ``wait_s`` seconds; the reply and how long the cell took to end."""
+    kernel.client.execute(cell)
+    time.sleep(wait_s)
+    interrupted = time.monotonic()
+    kernel.manager.interrupt_kernel()
+    reply = kernel.client.get_shell_msg(timeout=60)
+    took = time.monotonic() - interrupted
+    while True:  # drain the iopub messages of the interrupted cell
+        try:
+            kernel.client.get_iopub_msg(timeout=1)
+        except Exception:  # noqa: BLE001 - queue.Empty: drained
+            break
+    return reply["content"], took
+
+
+def test_state_is_kept_across_three_cells_with_identical_replicas(group):
+    group.ok("lr = 0.05")
+    group.ok("%%ddp\n" + TRAIN)
+    group.ok("n = 5")
+    group.ok("%%ddp -o second\n" + STEP)
+    group.ok("%%ddp -o third\n" + STEP)
+    second, third = group.ok("print(second)\nprint(third)").stdout.strip().splitlines()
+    second, third = eval(second), eval(third)
+    assert [v[0] for v in second.values()] == [5, 5] and [v[0] for v in third.values()] == [10, 10]
+    assert all(v[2] for v in (*second.values(), *third.values()))  # every rank holds the same weights
+    # the model trained on: cell 3's loss continues below cell 2's on every rank
+    assert all(third[r][1] < second[r][1] for r in (0, 1))
+
+
+def test_kernel_names_travel_once_and_the_ranks_own_names_never(group):
+    group.ok("import torch\nbig = torch.arange(1000.0)\nlr = 0.1\nmodel = 'the kernel has its own model'")
+    group.ok("%%ddp\nmodel = torch.nn.Linear(2, 2)\nfirst = id(big)")
+    out = group.ok("%%ddp -o seen\n(id(big) == first, type(model).__name__, lr)")
+    assert "{0: (True, 'Linear', 0.1), 1: (True, 'Linear', 0.1)}" in group.ok("print(seen)").stdout
+    group.ok("lr = 0.01\nbig[0] = -1.0")  # changed in the kernel: sent again
+    group.ok("%%ddp -o seen\n(id(big) == first, big[0].item(), lr)")
+    assert group.ok("print(seen)").stdout.strip() == "{0: (False, -1.0, 0.01), 1: (False, -1.0, 0.01)}"
+    assert "(same on rank 1)" not in out.stdout  # nothing printed
+
+
+def test_pull_and_push_a_state_dict(group):
+    group.ok("%%ddp\nimport torch\ntorch.manual_seed(rank)\nnet = torch.nn.Linear(3, 1)\n")
+    out = group.ok(
+        "g = gpumagic.ddp_magics.DdpMagics.group\n"
+        "state = g.pull('net', rank=1).state_dict()\n"
+        "print(type(state).__name__, sorted(state), state['weight'].device)"
+    ).stdout
+    assert out.strip() == "OrderedDict ['bias', 'weight'] cpu"
+    out = group.ok(
+        "state = {k: v * 0 + 7 for k, v in g.pull('net').state_dict().items()}\n"
+        "g.push(new_state=state)\n"
+        "print(g.exec('net.load_state_dict(new_state); float(net.weight.detach().sum() + net.bias.detach().sum())'))"
+    ).stdout
+    assert out.strip() == "{0: 28.0, 1: 28.0}"
+    error = group.run("g.pull('no_such_name')").error
+    assert error is not None and "name 'no_such_name' is not defined on rank 0" in error[1]
+
+
+def test_output_shows_rank_0_and_says_when_the_others_printed_the_same(group):
+    out = group.ok("%%ddp\nprint('same everywhere')\nprint('from', rank)").stdout
+    assert "[rank 0] same everywhere" in out and "[rank 0] from 0" in out
+    assert "[rank 1] from 1" in out and "[rank 1] same everywhere" not in out
+    out = group.ok("%%ddp\nprint('hello')").stdout
+    assert out.strip().endswith("[rank 0] hello\n(same on rank 1)".strip())
+    out = group.ok("%%ddp --output all\nprint('hello')").stdout
+    assert "[rank 1] hello" in out
+    out = group.ok("%%ddp --ranks 1 -o only\nprint('just me', rank)\nrank").stdout
+    assert "[rank 1] just me 1" in out and group.ok("print(only)").stdout.strip() == "{1: 1}"
+
+
+def test_a_failing_rank_shows_its_traceback_and_the_group_goes_on(group):
+    result = group.run("%%ddp\nx = 1\nif rank == 1:\n    raise ValueError('bad batch')\ndist.barrier()")
+    assert result.error[0] == "CellFailed" and "rank 1 failed: raised ValueError: bad batch" in result.error[1]
+    assert "raise ValueError('bad batch')" in result.error[1]
+    group.ok("%%ddp -o ok\nimport torch\nt = torch.ones(1)\ndist.all_reduce(t)\n(t.item(), x)")
+    assert group.ok("print(ok)").stdout.strip() == "{0: (2.0, 1), 1: (2.0, 1)}"
+
+
+def test_interrupt_during_a_compute_loop_keeps_the_namespaces(group):
+    group.ok("%%ddp\nimport time, torch\nkept = rank + 100\nsteps = 0")
+    reply, took = interrupt_after(group, "%%ddp\nwhile True:\n    steps += 1\n    time.sleep(0.01)", 1.5)
+    assert reply["status"] == "error" and reply["ename"] == "CellInterrupted", reply
+    assert took < 2.0, f"the cell took {took:.1f}s to stop"
+    group.ok("%%ddp -o after\nt = torch.ones(1)\ndist.all_reduce(t)\n(t.item(), kept, steps > 10)")
+    assert group.ok("print(after)").stdout.strip() == "{0: (2.0, 100, True), 1: (2.0, 101, True)}"
+
+
+def test_interrupt_of_a_collective_one_rank_skipped_reforms_the_group(group):
+    group.ok("%%ddp\nimport torch\nkept = rank + 100")
+    cell = "%%ddp\nif rank == 0:\n    dist.all_reduce(torch.ones(1))\n'done'"
+    reply, took = interrupt_after(group, cell, 1.5)
+    assert reply["ename"] == "CellInterrupted" and "re-formed on a fresh rendezvous" in reply["evalue"], reply
+    assert took <= GRACE_S + 2.0, f"the cell took {took:.1f}s to return (grace {GRACE_S}s)"
+    group.ok("%%ddp -o after\nt = torch.ones(1)\ndist.all_reduce(t)\n(t.item(), kept)")
+    assert group.ok("print(after)").stdout.strip() == "{0: (2.0, 100), 1: (2.0, 101)}"
+
+
+def test_a_cell_timeout_stops_it_like_an_interrupt(group):
+    started = time.monotonic()
+    result = group.run("%%ddp --timeout 1s\nimport torch\nif rank == 1:\n    dist.barrier()\n'done'")
+    took = time.monotonic() - started
+    assert result.error[0] == "CellInterrupted" and "timed out" in result.error[1]
+    assert took < 1.0 + 2 * GRACE_S + 2.0
+    group.ok("%%ddp -o after\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
+    assert group.ok("print(after)").stdout.strip() == "{0: 2.0, 1: 2.0}"
+    error = group.run("%%ddp --timeout soon\npass").error
+    assert error[0] == "UsageError"
+
+
+def test_a_killed_rank_is_replaced_with_its_kept_state_and_its_losses_listed(group):
+    group.ok("lr = 0.05\nn = 3")
+    group.ok("%%ddp\n" + TRAIN + "\nscratch = [rank]")
+    group.ok("%%ddp\n" + STEP)
+    before = rank_pids(group)
+    result = group.run("%%ddp\nimport signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()")
+    assert result.error[0] == "CellFailed"
+    message = result.error[1]
+    assert "rank 1 failed: killed by SIGKILL" in message
+    assert "rank 1 was killed by SIGKILL" in message and "replaced by a fresh rank" in message
+    assert "restored model, optimizer (gpumagic.keep) from rank 0" in message
+    assert "lost on rank 1:" in message and "scratch" in message and "steps" in message
+    after = rank_pids(group)
+    assert after[0] == before[0] and after[1] != before[1] and not alive(before[1])
+    # the fresh rank trains on with the kept model and optimizer: replicas identical again
+    group.ok("%%ddp -o again\nx, y = torch.randn(64, 8), torch.randn(64, 1)\nsteps = 0\n" + STEP)
+    again = eval(group.ok("print(again)").stdout)
+    assert again[0][2] and again[1][2]
+    assert group.ok("%ddp kept").text[0] == "kept (restored on a replaced rank): model, optimizer"
+
+
+def test_status_shows_a_rank_busy_in_a_collective(kernel):
+    kernel.ok(
+        "import threading, time\n"
+        "g = gpumagic.ranks(2, output='none', grace=1)\n"
+        "g.exec('import torch')\n"
+        'worker = threading.Thread(target=lambda: g.exec("if rank == 0:\\n    dist.all_reduce(torch.ones(1))", '
+        "namespace={}, timeout=3), daemon=True)\n"
+        "worker.start()\ntime.sleep(1.0)\nrows = g.status()\n"
+        "print(rows[0]['cell'], rows[0]['collective'][0], rows[1]['cell'], rows[0]['alive'])"
+    )
+    out = kernel.ok("print(rows[0]['cell'], rows[0]['collective'][0], rows[1]['cell'], rows[0]['alive'])").stdout
+    assert out.split() == ["<ddp", "cell", "2>", "all_reduce", "None", "True"]
+    kernel.ok("worker.join(30)\nprint(g.exec('rank'))\ng.close()")
+
+
+def test_magics_refuse_bad_input_in_one_line(kernel):
+    for line, expected in [
+        ("%ddp start -n 0", "the number of ranks must be a whole number from 1"),
+        ("%ddp start --backend smoke", "unknown backend 'smoke'"),
+        ("%ddp start --timeout never", "'never' is not a duration"),
+        ("%ddp frobnicate", "%ddp has no subcommand 'frobnicate'"),
+        ("%ddp free", "no group is running"),
+        ("%%ddp --ranks x\npass", "--ranks takes rank numbers"),
+        ("%%ddp -o 1x\npass", "-o needs a variable name"),
+    ]:
+        result = kernel.run(line)
+        assert result.error is not None and result.error[0] == "UsageError", (line, result.error)
+        assert expected in result.error[1] and "\n" not in result.error[1], (line, result.error)
+    assert "no group is running" in kernel.ok("%ddp status").all_text
+    assert "%ddp start" in kernel.ok("%ddp --help").all_text
+
+
+def test_a_ddp_cell_with_no_group_starts_one_and_says_so(kernel):
+    out = kernel.ok("%%ddp -o ranks_seen\nimport os\n(rank, world_size, os.environ['RANK'])").stdout
+    assert "no group was running: starting one with the defaults" in out and "2 ranks ready (gloo, CPU)" in out
+    assert kernel.ok("print(ranks_seen)").stdout.strip() == "{0: (0, 2, '0'), 1: (1, 2, '1')}"
+    status = kernel.ok("%ddp status").all_text
+    assert "2 ranks (gloo)" in status and status.count("idle") == 2
+    error = kernel.run("%%ddp --ranks 5\npass").error
+    assert error[0] == "UsageError" and "ranks must be among 0..1" in error[1]
+    assert "objects collected" in kernel.ok("%ddp free").all_text
+    kernel.ok("%ddp restart --help")
+    out = kernel.ok("%ddp restart").stdout
+    assert "stopped 2 ranks" in out and "2 ranks ready" in out
+    kernel.ok("%ddp stop")
+    assert "no group is running" in kernel.ok("%ddp stop").stdout
+
+
+def test_kernel_death_leaves_no_rank_and_no_rank_child(start_kernel, tmp_path):
+    victim = start_kernel(CUDA_VISIBLE_DEVICES="")
+    victim.ok("%load_ext gpumagic\n%ddp start -n 2 --no-dashboard")
+    children = tmp_path / "children"
+    victim.ok(
+        f"%%ddp\nimport os, subprocess\nchild = subprocess.Popen(['sleep', '300'])\n"
+        f"with open({str(children)!r}, 'a') as f:\n    f.write(f'{{os.getpid()}} {{child.pid}}\\n')"
+    )
+    pids = [int(p) for p in children.read_text().split()]
+    assert len(pids) == 4 and all(alive(p) for p in pids)
+    os.kill(victim.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while any(alive(p) for p in pids) and time.monotonic() - killed < 10:
+        time.sleep(0.05)
+    assert not [p for p in pids if alive(p)], "ranks or their children outlived their kernel"
+    assert time.monotonic() - killed < 5
+
+
+def test_a_hundred_cells_leak_no_descriptors_threads_widgets_or_memory(group):
+    group.ok("%%ddp\nimport torch\nx = 0")
+    kernel_process = psutil.Process(group.pid_)
+    counts = "import ipywidgets\nprint(len(ipywidgets.Widget.widgets), len(get_ipython().kernel.comm_manager.comms))"
+    group.ok("%%ddp\nx += 1\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(x)")
+    before = (kernel_process.num_fds(), kernel_process.num_threads(), group.ok(counts).stdout)
+    memory_before = kernel_process.memory_info().rss
+    for _ in range(100):
+        group.ok("%%ddp\nx += 1\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(x)")
+    after = (kernel_process.num_fds(), kernel_process.num_threads(), group.ok(counts).stdout)
+    grown = (kernel_process.memory_info().rss - memory_before) / 2**20
+    assert after == before
+    assert grown < 10, f"the kernel grew {grown:.1f} MiB over 100 cells"
+    assert group.ok("%%ddp -o x_now\nx").stdout == "" and "{0: 101, 1: 101}" in group.ok("print(x_now)").stdout
+
+
+def test_a_kernel_that_used_torch_threads_can_start_a_group(start_kernel):
+    k = start_kernel(CUDA_VISIBLE_DEVICES="")
+    k.ok("import torch\ntorch.set_num_threads(2)\n(torch.ones(512, 512) @ torch.ones(512, 512)).sum()")
+    k.ok("%load_ext gpumagic\nimport gpumagic\nwith gpumagic.ranks(2) as g:\n    out = g.exec('rank * 3')")
+    assert k.ok("print(out)").stdout.strip() == "{0: 0, 1: 3}"
+
+
+def test_one_dashboard_per_group_follows_its_curves_across_cells(kernel):
+    kernel.ok("%ddp start -n 2")
+    board = "gpumagic.ddp_magics.DdpMagics.dashboard"
+    for _ in range(2):
+        kernel.ok("%%ddp\nfor step in range(5):\n    gpumagic.log(loss=1.0 / (step + 1))")
+    out = kernel.ok(
+        f"import time\nd = {board}\ndeadline = time.time() + 10\n"
+        "while d.points < 20 and time.time() < deadline:\n    time.sleep(0.2)\n"
+        "print(d.title, d.points, d.state)"
+    ).stdout
+    assert out.split() == ["%ddp", "group", "20", "running"]  # 2 cells x 5 steps x 2 ranks, in one dashboard
+    kernel.ok("%ddp watch")
+    assert kernel.ok(f"print(d is not {board}, d.state)").stdout.split() == ["True", "finished"]
+    kernel.ok("%ddp stop")
+    assert kernel.ok(f"print({board}, d.state)").stdout.split() == ["None", "finished"]

@@ -220,6 +220,8 @@ class DdpMagics(Magics):
         saved = group.output
         if args.output is not None:
             group.output = args.output
+        if DdpMagics.dashboard is not None:
+            DdpMagics.dashboard.mark(f"In[{self.shell.execution_count}]")
         try:
             results = group.exec(
                 self.shell.transform_cell(cell),

@@ -71,7 +71,8 @@ def test_notebook_runs(path, isolated_leases, monkeypatch):
         assert "rank 1 failed: raised RuntimeError: rank 1 ran out of luck" in outputs
         assert "{0: 3.0, 1: 3.0}" in outputs
     if path.name == "05_interactive_ddp.ipynb":
-        assert "2 ranks ready (gloo, CPU)" in outputs and "(same on rank 1)" in outputs
+        assert "2 ranks ready (gloo, CPU)" in outputs
+        assert "[rank 0] replicas identical: True" in outputs and "(same on rank 1)" in outputs
         assert "[rank 0] epoch 50: loss" in outputs and "[rank 0] epoch 80: loss" in outputs  # trained on
         assert "(lr 0.02)" in outputs  # the changed learning rate reached the ranks
         assert "timed out: the cell was stopped on every rank" in outputs

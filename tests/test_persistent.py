@@ -161,6 +161,22 @@ def test_interrupt_of_a_collective_one_rank_skipped_reforms_the_group(group):
     assert group.ok("print(after)").stdout.strip() == "{0: (2.0, 100), 1: (2.0, 101)}"
 
 
+def test_a_rank_that_will_not_stop_is_killed_replaced_and_its_losses_named(group):
+    group.ok("%%ddp\nimport signal, torch\nscratch = rank + 100")
+    before = rank_pids(group)
+    cell = "%%ddp\nif rank == 1:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n    while True:\n        pass\n'x'"
+    reply, took = interrupt_after(group, cell, 1.0)
+    assert reply["ename"] == "CellInterrupted", reply
+    message = reply["evalue"]
+    assert "rank 1 did not stop and was killed" in message and "replaced by a fresh rank" in message, message
+    assert "lost on rank 1: scratch" in message
+    assert took < 2 * GRACE_S + 5.0
+    after = rank_pids(group)
+    assert after[0] == before[0] and after[1] != before[1] and not alive(before[1])
+    group.ok("%%ddp -o now\nt = torch.ones(1)\ndist.all_reduce(t)\n(t.item(), 'scratch' in globals())")
+    assert group.ok("print(now)").stdout.strip() == "{0: (2.0, True), 1: (2.0, False)}"
+
+
 def test_a_cell_timeout_stops_it_like_an_interrupt(group):
     started = time.monotonic()
     result = group.run("%%ddp --timeout 1s\nimport torch\nif rank == 1:\n    dist.barrier()\n'done'")
@@ -258,6 +274,12 @@ def test_kernel_death_leaves_no_rank_and_no_rank_child(start_kernel, tmp_path):
         time.sleep(0.05)
     assert not [p for p in pids if alive(p)], "ranks or their children outlived their kernel"
     assert time.monotonic() - killed < 5
+    later = start_kernel(CUDA_VISIBLE_DEVICES="")
+    out = later.ok(
+        "import gpumagic\n"
+        f"print([r.status for r in gpumagic.runs() if r.info['kind'] == 'ddp-group' and r.info['pid'] == {victim.pid}])"
+    ).stdout
+    assert out.strip() == "['lost']"  # the group's run ended with its kernel
 
 
 def test_a_hundred_cells_leak_no_descriptors_threads_widgets_or_memory(group):
@@ -294,7 +316,46 @@ def test_one_dashboard_per_group_follows_its_curves_across_cells(kernel):
         "print(d.title, d.points, d.state)"
     ).stdout
     assert out.split() == ["%ddp", "group", "20", "running"]  # 2 cells x 5 steps x 2 ranks, in one dashboard
+    marks = kernel.ok(
+        "spans = [m.location for m in d.metric_figures['loss'].center if type(m).__name__ == 'Span']\n"
+        "print([step for _, step in d.cell_marks], spans)"
+    ).stdout
+    assert marks.strip() == "[0, 4.0] [0, 4.0]"  # each cell marked at the last step before it, on the loss plot
     kernel.ok("%ddp watch")
     assert kernel.ok(f"print(d is not {board}, d.state)").stdout.split() == ["True", "finished"]
     kernel.ok("%ddp stop")
     assert kernel.ok(f"print({board}, d.state)").stdout.split() == ["None", "finished"]
+
+
+def test_a_group_holds_the_gpus_it_leased_until_it_stops(start_kernel):
+    k = start_kernel(GPUMAGIC_SIMULATE="4xA100-80GB")
+    k.ok("%load_ext gpumagic\nimport gpumagic")
+    out = k.ok("%ddp start -n 2 --gpus auto --no-dashboard").stdout
+    assert "2 ranks ready (gloo, CPU)" in out  # simulated GPUs: the ranks run on the CPU, each with its GPU
+    assert repr(k.ok("%gpu").text).count("leased by this kernel") == 2
+    k.ok("%%ddp -o seen\nimport os\nos.environ['CUDA_VISIBLE_DEVICES']")
+    seen = k.ok("print(len(set(seen.values())), all(v.startswith('GPU-') for v in seen.values()))").stdout
+    assert seen.split() == ["2", "True"]
+    k.ok("%ddp stop")
+    assert repr(k.ok("%gpu").text).count("leased by this kernel") == 0
+
+
+def test_re_forming_the_group_releases_the_old_one(kernel):
+    out = kernel.ok(
+        "import psutil\n"
+        "g = gpumagic.ranks(2, output='none', grace=0.5)\n"
+        "g.exec('import torch\\nt = torch.ones(1)\\ndist.all_reduce(t)', namespace={})\n"
+        "def counts():\n"
+        "    return [(psutil.Process(p).num_threads(), psutil.Process(p).num_fds()) for p in g.pids]\n"
+        "before = counts()\n"
+        "for _ in range(5):\n"
+        "    try:\n"
+        "        g.exec('if rank == 0:\\n    dist.all_reduce(torch.ones(1))', namespace={}, timeout=0.2)\n"
+        "    except gpumagic.CellInterrupted:\n"
+        "        pass\n"
+        "    g.exec('t = torch.ones(1)\\ndist.all_reduce(t)', namespace={})\n"
+        "after = counts()\n"
+        "g.close()\n"
+        "print(g.reformed, after == before, before, after)"
+    ).stdout
+    assert out.split()[:2] == ["5", "True"], out  # every rank's threads and descriptors as before 5 re-forms

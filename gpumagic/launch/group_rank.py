@@ -286,10 +286,18 @@ class GroupRank:
             return
         if not self.broken:
             self.break_group()
+        from gpumagic.launch.rank import _ENDED_PROCESS_GROUPS
+
+        kept = len(_ENDED_PROCESS_GROUPS)
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - an aborted group may refuse; it is left behind either way
             pass
+        # Unlike a launch's (rank._keep_ended_process_groups), a group left here is broken first: no collective
+        # of it is in flight, so its destructor has no worker to wait for. Released, a re-form leaks nothing
+        # (kept, each cost rank 0 four threads and 14 descriptors).
+        del _ENDED_PROCESS_GROUPS[kept:]
+        gc.collect()
 
     def break_group(self) -> None:
         """End every connection of the process group now, from any thread: a collective waiting on a peer fails

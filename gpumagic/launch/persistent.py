@@ -177,7 +177,9 @@ class RankGroup:
         except BaseException:
             store.finish_run(self.run_dir, "failed")
             raise
-        self.leased = gpus is not None and gpus not in ("none", "cpu") and bool(available) and not simulated
+        from gpumagic.devices.spec import parse_spec
+
+        self.leased = gpus is not None and (gpus == "auto" or not parse_spec(gpus).none) and bool(available)
         self.nprocs = nprocs
         self.use_cuda = bool(available) and not simulated
         self.backend = self.options["backend"] or ("nccl" if self.use_cuda else "gloo")

@@ -335,7 +335,7 @@ class Run:
     def settle(self) -> Run:
         """A launch or kernel run still marked ``running`` whose kernel is gone ended with it: record it as
         ``lost`` and remove the code and results its ranks left (the metrics stay)."""
-        if self.info.get("status") != "running" or self.info.get("kind") not in ("ddp", "kernel"):
+        if self.info.get("status") != "running" or self.info.get("kind") not in ("ddp", "ddp-group", "kernel"):
             return self
         if self.info.get("pid_space") != _pid_space() or _kernel_alive(self.info):
             return self  # another machine's or container's run cannot be judged from here

@@ -72,6 +72,9 @@ class LaunchDashboard:
         self._note = ""
         self._figures_html = ""  # the static copy's plots
         self._steps: list[tuple[float, float]] = []  # (time, step) of rank 0's first and latest points
+        self._rank0_points: list[tuple[float, float]] = []  # (time, step) of rank 0's recent points
+        self._pending_marks: list[tuple[str, float]] = []  # cells started, not drawn yet: (label, time)
+        self.cell_marks: list[tuple[str, float]] = []  # (label, step) drawn on every metric plot
         self._readers: list[Any] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -271,12 +274,32 @@ class LaunchDashboard:
                 self.points += len(series)
                 if rank == 0 and series.steps:  # the first and the latest: enough for the step rate
                     self._steps[1:] = [(series.times[-1], series.steps[-1])]
+                    latest = list(zip(series.times, series.steps, strict=True))
+                    self._rank0_points = [*self._rank0_points, *latest][-self.history :]
+        self._draw_marks()
+
+    def mark(self, label: str) -> None:
+        """A cell (``label``) starts now: a dashed line at rank 0's latest step on every metric plot (a group's
+        dashboard: its curves continue across cells). Drawn by the dashboard's thread."""
+        self._pending_marks.append((label, time.time()))
+
+    def _draw_marks(self) -> None:
+        """Place the cells started since the last push: at the last step rank 0 logged before each started (its
+        points up to then are on disk: a rank writes them out when a cell ends)."""
+        while self._pending_marks:
+            label, started = self._pending_marks.pop(0)
+            before = [step for when, step in self._rank0_points if when <= started]
+            self.cell_marks.append((label, before[-1] if before else 0))
+            for plot in self.metric_figures.values():
+                _draw_mark(plot, *self.cell_marks[-1])
 
     def _add_metric(self, name: str, rank: int) -> Any:
         plot = self.metric_figures.get(name)
         if plot is None:
             plot = self.metric_figures[name] = step_figure(name, 200)
             self.layout.children.insert(len(self.metric_figures) - 1, plot)
+            for mark in self.cell_marks:
+                _draw_mark(plot, *mark)
         from bokeh.models import ColumnDataSource
 
         source = ColumnDataSource({"step": [], "value": []})
@@ -324,6 +347,13 @@ class LaunchDashboard:
             f"<b>{self.title}</b> · {self.state} · {alive}/{self.nprocs} ranks alive{progress} · {elapsed:,.1f}s"
             + self._note
         )
+
+
+def _draw_mark(plot: Any, label: str, step: float) -> None:
+    from bokeh.models import Label, Span
+
+    plot.add_layout(Span(location=step, dimension="height", line_color="#999999", line_dash="dashed"))
+    plot.add_layout(Label(x=step, y=4, y_units="screen", text=label, text_font_size="8pt", text_color="#666666"))
 
 
 def _rank_processes(pids: list[int | None]) -> dict[int, Any]:

@@ -239,6 +239,8 @@ class DdpMagics(Magics):
             raise UsageError(f"%%ddp: {err}") from None
         finally:
             group.output = saved
+            if DdpMagics.dashboard is not None and not group.closed:
+                DdpMagics.dashboard.follow(group.pids)  # a replaced rank is followed from now on
         if args.o is not None:
             self.shell.user_ns[args.o] = results
         return None

@@ -359,3 +359,14 @@ def test_re_forming_the_group_releases_the_old_one(kernel):
         "print(g.reformed, after == before, before, after)"
     ).stdout
     assert out.split()[:2] == ["5", "True"], out  # every rank's threads and descriptors as before 5 re-forms
+
+
+def test_ranks_out_of_step_after_a_cell_get_a_fresh_group(group):
+    # an asynchronous all_reduce returns at once (as NCCL's collectives do): rank 1 never called it
+    out = group.ok(
+        "%%ddp\nimport torch\nt = torch.ones(1)\nif rank == 0:\n    work = dist.all_reduce(t, async_op=True)"
+    ).stdout
+    assert "the ranks made different numbers of collectives (rank 0: 1, rank 1: 0)" in out
+    assert "re-formed on a fresh rendezvous" in out
+    group.ok("%%ddp -o after\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
+    assert group.ok("print(after)").stdout.strip() == "{0: 2.0, 1: 2.0}"

@@ -127,6 +127,7 @@ class GroupRank:
         self.executing: str | None = None  # the cell being run
         self.executing_since = 0.0
         self.collective: tuple[str, float] | None = None
+        self.collectives = 0  # collectives called so far: peers that differ are out of step
         self.group_sockets: dict[int, int] = {}  # fd -> inode of the process group's connections
         self.store_port = 0
         self.broken = False
@@ -165,17 +166,17 @@ class GroupRank:
                     return ("done", ident, getattr(self, f"do_{kind}")(*args))
                 except KeyboardInterrupt:
                     collective = self.collective
-                    return ("interrupted", ident, collective[0] if collective else None)
+                    return ("interrupted", ident, collective[0] if collective else None, self.collectives)
                 except BaseException as err:  # noqa: BLE001 - every failure goes back to the kernel
                     self.executing = None
-                    return ("failed", ident, _report("user code", err))
+                    return ("failed", ident, {**_report("user code", err), "collectives": self.collectives})
                 finally:
                     self.executing = None  # before the reply: a late interrupt must not hit the loop
                     self.collective = None
                     flush()
             except KeyboardInterrupt:
                 if kind in ("exec", "call"):
-                    return ("interrupted", ident, None)
+                    return ("interrupted", ident, None, self.collectives)
 
     def send(self, message: tuple) -> None:
         with self.sending:
@@ -242,6 +243,7 @@ class GroupRank:
                 outer = self.collective
                 if outer is None:
                     self.collective = (name, time.time())
+                    self.collectives += 1
                 try:
                     return original(*args, **kwargs)
                 finally:
@@ -257,6 +259,10 @@ class GroupRank:
 
     def do_join(self, addr: str, port: int | None) -> int:
         """Join a fresh process group (rank 0 serves its store on a free port and reports it first)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # the old group could not be left: joining would reuse it
+            raise RuntimeError("this rank is still in its old process group; %ddp restart starts a fresh group")
         before = set(_socket_inodes().values())
         listener = None
         if port is None:
@@ -276,6 +282,7 @@ class GroupRank:
         )
         self.group_sockets = {fd: inode for fd, inode in _socket_inodes().items() if inode not in before}
         self.broken = False
+        self.collectives = 0  # counted from this group's start, the same on every rank
         return port
 
     def do_leave(self) -> None:
@@ -362,7 +369,7 @@ class GroupRank:
         self.namespace.update(payload.names)
         self._start(label)
         value = payload.run(self._context(), self.namespace)
-        return (_dumps_to_cpu(value), *self.names())
+        return (_dumps_to_cpu(value), *self.names(), self.collectives)
 
     def do_call(self, label: str, packed: bytes) -> tuple[Any, list[str], list[str]]:
         """Call a shipped function (``shipping.FunctionPayload``)."""
@@ -382,7 +389,7 @@ class GroupRank:
             fn = rebound
         self._start(label)
         value = fn(*payload.args, **payload.kwargs)
-        return (_dumps_to_cpu(value), *self.names())
+        return (_dumps_to_cpu(value), *self.names(), self.collectives)
 
     def _start(self, label: str) -> None:
         self.executing = label

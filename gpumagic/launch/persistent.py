@@ -26,6 +26,7 @@ import os
 import select
 import signal
 import sys
+import threading
 import time
 import types
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -74,6 +75,7 @@ class _Member:
     output: Any
     pidfd: int | None
     status_connection: Any = None  # answered by the rank's status thread, even while it runs a cell
+    status_lock: Any = field(default_factory=threading.Lock)  # one status request at a time on its channel
     own: set[str] = field(default_factory=set)  # names the rank made itself (or were pushed)
     present: set[str] = field(default_factory=set)
     shipped: dict[str, str] = field(default_factory=dict)  # name -> digest of the value the kernel sent
@@ -89,19 +91,24 @@ class _Member:
         return self.died_at is None
 
     def send(self, message: tuple) -> None:
-        try:
-            self.connection.send(message)
-        except (OSError, ValueError):
-            pass  # it died: the pidfd says so
+        with _whole_messages():
+            try:
+                self.connection.send(message)
+            except (OSError, ValueError):
+                pass  # it died: the pidfd says so
 
 
-class _Died(Exception):
+class _Died(GroupError):
     def __init__(self, ranks: list[int]) -> None:
         self.ranks = ranks
+        super().__init__(
+            f"rank {', '.join(map(str, ranks))} died; the group replaces it at the next call (%ddp status shows it)"
+        )
 
 
-class _Expired(Exception):
-    pass
+class _Expired(GroupError):
+    def __init__(self) -> None:
+        super().__init__("the ranks did not answer in time; %ddp restart starts a fresh group")
 
 
 class _Failed(Exception):
@@ -156,6 +163,7 @@ class RankGroup:
         self._mailbox: dict[tuple[int, int], tuple] = {}  # (rank, request) -> its reply
         self._partial: dict[int, tuple] = {}
         self._fingerprints: dict[str, tuple[Any, int | None, str]] = {}  # name -> (value, tensor version, digest)
+        self._needs_reform = False  # a re-form was cut short: the next call makes it
         self._stack = contextlib.ExitStack()
         self._start()
 
@@ -222,6 +230,7 @@ class RankGroup:
             writer.close()
             theirs.close()
             status_theirs.close()
+        os.set_blocking(reader.fileno(), False)
         try:
             pidfd = os.pidfd_open(process.pid)
         except (AttributeError, OSError):
@@ -239,6 +248,7 @@ class RankGroup:
         """Form a fresh process group: rank 0 serves a new store on a free port, the others join it."""
         addr = self.plan.master_addr
         first, rest = self.members[0], self.members[1:]
+        self._mailbox.pop((0, PORT), None)  # a port from a rendezvous that was cut short
         ident = self._next()
         first.send(("join", ident, addr, None))
         port_reply = self._wait(PORT, [first], time.monotonic() + START_TIMEOUT_S, kinds=("port", "failed"), also=ident)
@@ -331,11 +341,11 @@ class RankGroup:
         self.cells += 1
         filename = filename or f"<ddp cell {self.cells}>"
         payload = ship_cell(code, namespace, filename, hidden)
-        deadline = self._deadline(timeout)
+        self._deadline(timeout)  # a bad timeout is refused before anything else
         self._recover_dead()
         targets = self._targets(ranks)
         packed, digests = self._pack_for(payload, targets, namespace, hidden)
-        return self._run("exec", filename, packed, targets, deadline, digests)
+        return self._run("exec", filename, packed, targets, self._deadline(timeout), digests)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[int, Any]:
         """Call ``fn(*args, **kwargs)`` on every rank (in its namespace: globals it defines persist);
@@ -439,9 +449,11 @@ class RankGroup:
             raise InvalidArgument("a cell timeout must be more than 0 seconds")
         return time.monotonic() + seconds
 
-    def _request(self, member: _Member, kind: str, *args: Any) -> Any:
-        """One request to one rank, outside a cell (no interrupt handling beyond the kernel's own)."""
-        self._recover_dead()
+    def _request(self, member: _Member, kind: str, *args: Any, recover: bool = True) -> Any:
+        """One request to one rank, outside a cell (no interrupt handling beyond the kernel's own); ``recover``:
+        replace dead ranks first (not while a re-form is under way)."""
+        if recover:
+            self._recover_dead()
         ident = self._next()
         member.send((kind, ident, *args))
         reply = self._wait(ident, [member], None)[member.rank]
@@ -532,16 +544,19 @@ class RankGroup:
         return died
 
     def _receive(self, member: _Member) -> None:
-        try:
-            while member.connection.poll():
-                message = member.connection.recv()
-                self._mailbox[(member.rank, message[1])] = message
-                if message[0] in _REPLIES:
-                    member.busy = None
-        except (EOFError, OSError):
-            pass  # it is dying: the pidfd tells
+        with _whole_messages():  # an interrupt waits until the message is read whole and in the mailbox
+            try:
+                while member.connection.poll():
+                    message = member.connection.recv()
+                    self._mailbox[(member.rank, message[1])] = message
+                    if message[0] in _REPLIES:
+                        member.busy = None
+            except (EOFError, OSError):
+                pass  # it is dying: the pidfd tells
 
     def _mark_dead(self, member: _Member, when: float | None = None) -> None:
+        with contextlib.suppress(OSError):
+            os.killpg(member.pid, signal.SIGKILL)  # what the rank started (it led its process group) ends with it
         with contextlib.suppress(OSError, ValueError):
             member.process.join(5.0)
         member.exitcode = member.process.exitcode
@@ -552,6 +567,8 @@ class RankGroup:
     def _read_output(self, member: _Member) -> bool:
         try:
             data = os.read(member.output.fileno(), 65536) if not member.output.closed else b""
+        except BlockingIOError:
+            return False  # nothing now (something the rank started may still hold the pipe)
         except OSError:
             data = b""
         if not data:
@@ -577,15 +594,14 @@ class RankGroup:
                     value = namespace[name]
                     if not isinstance(value, types.ModuleType):
                         payload.names[name] = value
-        digests: dict[str, str] = {}
-        for name, value in payload.names.items():
-            digests[name] = self._digest(name, value)
+        wanted = [name for name in payload.names if any(name not in m.own for m in targets)]  # not held by all
+        digests = {name: self._digest(name, payload.names[name]) for name in wanted}
         packed: dict[int, bytes] = {}
         by_names: dict[frozenset[str], bytes] = {}
         for member in targets:
             send = frozenset(
                 name
-                for name in payload.names
+                for name in wanted
                 if name not in member.own and not (member.shipped.get(name) == digests[name] and name in member.present)
             )
             if send not in by_names:
@@ -615,13 +631,15 @@ class RankGroup:
         self._sink = _CellOutput(self.write, self.output if len(targets) > 1 else "all", self.nprocs)
         self._show_between_cells()
         ident = self._next()
-        for member in targets:
-            member.busy = label
-            member.send((kind, ident, label, packed[member.rank]))
+        self._partial = {}
+        reformed = self.reformed
         notes: list[str] = []
         why = None
         try:
             try:
+                for member in targets:
+                    member.busy = label
+                    member.send((kind, ident, label, packed[member.rank]))
                 replies = self._wait(ident, targets, deadline, stop_on_failure=True)
             except KeyboardInterrupt:
                 why = "interrupted"
@@ -634,17 +652,37 @@ class RankGroup:
             else:
                 if any(reply[0] == "interrupted" and reply[2] for reply in replies.values()):
                     replies = self._recover(ident, targets, None, notes, replies)
+        except KeyboardInterrupt:  # interrupted again while recovering: the next call re-forms the group
+            self._needs_reform = True
+            raise CellInterrupted(
+                "interrupted twice: the cell was stopped, and the group is re-formed before the next cell"
+            ) from None
         finally:
             self._sink.finish()
             self._sink = None
+        steady = why is None and reformed == self.reformed and len(targets) == len(self.members)
+        if steady and all(m.alive for m in self.members):
+            counts = {r: _collectives(reply) for r, reply in replies.items()}
+            if len(set(counts.values()) - {None}) > 1:  # one rank skipped a collective its peers made
+                try:
+                    self._reform(notes, {})
+                except KeyboardInterrupt:
+                    self._needs_reform = True
+                told = ", ".join(f"rank {r}: {c}" for r, c in sorted(counts.items()))
+                notes.insert(0, f"the ranks made different numbers of collectives ({told})")
+                if not any(reply[0] != "done" for reply in replies.values()):
+                    for note in notes:
+                        self.on_note(note)
         for member in targets:
             reply = replies.get(member.rank)
-            if reply is not None and reply[0] == "done" and kind in ("exec", "call"):
+            if reply is not None and reply[0] == "done":
                 own, present = reply[2][1], reply[2][2]
                 member.own, member.present = set(own), set(present)
                 for name in member.sending:
-                    member.shipped[name] = digests[name]
-        failed = {r: m for r, m in replies.items() if m[0] == "failed"}
+                    if name in digests:  # a function's call sends no names
+                        member.shipped[name] = digests[name]
+            member.sending = frozenset()
+        failed = {r: m for r, m in replies.items() if m[0] in ("failed", "interrupted")}
         dead = [m for m in targets if m.rank not in replies]
         if why is not None:
             raise CellInterrupted("; ".join([f"{why}: the cell was stopped on every rank", *notes]))
@@ -656,7 +694,12 @@ class RankGroup:
         outcomes = []
         for member in targets:
             reply = replies.get(member.rank)
-            if reply is None or reply[0] == "interrupted":
+            if reply is not None and reply[0] == "interrupted" and member.alive:
+                outcomes.append(
+                    RankOutcome(member.rank, member.pid, 1, "user code", "KeyboardInterrupt", "", timestamp=time.time())
+                )
+                continue
+            if reply is None:
                 if not member.alive:
                     outcomes.append(
                         RankOutcome(
@@ -688,7 +731,7 @@ class RankGroup:
                 )
             )
         deaths = [o for o in outcomes if o.phase == "process" and not o.stopped_by_launcher]
-        cause = deaths[0] if deaths else (root_cause(outcomes) or outcomes[0])  # peers of a dead rank fail after it
+        cause = root_cause(deaths) if deaths else (root_cause(outcomes) or outcomes[0])  # its peers fail after it
         return CellFailed(outcomes, cause, "\n".join(notes))
 
     def _digest(self, name: str, value: Any) -> str:
@@ -762,7 +805,7 @@ class RankGroup:
             notes.append(f"rank {member.rank} did not stop{_in(stuck_in.get(member.rank))} and was killed")
         if broken:
             stuck = [f"rank {r}{_in(c)}" for r, c in sorted(stuck_in.items()) if c and self.members[r].alive]
-            if stuck:
+            if stuck and why is not None:  # after a death or a failure its peers' waiting is no news
                 notes.append("stuck in a collective: " + ", ".join(stuck))
             self._reform(notes, stuck_in)
         return replies
@@ -801,7 +844,7 @@ class RankGroup:
         self._check_open()
         waiting = {m.rank: m for m in self.members if m.alive}
         self._pump(0.0, waiting, {}, (), ())
-        if any(not m.alive for m in self.members):
+        if self._needs_reform or any(not m.alive for m in self.members):
             notes: list[str] = []
             for member in self.members:
                 if member.alive:
@@ -814,6 +857,7 @@ class RankGroup:
         """Re-form the process group: the living ranks leave the old one, dead ranks are replaced by fresh
         ones, the group forms on a new rendezvous, the kept state reaches the new ranks, and every
         DistributedDataParallel model is wrapped anew."""
+        self._needs_reform = True  # until it is done: cut short, the next call re-forms
         ident = self._next()
         living = [m for m in self.members if m.alive]
         for member in living:
@@ -840,7 +884,8 @@ class RankGroup:
         for member in self.members:
             member.send(("wrapped", ident))
         held = self._wait(ident, self.members, time.monotonic() + START_TIMEOUT_S)
-        everywhere = set.intersection(*(set(reply[2]) for reply in held.values() if reply[0] == "done"))
+        lists = [set(reply[2]) for reply in held.values() if reply[0] == "done"]
+        everywhere = set.intersection(*lists) if len(lists) == len(self.members) else set()
         names = sorted(everywhere)
         if names:
             ident = self._next()
@@ -848,6 +893,7 @@ class RankGroup:
                 member.send(("rewrap", ident, names))
             self._wait(ident, self.members, time.monotonic() + START_TIMEOUT_S)
             notes.append(f"re-wrapped {', '.join(names)} in DistributedDataParallel on the new group")
+        self._needs_reform = False
         stale = sorted({n for reply in held.values() if reply[0] == "done" for n in reply[2]} - everywhere)
         if stale:
             notes.append(
@@ -876,7 +922,7 @@ class RankGroup:
             notes.append("every rank was replaced: all their state is lost" + (f" ({', '.join(lost)})" if lost else ""))
             return
         source = healthy[0]
-        state, missing = self._request(source, "export")
+        state, missing = self._request(source, "export", recover=False)
         ident = self._next()
         for member in fresh:
             member.send(("import", ident, state))
@@ -886,7 +932,7 @@ class RankGroup:
             names, modules = (set(reply[2][0]), set(reply[2][1])) if reply and reply[0] == "done" else (set(), set())
             member.own = names | modules
             member.present = set(member.own)
-            lost = sorted(set(source.own) - names - modules)
+            lost = sorted((member.lost or set(source.own)) - names - modules)
             kept = f"restored {', '.join(sorted(names))} (gpumagic.keep) from rank {source.rank}" if names else ""
             gone = f"lost on rank {member.rank}: {', '.join(lost)}" if lost else ""
             if kept or gone:
@@ -902,28 +948,59 @@ READY = 0  # the request number of a rank's "ready"
 PORT = -1  # and of rank 0's rendezvous port
 
 
+def _collectives(reply: tuple) -> int | None:
+    """How many collectives the rank had made when it replied to a cell."""
+    if reply[0] == "done" and isinstance(reply[2], tuple) and len(reply[2]) > 3:
+        return reply[2][3]
+    if reply[0] == "failed" and isinstance(reply[2], dict):
+        return reply[2].get("collectives")
+    if reply[0] == "interrupted" and len(reply) > 3:
+        return reply[3]
+    return None
+
+
 def _ask_status(members: list[_Member], within: float) -> dict[int, dict[str, Any]]:
     """Each member's status through its status channel (safe from any thread: one request at a time each)."""
     import uuid
 
     ident = uuid.uuid4().hex
-    asked = []
-    for member in members:
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            member.status_connection.send(ident)
-            asked.append(member)
     found: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + within
-    for member in asked:
-        try:
-            while member.status_connection.poll(max(0.0, deadline - time.monotonic())):
-                answer, row = member.status_connection.recv()
-                if answer == ident:
-                    found[member.rank] = row
-                    break
-        except (EOFError, OSError):
-            continue
+    with contextlib.ExitStack() as held:
+        for member in sorted(members, key=lambda m: m.rank):  # in rank order: no two callers deadlock
+            held.enter_context(member.status_lock)
+        asked = []
+        for member in members:
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                member.status_connection.send(ident)
+                asked.append(member)
+        deadline = time.monotonic() + within
+        for member in asked:
+            try:
+                while member.status_connection.poll(max(0.0, deadline - time.monotonic())):
+                    answer, row = member.status_connection.recv()
+                    if answer == ident:
+                        found[member.rank] = row
+                        break
+            except (EOFError, OSError):
+                continue
     return found
+
+
+@contextlib.contextmanager
+def _whole_messages() -> Any:
+    """Hold back the kernel's interrupt while a message to or from a rank is written or read, then raise it: a
+    KeyboardInterrupt part-way would leave half a message in the pipe (or a reply read and dropped)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: pending.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pending:
+            raise KeyboardInterrupt
 
 
 def _digest(name: str, value: Any) -> str:

@@ -120,6 +120,12 @@ class LaunchDashboard:
         self._thread = threading.Thread(target=self._loop, name="gpumagic-launch-dashboard", daemon=True)
         self._thread.start()
 
+    def follow(self, pids: list[int | None]) -> None:
+        """The ranks' processes changed (a persistent group replaced a dead rank): sample these from now on."""
+        if list(pids) != self.pids:
+            self.pids = list(pids)
+            self._processes = _rank_processes(self.pids)
+
     def finish(self, state: str) -> None:
         """The launch ended (``finished``, ``failed``, ``interrupted``). Returns at once: the dashboard's thread
         makes a last update, then turns the dashboard into a static copy of itself and closes its widgets

@@ -6,6 +6,7 @@ import time
 
 import psutil
 import pytest
+from conftest import cpu_kernel
 from test_launch import alive, rank_processes
 
 pytestmark = pytest.mark.kernel
@@ -38,13 +39,9 @@ dist.all_gather(gathered, weights)
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    from conftest import Kernel, kernel_env
-
-    k = Kernel(kernel_env(tmp_path_factory.mktemp("leases"), CUDA_VISIBLE_DEVICES=""))
-    k.ok("%load_ext gpumagic\nimport gpumagic, os")
-    k.pid_ = int(k.ok("print(os.getpid())").stdout)
-    yield k
-    k.shutdown()
+    with cpu_kernel(tmp_path_factory, "%load_ext gpumagic\nimport gpumagic, os") as k:
+        k.pid_ = int(k.ok("print(os.getpid())").stdout)
+        yield k
 
 
 @pytest.fixture
@@ -370,3 +367,20 @@ def test_ranks_out_of_step_after_a_cell_get_a_fresh_group(group):
     assert "re-formed on a fresh rendezvous" in out
     group.ok("%%ddp -o after\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
     assert group.ok("print(after)").stdout.strip() == "{0: 2.0, 1: 2.0}"
+
+
+def test_the_python_api_runs_functions_in_the_ranks_namespaces(kernel):
+    out = kernel.ok(
+        "lr = 0.5\n"
+        "with gpumagic.ranks(2, output='none') as g:\n"
+        "    g.exec('a = lr * 2')\n"
+        "    def step(x):\n"
+        "        return x + a + rank\n"
+        "    ran = g.run(step, 1)\n"
+        "    g.push(a=10.0)\n"
+        "    pushed = g.run(step, 1)\n"
+        "print(ran, pushed, g.closed)"
+    ).stdout
+    assert out.strip() == "{0: 2.0, 1: 3.0} {0: 11.0, 1: 12.0} True"
+    error = kernel.run("g.exec('1')").error
+    assert error[0] == "GroupError" and "this group of ranks is closed" in error[1]

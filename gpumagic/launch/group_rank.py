@@ -41,9 +41,9 @@ from gpumagic.launch.rank import (
     _user_traceback,
     flush,
     join_process_group,
+    plan_setup,
     rank_namespace,
 )
-from gpumagic.telemetry.run_files import RunFiles
 
 COLLECTIVES = (
     "all_reduce",
@@ -77,18 +77,7 @@ def serve_group_rank(local_rank: int, plan: LaunchPlan, output: Any, connection:
     _die_with(plan.launcher_pid)
     _route_output(0, [output])
     _set_environment(plan.environment(local_rank))
-    setup = RankSetup(
-        files=RunFiles(plan.run_dir),
-        rank=plan.global_rank(local_rank),
-        local_rank=local_rank,
-        world_size=plan.world_size,
-        backend=plan.backend,
-        master_addr=plan.master_addr,
-        timeout_s=plan.timeout_s,
-        use_cuda=plan.use_cuda,
-        threads=plan.threads_per_rank,
-    )
-    code = GroupRank(setup, connection, status).serve()
+    code = GroupRank(plan_setup(plan, local_rank), connection, status).serve()
     flush()
     os._exit(code)
 

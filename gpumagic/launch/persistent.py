@@ -90,6 +90,18 @@ class _Member:
     def alive(self) -> bool:
         return self.died_at is None
 
+    def release(self) -> None:
+        """Close the kernel's ends of its pipes and its process handle (it has ended)."""
+        for handle in (self.connection, self.output, self.status_connection):
+            with contextlib.suppress(OSError, AttributeError):
+                handle.close()
+        if self.pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.pidfd)
+            self.pidfd = None
+        with contextlib.suppress(ValueError, AssertionError):
+            self.process.close()
+
     def send(self, message: tuple) -> None:
         with _whole_messages():
             try:
@@ -284,14 +296,7 @@ class RankGroup:
         for member in self.members:
             with contextlib.suppress(OSError, ValueError):
                 member.process.join(1.0)
-            for handle in (member.connection, member.output, member.status_connection):
-                with contextlib.suppress(OSError):
-                    handle.close()
-            if member.pidfd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(member.pidfd)
-            with contextlib.suppress(ValueError, AssertionError):
-                member.process.close()
+            member.release()
         self._stack.close()
         if getattr(self, "leased", False):
             from gpumagic.devices import selection
@@ -902,14 +907,7 @@ class RankGroup:
             )
 
     def _replace(self, dead: _Member) -> None:
-        for handle in (dead.connection, dead.output, dead.status_connection):
-            with contextlib.suppress(OSError):
-                handle.close()
-        if dead.pidfd is not None:
-            with contextlib.suppress(OSError):
-                os.close(dead.pidfd)
-        with contextlib.suppress(ValueError, AssertionError):
-            dead.process.close()
+        dead.release()
         fresh = self._spawn(dead.rank)
         fresh.lost = set(dead.own)
         self.members[dead.rank] = fresh

@@ -54,6 +54,23 @@ class RankSetup:
     served_prefix: str | None = None  # an elastic agent serves the store; every rank is a client under this
 
 
+def plan_setup(plan: LaunchPlan, local_rank: int, listener: Any = None) -> RankSetup:
+    """What local rank ``local_rank`` of a plan started on this machine needs to join its group and run."""
+    return RankSetup(
+        files=RunFiles(plan.run_dir),
+        rank=plan.global_rank(local_rank),
+        local_rank=local_rank,
+        world_size=plan.world_size,
+        backend=plan.backend,
+        master_addr=plan.master_addr,
+        master_port=plan.master_port,
+        timeout_s=plan.timeout_s,
+        use_cuda=plan.use_cuda,
+        threads=plan.threads_per_rank,
+        listener=listener,
+    )
+
+
 class Rank:
     """Set-up, execute, report, teardown of one rank; ``run`` does them in order and returns the exit code."""
 
@@ -142,24 +159,10 @@ def run_local_rank(local_rank: int, plan: LaunchPlan, outputs: list[Any], listen
     _die_with(plan.launcher_pid)
     _route_output(local_rank, outputs)
     _set_environment(plan.environment(local_rank))
-    rank = plan.global_rank(local_rank)
-    if rank != 0 and listener is not None:
+    if plan.global_rank(local_rank) != 0 and listener is not None:
         listener.close()
         listener = None
-    setup = RankSetup(
-        files=RunFiles(plan.run_dir),
-        rank=rank,
-        local_rank=local_rank,
-        world_size=plan.world_size,
-        backend=plan.backend,
-        master_addr=plan.master_addr,
-        master_port=plan.master_port,
-        timeout_s=plan.timeout_s,
-        use_cuda=plan.use_cuda,
-        threads=plan.threads_per_rank,
-        listener=listener,
-    )
-    code = Rank(setup).run()
+    code = Rank(plan_setup(plan, local_rank, listener)).run()
     os._exit(code)  # skip interpreter teardown: a finished rank must not hang in a library's destructor
 
 

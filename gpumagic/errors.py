@@ -34,11 +34,13 @@ class NotEnoughGpusError(GpumagicError):
         self.wanted = wanted
         self.chosen = chosen
         self.reasons = dict(reasons)
-        lines = [f"Only {len(chosen)} of the {wanted} GPUs asked for qualify{note}" + (":" if self.reasons else ".")]
-        lines += [f"  GPU {index}: {why}" for index, why in sorted(self.reasons.items())]
-        if self.reasons:
-            lines.append("Lower --min-free/--max-util, free a GPU, or add --wait 10m to wait for one.")
-        super().__init__("\n".join(lines))
+        message = f"Only {len(chosen)} of the {wanted} GPUs asked for qualify{note}"
+        if self.reasons:  # one line, as every refusal a magic shows: GPU by GPU, then what to do
+            why = "; ".join(f"GPU {index}: {reason}" for index, reason in sorted(self.reasons.items()))
+            message += f" ({why}). Lower --min-free/--max-util, free a GPU, or add --wait 10m to wait for one."
+        else:
+            message += "."
+        super().__init__(message)
 
 
 class GpuLeasedError(GpumagicError):

@@ -180,3 +180,11 @@ def test_random_arguments_work_or_raise_usage_error(shell, simulated, subcommand
         assert (leases.book().held(), os.environ.get("CUDA_VISIBLE_DEVICES")) == before, "refused, yet it changed"
     finally:
         gpu(shell, "release")
+
+
+def test_a_pick_that_no_gpu_can_satisfy_is_refused_in_one_line(shell, simulated):
+    with pytest.raises(UsageError) as refused:
+        gpu(shell, "pick 1 --min-free 99GB")
+    message = str(refused.value)
+    assert "\n" not in message and "GPU 0: 80.0 GiB free < 99.0 GiB needed; GPU 1:" in message
+    assert message.endswith("or add --wait 10m to wait for one.")

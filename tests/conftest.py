@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -272,6 +273,20 @@ class Kernel:
         if result.status == "error" and result.error is None:  # UsageError goes to stderr, not as an error message
             result.error = (reply["content"].get("ename", ""), reply["content"].get("evalue", ""))
         return result
+
+    def interrupt(self, timeout: float = 60) -> tuple[dict, float]:
+        """Interrupt the cell running (sent with ``client.execute``): its reply's content and the seconds from the
+        interrupt to the reply; the cell's remaining output is drained."""
+        interrupted = time.monotonic()
+        self.manager.interrupt_kernel()
+        reply = self.client.get_shell_msg(timeout=timeout)
+        took = time.monotonic() - interrupted
+        while True:
+            try:
+                self.client.get_iopub_msg(timeout=1)
+            except Exception:  # noqa: BLE001 - queue.Empty: drained
+                break
+        return reply["content"], took
 
     def ok(self, code: str, timeout: float = 60) -> CellResult:
         result = self.run(code, timeout)

@@ -38,7 +38,7 @@ from gpumagic.launch.rank import (
     _route_output,
     _seed_from_environment,
     _set_environment,
-    _user_traceback,
+    failure_report,
     flush,
     join_process_group,
     plan_setup,
@@ -129,7 +129,7 @@ class GroupRank:
         try:
             self.set_up()
         except BaseException as err:  # noqa: BLE001 - the kernel must hear why the rank cannot serve
-            self.send(("failed", 0, _report("setup", err)))
+            self.send(("failed", 0, failure_report("setup", err)))
             return 1
         _this_rank = self
         threading.Thread(target=self._control, name="gpumagic-control", daemon=True).start()
@@ -158,7 +158,7 @@ class GroupRank:
                     return ("interrupted", ident, collective[0] if collective else None, self.collectives)
                 except BaseException as err:  # noqa: BLE001 - every failure goes back to the kernel
                     self.executing = None
-                    return ("failed", ident, {**_report("user code", err), "collectives": self.collectives})
+                    return ("failed", ident, {**failure_report("user code", err), "collectives": self.collectives})
                 finally:
                     self.executing = None  # before the reply: a late interrupt must not hit the loop
                     self.collective = None
@@ -526,16 +526,6 @@ def _dumps_to_cpu(value: Any) -> bytes:
     buffer = io.BytesIO()
     ToCpu(buffer).dump(value)
     return buffer.getvalue()
-
-
-def _report(phase: str, err: BaseException) -> dict[str, Any]:
-    return {
-        "phase": phase,
-        "type": type(err).__name__,
-        "message": str(err),
-        "traceback": _user_traceback(err) if not isinstance(err, SystemExit) else None,
-        "time": time.time(),
-    }
 
 
 def _socket_inodes() -> dict[int, int]:

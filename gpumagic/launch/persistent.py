@@ -162,6 +162,8 @@ class RankGroup:
         self.options = dict(gpus=gpus, gpus_per_rank=gpus_per_rank, backend=backend, timeout=timeout, grace=grace)
         self.requested = nprocs
         self.output = output
+        from gpumagic.launch.ddp import _stdout_writer
+
         self.write = write or _stdout_writer()
         self.on_note = on_note or (lambda text: self.write(text + "\n"))
         self.members: list[_Member] = []
@@ -285,12 +287,8 @@ class RankGroup:
         from gpumagic.devices.processes import end_processes
         from gpumagic.telemetry import store
 
-        alive = [m for m in self.members if m.alive]
-        ident = self._next()
-        for member in alive:
-            member.send(("close", ident))
         with contextlib.suppress(_Died, _Expired, KeyboardInterrupt, OSError):
-            self._wait(ident, alive, time.monotonic() + CLOSE_GRACE_S)
+            self._ask([m for m in self.members if m.alive], "close", within=CLOSE_GRACE_S)
         pids = [m.pid for m in self.members]
         end_processes(pids, groups=pids, grace_s=1.0)
         for member in self.members:
@@ -383,10 +381,7 @@ class RankGroup:
             pack(FunctionPayload(dict, kwargs=values))
             raise
         self._recover_dead()
-        ident = self._next()
-        for member in self.members:
-            member.send(("push", ident, packed))
-        replies = self._wait(ident, self.members, None)
+        replies = self._ask(self.members, "push", packed)
         for member in self.members:
             if replies[member.rank][0] == "done":
                 member.own.update(values)
@@ -411,10 +406,7 @@ class RankGroup:
         """Collect garbage and empty the CUDA cache on every rank; per rank what was released."""
         self._check_open()
         self._recover_dead()
-        ident = self._next()
-        for member in self.members:
-            member.send(("free", ident))
-        replies = self._wait(ident, self.members, None)
+        replies = self._ask(self.members, "free")
         return [{"rank": r, **replies[r][2]} for r in sorted(replies) if replies[r][0] == "done"]
 
     def kept(self) -> list[str]:
@@ -447,21 +439,25 @@ class RankGroup:
     def _deadline(self, timeout: str | float | None) -> float | None:
         if timeout is None:
             return None
-        from gpumagic.units import parse_duration
+        return time.monotonic() + check_timeout(timeout, what="a cell timeout")
 
-        seconds = parse_duration(timeout, at_most=7 * 86400.0, what="a cell timeout")
-        if seconds <= 0:
-            raise InvalidArgument("a cell timeout must be more than 0 seconds")
-        return time.monotonic() + seconds
+    def _ask(self, members: list[_Member], kind: str, *args: Any, within: float | None = None) -> dict[int, tuple]:
+        """Send request ``kind`` to ``members`` and wait for their replies (``within`` seconds; ``None``: no limit).
+
+        Raises:
+            _Died: a member died first. _Expired: ``within`` passed.
+        """
+        ident = self._next()
+        for member in members:
+            member.send((kind, ident, *args))
+        return self._wait(ident, members, None if within is None else time.monotonic() + within)
 
     def _request(self, member: _Member, kind: str, *args: Any, recover: bool = True) -> Any:
         """One request to one rank, outside a cell (no interrupt handling beyond the kernel's own); ``recover``:
         replace dead ranks first (not while a re-form is under way)."""
         if recover:
             self._recover_dead()
-        ident = self._next()
-        member.send((kind, ident, *args))
-        reply = self._wait(ident, [member], None)[member.rank]
+        reply = self._ask([member], kind, *args)[member.rank]
         if reply[0] != "done":
             report = reply[2] or {}
             raise GroupError(f"rank {member.rank}: {report.get('type')}: {report.get('message')}")
@@ -732,7 +728,7 @@ class RankGroup:
                     report.get("type"),
                     report.get("message"),
                     report.get("traceback"),
-                    report.get("time"),
+                    report.get("timestamp"),
                 )
             )
         deaths = [o for o in outcomes if o.phase == "process" and not o.stopped_by_launcher]
@@ -885,18 +881,12 @@ class RankGroup:
             notes.append("the process group was re-formed on a fresh rendezvous; every rank kept its namespace")
         if dead:
             self._restore(dead, healthy, notes)
-        ident = self._next()
-        for member in self.members:
-            member.send(("wrapped", ident))
-        held = self._wait(ident, self.members, time.monotonic() + START_TIMEOUT_S)
+        held = self._ask(self.members, "wrapped", within=START_TIMEOUT_S)
         lists = [set(reply[2]) for reply in held.values() if reply[0] == "done"]
         everywhere = set.intersection(*lists) if len(lists) == len(self.members) else set()
         names = sorted(everywhere)
         if names:
-            ident = self._next()
-            for member in self.members:
-                member.send(("rewrap", ident, names))
-            self._wait(ident, self.members, time.monotonic() + START_TIMEOUT_S)
+            self._ask(self.members, "rewrap", names, within=START_TIMEOUT_S)
             notes.append(f"re-wrapped {', '.join(names)} in DistributedDataParallel on the new group")
         self._needs_reform = False
         stale = sorted({n for reply in held.values() if reply[0] == "done" for n in reply[2]} - everywhere)
@@ -921,10 +911,7 @@ class RankGroup:
             return
         source = healthy[0]
         state, missing = self._request(source, "export", recover=False)
-        ident = self._next()
-        for member in fresh:
-            member.send(("import", ident, state))
-        restored = self._wait(ident, fresh, time.monotonic() + START_TIMEOUT_S)
+        restored = self._ask(fresh, "import", state, within=START_TIMEOUT_S)
         for member in fresh:
             reply = restored.get(member.rank)
             names, modules = (set(reply[2][0]), set(reply[2][1])) if reply and reply[0] == "done" else (set(), set())
@@ -1034,12 +1021,6 @@ def _running(pid: int) -> bool:
     from gpumagic.devices.processes import is_running
 
     return is_running(pid)
-
-
-def _stdout_writer() -> Callable[[str], None]:
-    from gpumagic.launch.ddp import _stdout_writer as writer
-
-    return writer()
 
 
 class _CellOutput:

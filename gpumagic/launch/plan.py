@@ -154,15 +154,15 @@ def check_backend(backend: str | None) -> str | None:
     return backend
 
 
-def check_timeout(timeout: str | float) -> float:
-    """A process group timeout ("30m", seconds) in seconds.
+def check_timeout(timeout: str | float, what: str = "a process group timeout") -> float:
+    """A timeout ("30m", seconds) in seconds: a process group's, or ``what`` names another (a cell's).
 
     Raises:
         InvalidArgument: not a duration, 0, or more than a week (``MAX_TIMEOUT_S``).
     """
     from gpumagic.units import parse_duration
 
-    seconds = parse_duration(timeout, at_most=MAX_TIMEOUT_S, what="a process group timeout")
+    seconds = parse_duration(timeout, at_most=MAX_TIMEOUT_S, what=what)
     if seconds <= 0:
         raise InvalidArgument("timeout must be more than 0 seconds")
     return seconds

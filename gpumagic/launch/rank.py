@@ -637,22 +637,12 @@ def report_failure(path: Path, rank: int, phase: str, err: BaseException) -> int
         code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
         if code == 0:
             return 0
-        message = str(err.code)
     elif isinstance(err, KeyboardInterrupt):
         return 128 + signal.SIGINT
     else:
         code = 1
-        message = str(err)
-    report = {
-        "rank": rank,
-        "pid": os.getpid(),
-        "phase": phase,
-        "type": type(err).__name__,
-        "message": message,
-        "traceback": None if isinstance(err, SystemExit) else _user_traceback(err),
-        "timestamp": time.time(),
-        "exitcode": code,
-    }
+    report = {"rank": rank, "pid": os.getpid(), **failure_report(phase, err), "exitcode": code}
+    message = report["message"]
     from gpumagic.telemetry.private import write_private
 
     try:
@@ -661,6 +651,19 @@ def report_failure(path: Path, rank: int, phase: str, err: BaseException) -> int
         sys.stderr.write(f"rank {rank} could not record its failure: {unwritten}\n")
     sys.stderr.write(f"rank {rank} failed: {type(err).__name__}: {message}\n")
     return code
+
+
+def failure_report(phase: str, err: BaseException) -> dict[str, Any]:
+    """How the user's code failed, as a launcher reads it: where (``phase``), the exception, its traceback from
+    the user's first frame (none for ``sys.exit``), and when."""
+    exited = isinstance(err, SystemExit)
+    return {
+        "phase": phase,
+        "type": type(err).__name__,
+        "message": str(err.code) if exited else str(err),
+        "traceback": None if exited else _user_traceback(err),
+        "timestamp": time.time(),
+    }
 
 
 def _user_traceback(err: BaseException) -> str:

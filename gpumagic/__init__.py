@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from gpumagic.launch.persistent import RankGroup
     from gpumagic.launch.seeding import SeedReport
     from gpumagic.telemetry.log import log
+    from gpumagic.widgets.compare import Comparison
     from gpumagic.widgets.status_table import StatusTable
 
 __version__ = "0.1.0"
@@ -52,6 +53,7 @@ __all__ = [
     "LeaseDirectoryError",
     "NoGpuError",
     "NotEnoughGpusError",
+    "compare",
     "ddp_group",
     "gpus",
     "job",
@@ -264,6 +266,38 @@ def plot_run(run: Any, metrics: list[str] | None = None) -> Any:
     from gpumagic.widgets.run_plot import RunPlot
 
     return RunPlot(run if isinstance(run, Run) else load_run(str(run)), metrics)
+
+
+def compare(
+    runs_or_jobs: Any = None,
+    metrics: str | list[str] | None = None,
+    x: str = "step",
+    *,
+    sort_by: str | None = None,
+    descending: bool | None = None,
+    all_columns: bool = False,
+    group_seeds: bool = True,
+) -> Comparison:
+    """Runs and jobs side by side: a table (status, duration, GPUs, the configuration that differs, each metric's
+    last and best value) and one figure per metric with a curve per run; displays in a notebook.
+
+    ``runs_or_jobs``: ``Job``s, job names, patterns (``"A-*"``), ``Run``s or run ids; None: every job of yours.
+    ``x``: ``"step"``, ``"elapsed"`` or ``"time"``. ``sort_by``: a column or a metric (its best value).
+    Runs that differ only by ``seed`` are drawn as their mean with a ± std band (``group_seeds=False``: not).
+    ``.rows`` and ``.curves`` hold the data; ``.refresh()`` reads the runs again. Raises InvalidArgument for an
+    unknown run, job, metric or column, or when there is nothing to compare.
+    """
+    from gpumagic.widgets.compare import Comparison
+
+    return Comparison(
+        runs_or_jobs,
+        metrics,
+        x,
+        sort_by=sort_by,
+        descending=descending,
+        all_columns=all_columns,
+        group_seeds=group_seeds,
+    )
 
 
 def submit(fn: Any, *args: Any, **options: Any) -> Job:

@@ -61,6 +61,28 @@ def _jobs_parsers() -> dict[str, _Parser]:
     )
     watch.add_argument("--metric", default="loss", help="the metric to compare (default loss)")
     watch.add_argument("--interval", default="1s", metavar="DURATION", help="refresh period (1s)")
+    compare = _Parser(
+        "%jobs compare",
+        "Jobs side by side: a table (status, duration, GPUs, the configuration that differs, each metric's last\n"
+        "and best value) and one figure per metric with a curve per job. Jobs that differ only by their seed are\n"
+        "drawn as their mean with a band of ± one standard deviation. Read from disk: works in a new kernel.\n"
+        "Example: %jobs compare A-* --metric loss --sort-by loss",
+    )
+    compare.add_argument(
+        "names", nargs="*", metavar="name", help="jobs (A-* matches by pattern) or run ids; default all"
+    )
+    compare.add_argument(
+        "--metric", action="append", metavar="M", help="a metric to show (repeat, or loss,acc; default every one)"
+    )
+    compare.add_argument("--x", default="step", help="x axis: step (default), elapsed or time")
+    compare.add_argument("--sort-by", metavar="COL", help="a column (lr, duration, 'loss last') or a metric's best")
+    direction = compare.add_mutually_exclusive_group()
+    direction.add_argument("--descending", action="store_true", help="sort descending (default: best first)")
+    direction.add_argument("--ascending", action="store_true", help="sort ascending")
+    compare.add_argument(
+        "--all-columns", action="store_true", help="every configuration key, not only those that differ"
+    )
+    compare.add_argument("--no-seed-groups", action="store_true", help="a curve per job, also for seeds")
     helper = _Parser("%jobs help", "Help on a subcommand.")
     helper.add_argument("subcommand", nargs="?")
     return {
@@ -71,6 +93,7 @@ def _jobs_parsers() -> dict[str, _Parser]:
         "result": result,
         "rm": remove,
         "watch": watch,
+        "compare": compare,
         "help": helper,
     }
 
@@ -86,6 +109,7 @@ _OVERVIEW = (
     "  %jobs result NAME          the result (x = %jobs result A1)\n"
     "  %jobs rm NAME...           delete ended jobs\n"
     "  %jobs watch [--metric M]   live table with actions and every job's curve\n"
+    "  %jobs compare [NAME...]    table and curves side by side (A-* for a sweep; --metric, --x, --sort-by)\n"
     "  %jobs help SUBCOMMAND      details"
 )
 
@@ -246,6 +270,26 @@ def _watch(args: argparse.Namespace) -> Any:
     return watch
 
 
+def _compare(args: argparse.Namespace) -> Any:
+    import gpumagic
+
+    metrics = None
+    if args.metric:
+        metrics = [m.strip() for text in args.metric for m in text.split(",") if m.strip()]
+        if not metrics:
+            raise UsageError("%jobs compare: --metric needs a metric name")
+    descending = True if args.descending else False if args.ascending else None
+    return gpumagic.compare(
+        args.names or None,
+        metrics,
+        args.x,
+        sort_by=args.sort_by,
+        descending=descending,
+        all_columns=args.all_columns,
+        group_seeds=not args.no_seed_groups,
+    )
+
+
 def _help(args: argparse.Namespace) -> Any:
     if args.subcommand is None:
         return _Help(_OVERVIEW)
@@ -266,6 +310,7 @@ _HANDLERS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "result": _result,
     "rm": _remove,
     "watch": _watch,
+    "compare": _compare,
     "help": _help,
 }
 

@@ -1,6 +1,9 @@
-"""A real JupyterLab in headless Chromium: a cell launches 2 ranks logging a loss; the loss plot's data grows
-while the cell runs, and the per-rank resource panel renders. Saves a screenshot to artifacts/."""
+"""A real JupyterLab in headless Chromium, looked at as a user would: the launch dashboard streams while its
+cell runs; %gpu watch keeps updating for a minute with no Bokeh error, no new Bokeh document and no line going
+back in time; a reloaded page draws the running dashboard and new ones; the dark theme leaves no white plot
+boxes; %jobs watch streams and its Kill button works. Screenshots go to artifacts/."""
 
+import itertools
 import os
 import secrets
 import shutil
@@ -36,6 +39,42 @@ LOGGED_POINTS = """() => {
 }"""
 
 
+PLOTTED = """() => {
+    const seen = {documents: 0, series: 0, points: 0, backwards: 0};
+    if (!window.Bokeh || !window.Bokeh.documents) return seen;
+    seen.documents = window.Bokeh.documents.length;
+    for (const doc of window.Bokeh.documents)
+        for (const model of doc.all_models) {
+            if (model.type !== "GlyphRenderer") continue;
+            const x = model.glyph.x, data = model.data_source && model.data_source.data;
+            if (!data || !x || typeof x !== "object" || !("field" in x)) continue;
+            const xs = data instanceof Map ? data.get(x.field) : data[x.field];
+            if (!xs) continue;
+            seen.series += 1;
+            seen.points += xs.length;
+            for (let i = 1; i < xs.length; i++) if (xs[i] < xs[i - 1]) seen.backwards += 1;
+        }
+    return seen;
+}"""
+WHERE_BACKWARDS = """() => {
+    const found = [];
+    window.Bokeh.documents.forEach((doc, number) => {
+        for (const model of doc.all_models) {
+            if (model.type !== "GlyphRenderer" || !model.data_source) continue;
+            const x = model.glyph.x, data = model.data_source.data;
+            const xs = data instanceof Map ? data.get(x.field) : data[x.field];
+            if (!xs) continue;
+            for (let i = 1; i < xs.length; i++)
+                if (xs[i] < xs[i - 1])
+                    found.push({document: number, x: x.field, y: model.glyph.y.field, at: i, of: xs.length,
+                                around: Array.from(xs.slice(Math.max(0, i - 3), i + 3))});
+        }
+    });
+    return found.slice(0, 8);
+}"""
+BOKEH_TROUBLE = ("inconsistent lengths", "Failed to create view", "Bokeh", "bokeh", "Cannot read properties")
+
+
 PLOT_TITLES = """() => {
     const titles = [];
     for (const doc of window.Bokeh.documents)
@@ -64,7 +103,7 @@ def jupyterlab(tmp_path):
     """Start JupyterLab on 127.0.0.1 serving a notebook of the given cells; returns its URL."""
     servers = []
 
-    def start(cells: list[str]) -> str:
+    def start(cells: list[str], theme: str | None = None, **env_extra: str) -> str:
         notebook = new_notebook(
             cells=[new_code_cell(cell) for cell in cells],
             metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
@@ -75,8 +114,16 @@ def jupyterlab(tmp_path):
             port = probe.getsockname()[1]
         token = secrets.token_hex(16)
         env = dict(
-            os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime")
+            os.environ,
+            JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+            JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+            **env_extra,
         )
+        settings = tmp_path / "config/lab/user-settings/@jupyterlab/apputils-extension"
+        settings.mkdir(parents=True, exist_ok=True)
+        (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
+        if theme is not None:
+            (settings / "themes.jupyterlab-settings").write_text(f'{{"theme": "{theme}"}}')
         log = open(tmp_path / "server.log", "w")
         server = subprocess.Popen(
             [
@@ -115,10 +162,14 @@ def jupyterlab(tmp_path):
         log.close()
 
 
-def open_and_run(playwright, url: str, cells: int) -> tuple:
-    """Chromium on the notebook; run its first ``cells`` cells in order. Returns (browser, page)."""
+def open_and_run(playwright, url: str, cells: int, console: list[str] | None = None) -> tuple:
+    """Chromium on the notebook; run its first ``cells`` cells in order. Returns (browser, page). The page's
+    console messages and errors are appended to ``console``."""
     browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
     page = browser.new_page(viewport={"width": 1300, "height": 1000})
+    if console is not None:
+        page.on("console", lambda message: console.append(f"{message.type}: {message.text}"))
+        page.on("pageerror", lambda error: console.append(f"pageerror: {error}"))
     page.goto(url)
     page.wait_for_selector(".jp-Notebook .jp-Cell .jp-InputArea-editor", timeout=60_000)
     page.wait_for_selector("text=Python 3 (ipykernel) | Idle", timeout=60_000)
@@ -155,13 +206,19 @@ def test_the_launch_dashboard_streams_in_a_real_browser(jupyterlab):
             seen = points_grow(page)
             running = page.locator("text=running").count() > 0
             page.screenshot(path=str(artifacts / "browser-launch-dashboard.png"), full_page=True)
+            page.locator(".jp-Cell >> nth=1").screenshot(path=str(artifacts / "cell-launch-dashboard.png"))
             assert len(seen) >= 3 and seen[-1] > seen[-3] > 0, f"loss points seen over time: {seen}"
             assert running, "the points grew while the cell was still running"
             titles = page.evaluate(PLOT_TITLES)
-            assert {"loss", "resident memory per rank (CPU ranks), MiB", "CPU use per rank, %"} <= set(titles)
+            assert {"loss", "resident memory per rank, MiB", "CPU use per rank, %"} <= set(titles)
             assert page.locator(".jp-Cell >> nth=1 >> canvas").count() >= 3  # loss, memory and CPU plots drawn
             # finished, the dashboard is a static copy of its last state (its widgets closed): still drawn
             page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=60_000)
+            finished = time.monotonic()
+            # the cell is done (its prompt numbered, not [*]) as soon as its dashboard says finished
+            page.wait_for_selector(".jp-Cell >> nth=1 >> .jp-InputPrompt:has-text('[2]')", timeout=10_000)
+            print(f"cell idle {time.monotonic() - finished:.2f} s after its dashboard said finished")
+            assert page.evaluate(PLOTTED)["backwards"] == 0, page.evaluate(WHERE_BACKWARDS)
             page.wait_for_timeout(1500)
             page.screenshot(path=str(artifacts / "browser-launch-dashboard-finished.png"), full_page=True)
             assert page.locator(".jp-Cell >> nth=1 >> .gpumagic-launch-dashboard").count() == 1
@@ -195,3 +252,158 @@ def test_jobs_watch_streams_and_its_kill_button_works_in_a_real_browser(jupyterl
             for job in gpumagic.list_jobs():
                 if job.status == "running":
                     job.kill(grace_s=1)
+
+
+def bokeh_trouble(console: list[str]) -> list[str]:
+    """Errors of Bokeh or of its views, and Bokeh's warning about sources with columns of different lengths."""
+    return [
+        line
+        for line in console
+        if (line.startswith(("error:", "pageerror:")) and any(word in line for word in BOKEH_TROUBLE))
+        or "inconsistent lengths" in line
+    ]
+
+
+GPU_WATCH_CELLS = ["%load_ext gpumagic", "%gpu use 1,3\n%gpu watch --interval 0.5s"]
+
+
+def test_gpu_watch_keeps_updating_for_a_minute_with_no_bokeh_error(jupyterlab):
+    """8 simulated GPUs sampled at 2 Hz for 65 s: the points grow at every look, the page keeps the same
+    Bokeh documents, the console shows no Bokeh error, and no plotted x series goes back."""
+    from playwright.sync_api import sync_playwright
+
+    artifacts = ROOT / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    url = jupyterlab(GPU_WATCH_CELLS, GPUMAGIC_SIMULATE="8xH100-80GB")
+    console: list[str] = []
+    with sync_playwright() as playwright:
+        browser, page = open_and_run(playwright, url, 2, console)
+        try:
+            page.wait_for_selector(".jp-Cell >> nth=1 >> canvas", timeout=60_000)
+            page.wait_for_timeout(4000)  # past the one catch-up re-send
+            looks = [page.evaluate(PLOTTED)]
+            for _ in range(13):
+                page.wait_for_timeout(5000)
+                looks.append(page.evaluate(PLOTTED))
+            page.screenshot(path=str(artifacts / "browser-gpu-watch.png"), full_page=True)
+            page.locator(".jp-Cell >> nth=1").screenshot(path=str(artifacts / "cell-gpu-watch.png"))
+            points = [look["points"] for look in looks]
+            assert all(b > a for a, b in itertools.pairwise(points)), f"points at each look: {points}"
+            assert len({look["documents"] for look in looks}) == 1, f"documents: {[x['documents'] for x in looks]}"
+            assert all(look["backwards"] == 0 for look in looks), (looks, page.evaluate(WHERE_BACKWARDS))
+            assert looks[-1]["series"] >= 8 * 3  # every GPU on the memory, utilization and temperature plots
+            assert page.locator(".jp-Cell >> nth=1 >> text=live").count() > 0
+            assert page.locator(".jp-Cell >> nth=1 >> .gpumagic-gpu-bar").count() == 8
+            assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
+        finally:
+            browser.close()
+
+
+RELOAD_CELLS = [
+    "%load_ext gpumagic",
+    "%gpu watch --interval 0.5s",
+    "%%launch_ddp -n 2 --gpus none\nimport time\nfor step in range(200):\n"
+    "    gpumagic.log(step=step, loss=1.0 / (step + 1) + rank)\n    time.sleep(0.02)",
+]
+
+
+def test_a_reloaded_page_draws_the_running_dashboard_and_new_ones(jupyterlab):
+    """BokehJS reaches every page: after a reload the running %gpu watch (saved in the notebook, its kernel
+    alive) draws its plots, history included, and so does a new %%launch_ddp dashboard."""
+    from playwright.sync_api import sync_playwright
+
+    artifacts = ROOT / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    url = jupyterlab(RELOAD_CELLS, GPUMAGIC_SIMULATE="4xA100-80GB")
+    console: list[str] = []
+    with sync_playwright() as playwright:
+        browser, page = open_and_run(playwright, url, 2, console)
+        try:
+            page.wait_for_selector(".jp-Cell >> nth=1 >> canvas", timeout=60_000)
+            page.wait_for_timeout(3000)
+            before = page.evaluate(PLOTTED)["points"]
+            page.keyboard.press("Control+s")
+            page.wait_for_timeout(1500)
+            page.reload()
+            page.wait_for_selector("text=Python 3 (ipykernel) | Idle", timeout=60_000)
+            page.wait_for_selector(".jp-Cell >> nth=1 >> canvas", timeout=30_000)  # the running one, redrawn
+            page.wait_for_timeout(1500)
+            assert page.evaluate(PLOTTED)["points"] >= before  # with its history, not empty plots
+            page.locator(".jp-Cell >> nth=2 >> .jp-InputArea-editor").click()
+            page.keyboard.press("Shift+Enter")  # a new dashboard on the reloaded page
+            page.wait_for_selector(".jp-Cell >> nth=2 >> text=finished", timeout=90_000)
+            page.wait_for_timeout(1500)
+            page.screenshot(path=str(artifacts / "browser-after-reload.png"), full_page=True)
+            assert page.locator(".jp-Cell >> nth=1 >> canvas").count() >= 3
+            assert page.locator(".jp-Cell >> nth=2 >> canvas").count() >= 2
+            assert page.locator("text=Failed to create view").count() == 0
+            assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
+        finally:
+            browser.close()
+
+
+def test_the_dark_theme_leaves_no_white_plot_boxes(jupyterlab):
+    from PIL import Image
+    from playwright.sync_api import sync_playwright
+
+    artifacts = ROOT / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    url = jupyterlab(GPU_WATCH_CELLS, theme="JupyterLab Dark", GPUMAGIC_SIMULATE="4xA100-80GB")
+    with sync_playwright() as playwright:
+        browser, page = open_and_run(playwright, url, 2)
+        try:
+            page.wait_for_selector(".jp-Cell >> nth=1 >> canvas", timeout=60_000)
+            page.wait_for_timeout(3000)
+            shot = artifacts / "browser-gpu-watch-dark.png"
+            page.screenshot(path=str(shot), full_page=True)
+            box = page.locator(".jp-Cell >> nth=1 >> canvas").first.bounding_box()
+            pixels = (
+                Image.open(shot)
+                .convert("L")
+                .crop((int(box["x"]), int(box["y"]), int(box["x"] + box["width"]), int(box["y"] + box["height"])))
+            )
+            histogram = pixels.histogram()
+            bright = sum(histogram[200:]) / max(1, sum(histogram))
+            assert bright < 0.2, f"{bright:.0%} of the first plot's pixels are near white on the dark theme"
+        finally:
+            browser.close()
+
+
+def sweep_train(width, lr, seed=0):
+    import gpumagic
+
+    for step in range(40):
+        gpumagic.log(step=step, loss=(1.0 + seed * 0.01) / (1 + lr * width * step / 10))
+    return width
+
+
+def test_the_comparison_view_of_four_finished_sweep_jobs_in_a_new_kernel(jupyterlab):
+    """Monday: a new kernel compares the weekend's four sweep jobs from disk: a curve per job, the table with
+    the grid's values as columns and each job's last and best loss."""
+    from playwright.sync_api import sync_playwright
+
+    import gpumagic
+
+    artifacts = ROOT / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    jobs = gpumagic.sweep(sweep_train, {"width": [32, 128], "lr": [0.01, 0.003]}, gpus_per_job=0, name="A")
+    for job in jobs:
+        assert job.wait(timeout=120) == "finished"
+    url = jupyterlab(["%load_ext gpumagic", "%jobs compare A-*"])
+    console: list[str] = []
+    with sync_playwright() as playwright:
+        browser, page = open_and_run(playwright, url, 2, console)
+        try:
+            page.wait_for_selector(".jp-Cell >> nth=1 >> canvas", timeout=60_000)
+            page.wait_for_timeout(2000)
+            page.screenshot(path=str(artifacts / "browser-compare.png"), full_page=True)
+            page.locator(".jp-Cell >> nth=1").screenshot(path=str(artifacts / "cell-compare.png"))
+            seen = page.evaluate(PLOTTED)
+            assert seen["series"] >= 4 and seen["backwards"] == 0, (seen, page.evaluate(WHERE_BACKWARDS))
+            output = page.locator(".jp-Cell >> nth=1 >> .jp-Cell-outputArea").inner_text()
+            for job in jobs:
+                assert job.name in output
+            assert "width" in output and "lr" in output and "loss" in output
+            assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
+        finally:
+            browser.close()

@@ -305,7 +305,7 @@ def test_one_dashboard_per_group_follows_its_curves_across_cells(kernel):
     ).stdout
     assert out.split() == ["%ddp", "group", "20", "running"]  # 2 cells x 5 steps x 2 ranks, in one dashboard
     marks = kernel.ok(
-        "spans = [m.location for m in d.metric_figures['loss'].center if type(m).__name__ == 'Span']\n"
+        "spans = [m.location for m in d.metric_figures['loss'][0].center if type(m).__name__ == 'Span']\n"
         "print([step for _, step in d.cell_marks], spans)"
     ).stdout
     assert marks.strip() == "[0, 4.0] [0, 4.0]"  # each cell marked at the last step before it, on the loss plot

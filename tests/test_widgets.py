@@ -95,8 +95,12 @@ def test_pause_stops_sampling_and_close_ends_the_threads(simulated, watch_factor
 
 def test_the_stop_button_or_closing_the_widget_ends_it(simulated, watch_factory):
     watch = watch_factory(interval=0.05, history=10, push_interval=0.05)
+    watch.pause_button.value = True
     watch.stop_button.click()
     assert not watch.running
+    assert "stopped" in watch.header.value and "paused" not in watch.header.value
+    assert watch.plots.comm is not None and watch.series(0, "used")  # the plots stay, with what they drew
+    assert watch.stop_button.disabled and watch.pause_button.disabled
     other = watch_factory(interval=0.05, history=10, push_interval=0.05)
     other.widget.close()
     assert not other.running
@@ -136,33 +140,137 @@ def test_gpu_watch_in_a_kernel_shows_a_widget_and_replaces_the_previous_one(star
     kernel.ok("%load_ext gpumagic\nimport threading")
     first = kernel.run("%gpu watch --interval 0.2 --history 50")
     assert first.error is None
-    assert "application/vnd.jupyter.widget-view+json" in first.mimetypes
-    assert "application/javascript" in first.mimetypes  # BokehJS, inline, the first time
+    # BokehJS's loader (a hidden widget: any page showing the dashboard gets BokehJS, a reloaded one too), then
+    # the dashboard; never the 1.3 MB of JavaScript itself in the notebook
+    assert first.mimetypes.count("application/vnd.jupyter.widget-view+json") == 2
+    assert "application/javascript" not in first.mimetypes
     count = kernel.ok("print(threading.active_count())").stdout
     second = kernel.ok("%gpu watch --interval 0.2")
-    assert "application/javascript" not in second.mimetypes  # loaded once per kernel
-    assert "application/vnd.jupyter.widget-view+json" in second.mimetypes
+    assert second.mimetypes.count("application/vnd.jupyter.widget-view+json") == 2
+    loader = kernel.ok(
+        "from gpumagic.widgets.plots import bokehjs_loader\nw = bokehjs_loader()\n"
+        "code = w.outputs[0]['data']['application/javascript']\n"
+        "print(w is bokehjs_loader(), w.layout.display, 'window.Bokeh' in code)"
+    )
+    assert loader.stdout.split() == ["True", "none", "True"]  # one per kernel, hidden, carrying BokehJS
     assert kernel.ok("print(threading.active_count())").stdout == count  # the first dashboard's threads ended
     error = kernel.run("%gpu watch --interval 0s").error
     assert error[0] == "UsageError" and "at least 50ms" in error[1]
     kernel.ok("from gpumagic.magics import _close_previous_watch\n_close_previous_watch()")
 
 
-def test_the_saved_state_catches_up_so_a_browser_reload_shows_the_history(simulated, watch_factory):
+def test_a_page_that_connects_later_gets_the_plots_as_they_are_now(simulated, watch_factory):
+    """A reload asks the kernel for the widget's state: it is the plots now, read whole under the plots' lock
+    while the pusher streams (every column of the source the same length), with no periodic re-send."""
     import json
 
-    watch = watch_factory(interval=0.02, history=500, push_interval=0.05, refresh_every=0.3)
-    empty = len(json.dumps(watch.plots.render_bundle))
-    assert wait_for(lambda: watch.refreshes >= 2)
-    assert len(json.dumps(watch.plots.render_bundle)) > empty + 1000  # the samples are in the saved state
+    watch = watch_factory(interval=0.01, history=400, push_interval=0.02)
+    assert wait_for(lambda: len(watch.series(0, "time")) > 50)
+    for _ in range(100):  # what ipywidgets does for a page's request_states, while the pusher streams
+        bundle = json.loads(watch.plots.get_state()["render_bundle"])
+        sources = [
+            model["attributes"]["data"]
+            for doc in bundle["docs_json"].values()
+            for model in _models(doc)
+            if model.get("name") == "ColumnDataSource"
+        ]
+        lengths = {len(column) for data in sources for column in _columns_of(data)}
+        assert len(lengths) == 1 and lengths.pop() > 50, "a column was read while it grew"
+    assert watch.refreshes <= 1  # one catch-up after the start, not a re-send every 30 s
+    assert all(not model.syncable for model in watch.layout.references())  # the browser sends nothing back
 
 
-def test_the_saved_state_catches_up_soon_after_start_for_a_view_that_missed_the_first_pushes(simulated, watch_factory):
+def _models(node):
+    """Every serialized bokeh model in a document's JSON."""
+    if isinstance(node, dict):
+        if node.get("type") == "object" and "name" in node:
+            yield node
+        for value in node.values():
+            yield from _models(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _models(value)
+
+
+def _columns_of(data):
+    entries = data.get("entries", []) if isinstance(data, dict) else []
+    for _, column in entries:
+        yield column if isinstance(column, list) else column.get("array", column.get("data", []))
+
+
+def test_what_the_browser_changes_never_overwrites_the_kernels_plots(simulated, watch_factory):
+    """A page that changed a source (the forward-only guard drops points there) sends the change when it is
+    synced; the kernel's copy stays as the kernel made it (jupyter_bokeh alone would replace it)."""
+    watch = watch_factory(interval=0.05, push_interval=0.05)
+    assert wait_for(lambda: len(watch.series(0, "time")) >= 3)
+    watch.stop()
+    before = watch.series(0, "time")
+    change = {"kind": "ModelChanged", "model": {"id": watch.source.id}, "attr": "data"}
+    change["new"] = {"type": "map", "entries": [["time", [1.0]]]}
+    watch.plots._sync_model(watch.plots, {"event": "jsevent", **change}, [])
+    assert watch.series(0, "time") == before and len(watch.source.data) > 1
+
+
+def test_one_catch_up_soon_after_start_for_a_view_that_missed_the_first_pushes(simulated, watch_factory):
     from gpumagic.widgets.plots import FIRST_REFRESH_S
 
-    watch = watch_factory(interval=0.05, push_interval=0.05)  # the default 30 s between full re-saves
+    watch = watch_factory(interval=0.05, push_interval=0.05)
     assert wait_for(lambda: watch.refreshes >= 1, timeout=FIRST_REFRESH_S + 3)
+    time.sleep(1.0)
     assert watch.refreshes == 1
+
+
+def test_samples_come_at_the_interval_and_never_go_back_in_time(simulated, watch_factory):
+    watch = watch_factory(interval=0.1, history=1000, push_interval=0.05)
+    time.sleep(2.0)
+    watch.stop()
+    assert 15 <= watch.samples <= 22, f"{watch.samples} samples in 2 s at 0.1 s"
+    elapsed = watch.series(0, "elapsed")
+    assert elapsed == sorted(elapsed) and elapsed[0] >= 0
+    assert watch.series(0, "time") == sorted(watch.series(0, "time"))
+
+
+def test_bars_show_each_gpu_now_coloured_by_load_with_this_kernels_marked(fake_nvml, watch_factory):
+    gpumagic.use("0")
+    watch = watch_factory(interval=0.05, history=10, push_interval=0.05)
+    rows = watch.bars.value.split("gpumagic-gpu-bar")[1:]
+    assert len(rows) == len(watch.indices) == 3
+    assert "97%" in rows[1] and "#d62728" in rows[1]  # GPU 1 at 97%: red
+    assert "3%" in rows[0] and "#d62728" not in rows[0]
+    assert "60.0 / 80 GiB" in rows[1] and "2.0 / 80 GiB" in rows[0]
+    assert "this kernel (cuda:0)" in rows[0] and "this kernel" not in rows[1]
+
+
+def test_legends_sit_outside_the_plots_and_the_toolbar_shows_on_hover(simulated, watch_factory):
+    watch = watch_factory(interval=0.05, history=10, push_interval=0.05)
+    for plot in watch.layout.children:
+        assert [type(item).__name__ for item in plot.right] == ["Legend"] and not any(
+            type(item).__name__ == "Legend" for item in plot.center
+        )
+        assert plot.toolbar.autohide and plot.toolbar.logo is None
+        assert plot.background_fill_alpha == 0 and plot.border_fill_alpha == 0  # dark theme: no white box
+        assert any(type(tool).__name__ == "HoverTool" for tool in plot.tools)
+
+
+def test_smoothing_is_debiased_and_does_not_change_as_the_run_grows():
+    from gpumagic.widgets.plots import Smoother
+
+    assert Smoother().feed([4.0, 4.0, 4.0]) == pytest.approx([4.0, 4.0, 4.0])  # no pull towards 0
+    first = Smoother().feed([1.0, 2.0, 3.0])
+    longer = Smoother().feed([1.0, 2.0, 3.0, 10.0, 20.0])
+    assert longer[:3] == first
+    split = Smoother()
+    assert split.feed([1.0, 2.0]) + split.feed([3.0, 10.0, 20.0]) == longer  # fed in batches: the same
+    assert Smoother().feed([1.0, float("nan"), 1.0])[2] == pytest.approx(1.0)
+
+
+def test_forward_keeps_a_plotted_x_series_non_decreasing():
+    from gpumagic.widgets.plots import Forward
+
+    forward = Forward()
+    assert forward.keep([0, 1, 2]) == [0, 1, 2]
+    assert forward.keep([2, 3, 1, 0, 4]) == [0, 1, 4]  # a step logged again is kept; earlier ones are not
+    assert forward.dropped == 2
 
 
 WATCH_IN_A_TERMINAL = """

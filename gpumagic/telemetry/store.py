@@ -398,7 +398,7 @@ def load_run(run_id: str) -> Run:
     root = runs_root()
     matches = (
         sorted(p for p in root.glob(f"{run_id}*") if is_own_run(p) and RunFiles(p).record.exists())
-        if root.exists()
+        if root.exists() and "/" not in run_id  # an id has none; a path that is no run must not glob elsewhere
         else []
     )
     if not matches:

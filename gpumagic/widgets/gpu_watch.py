@@ -1,8 +1,9 @@
 """``%gpu watch``: a live dashboard of every GPU (memory, with this kernel's share apart from other users',
 utilization, temperature), sampled on a background thread and pushed to the browser at a bounded rate.
 
-Only the pusher thread touches the bokeh document after the dashboard is shown (the document is not
-thread-safe; comm sends from a thread are, in ipykernel 7.1+). Samples are buffered and each source gets
+Only the pusher thread changes the bokeh document after the dashboard is shown, under the plots' lock, which a
+page that connects later takes to read the plots whole (the document is not thread-safe; comm sends from a
+thread are, in ipykernel 7.1+). Samples are buffered and each source gets
 one ``stream(batch, rollover=history)`` per push for all GPUs, whatever the sampling rate, so the browser receives a
 bounded number of messages and the memory used stays bounded however long it runs.
 """
@@ -16,15 +17,27 @@ from collections import deque
 from typing import Any
 
 from gpumagic.telemetry.samplers import GpuSample, GpuSampler
-from gpumagic.widgets.plots import FIRST_REFRESH_S, PALETTE, load_bokehjs, refresh, time_figure
+from gpumagic.widgets.plots import (
+    FIRST_REFRESH_S,
+    PALETTE,
+    Forward,
+    curve,
+    display_live,
+    forward_only,
+    hover,
+    live_model,
+    pick,
+    styled_figure,
+)
 
 GIB = float(1 << 30)
-COLUMNS = ("time", "used", "mine", "others", "total", "utilization", "temperature")
-REFRESH_EVERY_S = 30.0  # how often the widget's saved state catches up with the plots (browser reloads)
+COLUMNS = ("time", "elapsed", "used", "mine", "others", "total", "utilization", "temperature")
+LOAD_COLOURS = ((90.0, "#d62728"), (50.0, "#e8a317"), (0.0, "#2ca02c"))  # from this % up: this colour
 
 
 class GpuWatch:
-    """A live GPU dashboard. ``widget`` is what a notebook displays; ``close()`` stops its threads."""
+    """A live GPU dashboard: a bar per GPU (memory and utilization now), then their history. ``widget`` is
+    what a notebook displays; ``stop()`` ends its threads and keeps what it drew; ``close()`` also closes it."""
 
     def __init__(
         self,
@@ -32,7 +45,6 @@ class GpuWatch:
         history: int = 600,
         push_interval: float = 0.5,
         sampler: GpuSampler | None = None,
-        refresh_every: float = REFRESH_EVERY_S,
     ) -> None:
         from bokeh.layouts import column
         from bokeh.models import ColumnDataSource
@@ -46,37 +58,47 @@ class GpuWatch:
         inventory, first = self.sampler.sample()
         self.simulated = inventory.simulated
         self.indices = [s.nvml_index for s in first]
+        self.started = first[0].time if first else time.time()
         # One source for all GPUs (columns used_0, used_1, ...): one stream per push, not one per GPU,
         # which is most of the dashboard's cost in the kernel.
-        self.source = ColumnDataSource({"time": [], **{_column(c, i): [] for i in self.indices for c in COLUMNS[1:]}})
+        self.source = forward_only(ColumnDataSource({name: [] for name in _column_names(self.indices)}), "elapsed")
         self._pending: deque[list[GpuSample]] = deque(maxlen=self.history)
-        self._lock = threading.Lock()
+        self._latest: list[GpuSample] = []
+        self._lock = threading.Lock()  # the samples between the two threads
+        self._plots_lock = threading.RLock()  # the plots: changed by the pusher, read for a page that connects
         self._stop = threading.Event()
         self._paused = threading.Event()
+        self._forward = Forward()
         self.pushes = 0
         self.refreshes = 0
-        self.refresh_every = refresh_every
+        self.samples = 0
         title = "GPUs" + (" (SIMULATED)" if self.simulated else "")
-        memory = time_figure(f"{title}: memory used, GiB (solid: all users, dashed: this kernel, dotted: total)", 220)
-        busy = time_figure("utilization, %", 180, linked=memory, y_range=(0, 100))
-        heat = time_figure("temperature, °C", 160, linked=memory)
+        memory = styled_figure(
+            f"{title}: memory used, GiB (solid: all users, dashed: this kernel, dotted: total)",
+            200,
+            elapsed_x=True,
+            y_from_zero=True,
+        )
+        busy = styled_figure("utilization, %", 160, elapsed_x=True, linked=memory, y_range=(0, 100))
+        heat = styled_figure("temperature, °C", 140, elapsed_x=True, linked=memory, y_from_zero=True)
         self.kernel_gpus = _kernel_gpus(inventory)
         for position, index in enumerate(self.indices):
             color = PALETTE[position % len(PALETTE)]
             mine = index in self.kernel_gpus
             label = f"GPU {index} (this kernel: cuda:{self.kernel_gpus[index]})" if mine else f"GPU {index}"
-            width = 4 if mine else 1.5  # the GPUs this kernel sees stand out
-            line = {"source": self.source, "color": color, "line_width": width}
-            memory.line("time", _column("used", index), legend_label=label, **line)
-            memory.line("time", _column("mine", index), line_dash="dashed", **line)
-            memory.line("time", _column("total", index), line_dash="dotted", alpha=0.6, **line)
-            busy.line("time", _column("utilization", index), legend_label=label, **line)
-            heat.line("time", _column("temperature", index), legend_label=label, **line)
+            width = 3.5 if mine else 1.5  # the GPUs this kernel sees stand out
+            curve(memory, self.source, "elapsed", _column("used", index), label=label, color=color, width=width)
+            memory.line("elapsed", _column("mine", index), source=self.source, color=color, line_dash="dashed")
+            memory.line(
+                "elapsed", _column("total", index), source=self.source, color=color, line_dash="dotted", alpha=0.5
+            )
+            curve(busy, self.source, "elapsed", _column("utilization", index), label=label, color=color, width=width)
+            curve(heat, self.source, "elapsed", _column("temperature", index), label=label, color=color, width=width)
         for plot in (memory, busy, heat):
-            plot.legend.location = "top_left"
-            plot.legend.click_policy = "hide"
+            hover(plot, "elapsed", elapsed=True)
         self.layout = column(memory, busy, heat, sizing_mode="stretch_width")
         self._record(first)
+        self._latest = first
         self.widget = self._build_widget()
         self._sampler_thread = threading.Thread(target=self._sample_loop, name="gpumagic-gpu-sampler", daemon=True)
         self._pusher_thread = threading.Thread(target=self._push_loop, name="gpumagic-gpu-pusher", daemon=True)
@@ -85,27 +107,46 @@ class GpuWatch:
 
     def _build_widget(self) -> Any:
         import ipywidgets
-        from jupyter_bokeh.widgets import BokehModel
 
         self._closed = False
         self._close_widget = ipywidgets.DOMWidget.close  # bound now: close() may run late in shutdown
 
         self.header = ipywidgets.HTML(self._header_text())
+        self.bars = ipywidgets.HTML(self._bars_html())
         self.pause_button = ipywidgets.ToggleButton(description="Pause", icon="pause", tooltip="pause sampling")
-        self.stop_button = ipywidgets.Button(description="Stop", icon="stop", tooltip="stop and close")
+        self.stop_button = ipywidgets.Button(description="Stop", icon="stop", tooltip="stop sampling; keep the plots")
         self.pause_button.observe(lambda change: self.pause(change["new"]), names="value")
-        self.stop_button.on_click(lambda _: self.close())
-        self.plots = BokehModel(self.layout)
+        self.stop_button.on_click(lambda _: self.stop())
+        self.plots = live_model(self.layout, self._plots_lock)
         controls = ipywidgets.HBox([self.pause_button, self.stop_button, self.header])
-        return _owned_box_class()([controls, self.plots], owner=self)
+        return _owned_box_class()([controls, self.bars, self.plots], owner=self)
 
     def _header_text(self) -> str:
-        state = "paused" if self._paused.is_set() else "stopped" if self._stop.is_set() else "live"
+        if self._stop.is_set():
+            state = f"stopped at {time.strftime('%H:%M:%S')} · {self.samples} samples"
+        elif self._paused.is_set():
+            state = "paused"
+        else:
+            state = f"live · a sample every {self.interval:g}s, the last {self.history} kept"
         label = " · SIMULATED" if self.simulated else ""
-        return (
-            f"<b>{len(self.indices)} GPUs{label}</b> · {state} · sampling every {self.interval:g}s, "
-            f"keeping {self.history} points"
-        )
+        return f"<b>{len(self.indices)} GPUs{label}</b> · {state}"
+
+    def _bars_html(self) -> str:
+        """A bar per GPU: memory used of total and utilization now, coloured by load; this kernel's marked."""
+        rows = []
+        for sample in self._latest:
+            memory = 100 * sample.memory_used / sample.memory_total if sample.memory_total else 0.0
+            mine = sample.nvml_index in self.kernel_gpus
+            tag = f" <b>· this kernel (cuda:{self.kernel_gpus[sample.nvml_index]})</b>" if mine else ""
+            rows.append(
+                "<div class='gpumagic-gpu-bar' style='display:flex;align-items:center;gap:8px;margin:1px 0'>"
+                f"<span style='width:4.5em'>GPU {sample.nvml_index}</span>"
+                f"{_bar(memory, 'memory')}<span style='width:11em'>"
+                f"{sample.memory_used / GIB:.1f} / {sample.memory_total / GIB:.0f} GiB</span>"
+                f"{_bar(sample.utilization, 'utilization')}<span style='width:3.5em'>{sample.utilization:.0f}%</span>"
+                f"<span style='width:4em'>{sample.temperature:.0f} °C</span>{tag}</div>"
+            )
+        return "<div style='font-size:12px'>" + "".join(rows) + "</div>"
 
     def pause(self, paused: bool = True) -> None:
         """Stop (or resume) sampling; what was drawn stays."""
@@ -115,16 +156,21 @@ class GpuWatch:
             self._paused.clear()
         self.header.value = self._header_text()
 
-    def close(self) -> None:
-        """Stop both threads (within one sampling interval) and close the widgets. Safe to call twice."""
-        if self._closed:
-            return
-        self._closed = True
+    def stop(self) -> None:
+        """End both threads (within one sampling interval); the plots stay as they are. Safe to call twice."""
         self._stop.set()
         for thread in (self._sampler_thread, self._pusher_thread):
             if thread is not threading.current_thread():
                 thread.join(timeout=max(5.0, 2 * self.interval))
         self.header.value = self._header_text()
+        self.pause_button.disabled = self.stop_button.disabled = True
+
+    def close(self) -> None:
+        """Stop, and close the widgets. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self.stop()
         # DOMWidget.close, not BokehModel.close: jupyter_bokeh's close unhooks the document and raises when
         # ipywidgets' __del__ calls it a second time; leaving that to __del__ makes it happen exactly once.
         self._close_widget(self.plots)
@@ -134,19 +180,21 @@ class GpuWatch:
         return self._sampler_thread.is_alive() or self._pusher_thread.is_alive()
 
     def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        load_bokehjs()
-        display(self.widget)
+        display_live(self.widget)
 
     def _record(self, samples: list[GpuSample]) -> None:
         by_index = {s.nvml_index: s for s in samples}
         if all(i in by_index for i in self.indices):  # a sample missing a GPU (lost meanwhile) is skipped
             with self._lock:
                 self._pending.append([by_index[i] for i in self.indices])
+                self.samples += 1
 
     def _sample_loop(self) -> None:
-        while not self._stop.wait(self.interval):
+        next_at = time.monotonic()
+        while True:
+            next_at += self.interval  # a fixed rate, whatever a sample takes
+            if self._stop.wait(max(0.0, next_at - time.monotonic())):
+                return
             if self._paused.is_set():
                 continue
             try:
@@ -156,30 +204,49 @@ class GpuWatch:
             self._record(samples)
 
     def _push_loop(self) -> None:
-        last_refresh = time.monotonic() - self.refresh_every + min(FIRST_REFRESH_S, self.refresh_every)
+        caught_up = False
         while True:
             stopping = self._stop.wait(self.push_interval)
             self.push()
             if stopping:
                 return
-            if time.monotonic() - last_refresh >= self.refresh_every:
-                refresh(self.plots, self.layout)
+            if not caught_up and time.time() - self.started >= FIRST_REFRESH_S:
+                self.plots.catch_up()  # once: a view built after the first pushes missed them
                 self.refreshes += 1
-                last_refresh = time.monotonic()
+                caught_up = True
 
     def push(self) -> None:
-        """Send what was sampled since the last push as one ``stream`` (all GPUs share one source)."""
+        """Send what was sampled since the last push as one ``stream`` (all GPUs share one source), and
+        redraw the bars."""
         with self._lock:
             rows = list(self._pending)
             self._pending.clear()
-        if rows:
-            self.source.stream(_columns(self.indices, rows), rollover=self.history)
-            self.pushes += 1
+        if not rows:
+            return
+        data = _columns(self.indices, rows, self.started)
+        kept = self._forward.keep(data["time"])
+        with self._plots_lock:
+            self.source.stream(pick(data, kept), rollover=self.history)
+        self.pushes += 1
+        self._latest = rows[-1]
+        bars = self._bars_html()
+        if bars != self.bars.value:
+            self.bars.value = bars
 
     def series(self, nvml_index: int, column: str) -> list[float]:
         """What the plots hold for one GPU: ``column`` is one of used, mine, others, total (GiB),
-        utilization, temperature, or time (ms since the epoch)."""
-        return list(self.source.data["time" if column == "time" else _column(column, nvml_index)])
+        utilization, temperature, time (ms since the epoch) or elapsed (seconds since the watch started)."""
+        return list(self.source.data[column if column in ("time", "elapsed") else _column(column, nvml_index)])
+
+
+def _bar(percent: float, what: str) -> str:
+    colour = next(colour for floor, colour in LOAD_COLOURS if percent >= floor)
+    width = max(0.0, min(100.0, percent))
+    return (
+        f"<span title='{what} {percent:.0f}%' style='display:inline-block;width:140px;height:10px;"
+        f"border-radius:3px;background:rgba(128,128,128,0.2)'><span style='display:block;height:100%;"
+        f"width:{width:.1f}%;border-radius:3px;background:{colour}'></span></span>"
+    )
 
 
 def _kernel_gpus(inventory: Any) -> dict[int, int]:
@@ -216,8 +283,15 @@ def _column(name: str, nvml_index: int) -> str:
     return f"{name}_{nvml_index}"
 
 
-def _columns(indices: list[int], rows: list[list[GpuSample]]) -> dict[str, list[float]]:
-    data: dict[str, list[float]] = {"time": [row[0].time * 1000 for row in rows]}  # bokeh datetimes are ms
+def _column_names(indices: list[int]) -> list[str]:
+    return ["time", "elapsed", *(_column(c, i) for i in indices for c in COLUMNS[2:])]
+
+
+def _columns(indices: list[int], rows: list[list[GpuSample]], started: float) -> dict[str, list[float]]:
+    data: dict[str, list[float]] = {
+        "time": [row[0].time * 1000 for row in rows],  # ms since the epoch, bokeh's datetimes
+        "elapsed": [row[0].time - started for row in rows],
+    }
     for position, index in enumerate(indices):
         samples = [row[position] for row in rows]
         data[_column("used", index)] = [s.memory_used / GIB for s in samples]

@@ -2,9 +2,10 @@
 metric in one plot, to compare variants as they train.
 
 One thread reads the job directories (``run.json`` and rank 0's metric file, tailed) every ``interval`` and
-is the only writer of the widgets and the bokeh document; each job's source gets at most one ``stream`` per
-refresh. Buttons only set requests the thread carries out (a kill runs on its own thread: it may take
-seconds).
+is the only writer of the widgets and the bokeh document (under the plots' lock, which a page that connects later
+takes to read the plots whole); each job's source gets at most one ``stream`` per refresh, of the points at a
+step after its last one, smoothed over the faint raw line. Buttons only set requests the thread carries out
+(a kill runs on its own thread: it may take seconds).
 """
 
 from __future__ import annotations
@@ -16,8 +17,21 @@ from pathlib import Path
 from typing import Any
 
 from gpumagic.telemetry.run_files import RunFiles
-from gpumagic.widgets.gpu_watch import REFRESH_EVERY_S, _owned_box_class
-from gpumagic.widgets.plots import FIRST_REFRESH_S, PALETTE, load_bokehjs, refresh, step_figure
+from gpumagic.widgets.gpu_watch import _owned_box_class
+from gpumagic.widgets.plots import (
+    FIRST_REFRESH_S,
+    PALETTE,
+    Forward,
+    Smoother,
+    curve,
+    display_live,
+    forward_only,
+    hover,
+    live_model,
+    pick,
+    styled_figure,
+    unsynced,
+)
 
 LOG_LINES = 30
 
@@ -28,7 +42,6 @@ class JobWatch:
     def __init__(self, metric: str = "loss", interval: float = 1.0, history: int = 5000) -> None:
         import ipywidgets
         from bokeh.layouts import column
-        from jupyter_bokeh.widgets import BokehModel
 
         if interval <= 0 or history < 2:
             raise ValueError("interval must be > 0 and history >= 2")
@@ -40,6 +53,9 @@ class JobWatch:
         self.sources: dict[Path, Any] = {}  # job directory -> its curve's source
         self.rows: dict[Path, dict[str, Any]] = {}
         self._readers: dict[Path, Any] = {}
+        self._smoothers: dict[Path, Smoother] = {}
+        self._forward: dict[Path, Forward] = {}
+        self._plots_lock = threading.RLock()
         self._latest: dict[Path, dict[str, tuple[float, float]]] = {}  # rank 0's last point of each metric
         self._texts: dict[Path, tuple[str, ...]] = {}
         self._log_job: Path | None = None
@@ -49,7 +65,8 @@ class JobWatch:
         self._stop = threading.Event()
         self._closed = False
         self._close_widget = ipywidgets.DOMWidget.close
-        self.plot = step_figure(f"{metric} per job", 300)
+        self.plot = styled_figure(f"{metric} per job", 300, x_label="step")
+        hover(self.plot, "step")
         self.layout = column(self.plot, sizing_mode="stretch_width")
         self.header = ipywidgets.HTML()
         self.metric_menu = ipywidgets.Dropdown(options=[metric], value=metric, description="metric")
@@ -59,42 +76,45 @@ class JobWatch:
         self.message = ipywidgets.HTML()
         self._update_lock = threading.Lock()  # tailing readers must not be read by two threads at once
         self.update()  # before the plot widget exists: its first state has every job's curve
-        self.plots = BokehModel(self.layout)
+        self.plots = live_model(self.layout, self._plots_lock)
         controls = ipywidgets.HBox([self.header, self.metric_menu])
         self.widget = _owned_box_class()([controls, self.table, self.message, self.plots, self.log_view], owner=self)
         self._thread = threading.Thread(target=self._loop, name="gpumagic-job-watch", daemon=True)
         self._thread.start()
 
     def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        load_bokehjs()
-        display(self.widget)
+        display_live(self.widget)
 
     @property
     def running(self) -> bool:
         return self._thread.is_alive()
 
     def close(self) -> None:
-        """Stop the thread and close the plot widget. Safe to call twice."""
+        """Stop the thread, bring the table up to date one last time (no live Kill button is left on a job that
+        ended) and close the plot widget. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=max(5.0, 2 * self.interval))
+        try:
+            self.update()
+        except Exception:  # noqa: BLE001 - the last look may fail (a job removed meanwhile): the buttons still go
+            pass
+        for row in self.rows.values():
+            row["kill"].disabled = True
         self.header.value = self._header_text(len(self.rows), stopped=True)
         self._close_widget(self.plots)
 
     def _loop(self) -> None:
-        last_refresh = time.monotonic() - REFRESH_EVERY_S + FIRST_REFRESH_S
+        shown = time.monotonic()
         while not self._stop.wait(self.interval):
             try:
                 self.update()
-                if time.monotonic() - last_refresh >= REFRESH_EVERY_S:
-                    refresh(self.plots, self.layout)  # a browser reload keeps the curves
+                if not self.refreshes and time.monotonic() - shown >= FIRST_REFRESH_S:
+                    self.plots.catch_up()  # once: a view built after the first pushes missed them
                     self.refreshes += 1
-                    last_refresh = time.monotonic()
             except Exception as err:  # noqa: BLE001 - a hiccup (a job removed meanwhile) skips one update
                 self.message.value = f"<span style='color:#b00'>{html.escape(f'{type(err).__name__}: {err}')}</span>"
 
@@ -148,11 +168,13 @@ class JobWatch:
         self.rows[path] = {"box": cells, "kill": kill, "logs": logs}
         self.table.children = (*self.table.children, cells)
         colour = PALETTE[(len(self.sources)) % len(PALETTE)]
-        source = ColumnDataSource({"step": [], "value": []})
-        self.plot.line("step", "value", source=source, color=colour, line_width=2, legend_label=name)
-        self.plot.legend.click_policy = "hide"
-        self.plot.legend.location = "top_right"
+        source = forward_only(ColumnDataSource({"step": [], "value": [], "smooth": []}), "step")
+        with self._plots_lock:
+            curve(self.plot, source, "step", "value", label=name, color=colour, smooth="smooth")
+            unsynced(self.plot)
         self.sources[path] = source
+        self._smoothers[path] = Smoother()
+        self._forward[path] = Forward()
         self._readers[path] = RankReader(RunFiles(path).metrics, 0)
 
     @staticmethod
@@ -200,8 +222,13 @@ class JobWatch:
                 self._menu_changing = False
         points = series.get(self.metric)
         if points is not None and len(points):
-            self.sources[path].stream({"step": points.steps, "value": points.values}, rollover=self.history)
-            self.pushes += 1
+            kept = self._forward[path].keep(points.steps)  # a step logged again is not drawn backwards
+            if kept:
+                smooth = self._smoothers[path].feed([points.values[i] for i in kept])
+                with self._plots_lock:
+                    columns = pick({"step": points.steps, "value": points.values}, kept)
+                    self.sources[path].stream({**columns, "smooth": smooth}, rollover=self.history)
+                self.pushes += 1
 
     def _switch(self, metric: str) -> None:
         if not self._menu_changing and metric != self.metric:
@@ -211,10 +238,13 @@ class JobWatch:
         from gpumagic.telemetry.store import RankReader
 
         self.metric = metric
-        self.plot.title.text = f"{metric} per job"
-        for path, source in self.sources.items():
-            source.data = {"step": [], "value": []}
-            self._readers[path] = RankReader(RunFiles(path).metrics, 0)
+        with self._plots_lock:
+            self.plot.title.text = f"{metric} per job"
+            for path, source in self.sources.items():
+                source.data = {"step": [], "value": [], "smooth": []}
+                self._readers[path] = RankReader(RunFiles(path).metrics, 0)
+                self._smoothers[path] = Smoother()
+                self._forward[path] = Forward()
 
     def _kill(self, path: Path) -> None:
         from gpumagic.jobs.api import Job

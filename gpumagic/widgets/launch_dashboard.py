@@ -1,10 +1,12 @@
 """The dashboard under a ``%%launch_ddp`` cell: a status line (ranks alive, step rate, elapsed), a curve per
-rank for every metric the ranks ``gpumagic.log``, and each rank's resources: its GPU's memory and utilization,
-or on a CPU-only machine its process's resident memory and CPU use.
+rank for every metric the ranks ``gpumagic.log`` (smoothed over the faint raw points; a tab with log y for a loss),
+and beside them, small, each rank's resources: its GPU's memory and utilization, or on a CPU-only machine its
+process's resident memory and CPU use.
 
 It updates from its own thread while the cell blocks (the kernel's event loop cannot run then): one sampler
 thread tails the run's metric files and samples the rank processes, and is the only writer of the bokeh
-document; each source gets at most one ``stream(batch, rollover)`` per push.
+document, under the plots' lock, which a page that connects later takes to read the plots whole; each source
+gets at most one ``stream(batch, rollover)`` per push, and only points at a step after its last one.
 """
 
 from __future__ import annotations
@@ -17,10 +19,24 @@ from typing import Any
 
 from gpumagic.devices.processes import is_running
 from gpumagic.launch.output import in_kernel
-from gpumagic.widgets.gpu_watch import REFRESH_EVERY_S
-from gpumagic.widgets.plots import FIRST_REFRESH_S, load_bokehjs, rank_curve, refresh, step_figure, time_figure
+from gpumagic.widgets.plots import (
+    FIRST_REFRESH_S,
+    PALETTE,
+    Forward,
+    Smoother,
+    curve,
+    display_live,
+    forward_only,
+    hover,
+    live_model,
+    log_tabs,
+    pick,
+    styled_figure,
+    unsynced,
+)
 
 MIB = float(1 << 20)
+RESOURCE_WIDTH, RESOURCE_HEIGHT = 300, 130  # each resource plot beside the metrics, px
 
 
 class LaunchDashboard:
@@ -57,10 +73,15 @@ class LaunchDashboard:
         self.points = 0
         self.cancel = threading.Event()
         self.metric_sources: dict[tuple[str, int], Any] = {}
-        self.metric_figures: dict[str, Any] = {}
+        self.metric_figures: dict[str, list[Any]] = {}  # metric -> its figures (linear, and log for a loss)
         self.resource_sources: dict[int, Any] = {}
         self.resource_figures: tuple[Any, ...] = ()
         self.layout: Any = None
+        self._metrics_column: Any = None
+        self._smoothers: dict[tuple[str, int], Smoother] = {}
+        self._forward: dict[tuple[str, int], Forward] = {}
+        self._plots_lock = threading.RLock()
+        self._loader_display: Any = None
         self.plots: Any = None
         self.status: Any = None
         self.stop_button: Any = None
@@ -79,11 +100,11 @@ class LaunchDashboard:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._processes: dict[int, Any] = {}
-        self._samples: dict[int, dict[str, list[float]]] = {}  # resources sampled before the plots exist
+        self._samples: dict[int, dict[str, list[float]]] = {}
+        self._attached = self.started  # resources sampled before the plots exist
 
     def show(self) -> None:
         """Display the status line now (with the Stop button if ``stoppable``); the plots join it later."""
-        from IPython.display import display
 
         if self._shown:
             return
@@ -91,8 +112,7 @@ class LaunchDashboard:
         self._make_widget()
         if not in_kernel():  # a script, a test: nowhere to show it
             return
-        load_bokehjs()
-        self._display = display(self.widget, display_id=True)
+        self._loader_display, self._display = display_live(self.widget, display_id=True)
 
     def attach(
         self,
@@ -108,6 +128,7 @@ class LaunchDashboard:
         from gpumagic.telemetry.store import RankReader
 
         self.run_dir = Path(run_dir)
+        self._attached = time.monotonic()
         self.pids = list(pids)
         self.nprocs = len(pids)
         self.use_gpus = use_gpus
@@ -160,50 +181,72 @@ class LaunchDashboard:
 
     def _go_live(self) -> None:
         """The launch runs on: the live plots, under the status line."""
-        from jupyter_bokeh.widgets import BokehModel
-
         self._build_figures()
-        self.plots = BokehModel(self.layout)
+        self.plots = live_model(self.layout, self._plots_lock)
         self.widget.children = (*self.widget.children, self.plots)
 
     def _build_figures(self) -> None:
-        from bokeh.layouts import column
+        from bokeh.layouts import column, row
         from bokeh.models import ColumnDataSource
 
         if self.layout is not None:
             return
-        memory = time_figure(
-            "GPU memory per rank, MiB" if self.use_gpus else "resident memory per rank (CPU ranks), MiB", 180
+        memory = styled_figure(
+            "GPU memory per rank, MiB" if self.use_gpus else "resident memory per rank, MiB",
+            RESOURCE_HEIGHT,
+            elapsed_x=True,
+            y_from_zero=True,
+            legend=False,
+            sizing_mode="fixed",
+            width=RESOURCE_WIDTH,
         )
-        busy = time_figure(
-            "GPU utilization per rank, %" if self.use_gpus else "CPU use per rank, %", 160, linked=memory
+        busy = styled_figure(
+            "GPU utilization per rank, %" if self.use_gpus else "CPU use per rank, %",
+            RESOURCE_HEIGHT,
+            elapsed_x=True,
+            y_from_zero=True,
+            legend=False,
+            linked=memory,
+            sizing_mode="fixed",
+            width=RESOURCE_WIDTH,
         )
         self.resource_figures = (memory, busy)
         for rank in range(self.nprocs):
             sampled = self._samples.pop(rank, {"time": [], "memory": [], "busy": []})
-            source = self.resource_sources[rank] = ColumnDataSource(sampled)
-            rank_curve(memory, source, rank, x="time", y="memory")
-            rank_curve(busy, source, rank, x="time", y="busy")
-        self.layout = column(memory, busy, sizing_mode="stretch_width")
+            source = self.resource_sources[rank] = forward_only(ColumnDataSource(sampled), "time")
+            color = PALETTE[rank % len(PALETTE)]
+            curve(memory, source, "time", "memory", label=f"rank {rank}", color=color, width=1.5)
+            curve(busy, source, "time", "busy", label=f"rank {rank}", color=color, width=1.5)
+        for plot in self.resource_figures:
+            hover(plot, "elapsed", elapsed=True)
+        self._metrics_column = column(sizing_mode="stretch_width")  # in the row from the first metric on
+        resources = column(memory, busy, sizing_mode="fixed", width=RESOURCE_WIDTH, height=2 * RESOURCE_HEIGHT)
+        self.layout = row(resources, sizing_mode="stretch_width")
+
+    def _has_data(self) -> bool:
+        """Something to draw: a metric logged, or two samples of a rank's resources."""
+        return any(_size(reader.bin_path) > 0 for reader in self._readers) or any(
+            len(kept["time"]) >= 2 for kept in self._samples.values()
+        )
 
     def _loop(self) -> None:
-        live = False
-        last_refresh = 0.0
+        live = caught_up = False
+        went_live = 0.0
         wait = min(0.1, self.push_interval)  # the first resource sample soon: a short launch gets one too
         try:
             while not self._stop.wait(wait):
                 wait = self.push_interval
-                if not live and time.monotonic() - self.started >= self.live_after:
+                if not live and time.monotonic() - self.started >= self.live_after and self._has_data():
                     self._go_live()  # the launch runs on: the plots, with what was sampled so far
                     live = True
-                    last_refresh = time.monotonic() - REFRESH_EVERY_S + FIRST_REFRESH_S  # a view built late
+                    went_live = time.monotonic()
                 try:
                     self._push_resources(self._processes)
                     if live:
                         self._push_metrics()
-                        if time.monotonic() - last_refresh >= REFRESH_EVERY_S:
-                            refresh(self.plots, self.layout)  # so a browser reload shows the curves
-                            last_refresh = time.monotonic()
+                        if not caught_up and time.monotonic() - went_live >= FIRST_REFRESH_S:
+                            self.plots.catch_up()  # once: a view built after the first pushes missed them
+                            caught_up = True
                 except Exception:  # noqa: BLE001 - a dashboard hiccup must never break the launch
                     pass
                 if self.status is not None:
@@ -229,15 +272,22 @@ class LaunchDashboard:
             pass
         if self.status is not None:
             self.status.value = self._status_text()
-        if not any(len(s.data["time"]) for s in self.resource_sources.values()):
-            self.layout.children = [c for c in self.layout.children if c not in self.resource_figures]
-        if self.layout.children:
+        with self._plots_lock:
+            if not any(len(s.data["time"]) for s in self.resource_sources.values()):
+                # a launch too short to sample: no empty frames
+                self.layout.children = [c for c in self.layout.children if c is self._metrics_column]
+            drawn = bool(self.layout.children)
+        if drawn:
             from bokeh.embed import components
 
             script, div = components(self.layout)
             self._figures_html = div + script
+        self._close_widgets()  # first: the live view and its document go before the copy's (same models) come
         self._show_snapshot()
-        self._close_widgets()
+        if self._loader_display is not None:
+            from IPython.display import HTML
+
+            self._loader_display.update(HTML(""))  # the static copy needs no widget: nothing is left to load
 
     def add_note(self, html: str) -> None:
         """A line under the status (a background launch's error), in the live view and in the static copy."""
@@ -275,14 +325,24 @@ class LaunchDashboard:
     def _push_metrics(self) -> None:
         for rank, reader in enumerate(self._readers):
             for name, series in reader.read().items():
-                source = self.metric_sources.get((name, rank)) or self._add_metric(name, rank)
-                source.stream({"step": series.steps, "value": series.values}, rollover=self.history)
-                self.points += len(series)
+                key = (name, rank)
+                source = self.metric_sources.get(key) or self._add_metric(name, rank)
+                kept = self._forward[key].keep(series.steps)  # a step logged again is not drawn backwards
+                smooth = self._smoothers[key].feed([series.values[i] for i in kept])
+                with self._plots_lock:
+                    columns = pick({"step": series.steps, "value": series.values}, kept)
+                    source.stream({**columns, "smooth": smooth}, rollover=self.history)
+                self.points += len(kept)
                 if rank == 0 and series.steps:  # the first and the latest: enough for the step rate
                     self._steps[1:] = [(series.times[-1], series.steps[-1])]
                     latest = list(zip(series.times, series.steps, strict=True))
                     self._rank0_points = [*self._rank0_points, *latest][-self.history :]
         self._draw_marks()
+
+    @property
+    def points_behind(self) -> int:
+        """Points not drawn because their step was not after the last one drawn for that metric and rank."""
+        return sum(forward.dropped for forward in self._forward.values())
 
     def mark(self, label: str) -> None:
         """A cell (``label``) starts now: a dashed line at rank 0's latest step on every metric plot (a group's
@@ -296,27 +356,51 @@ class LaunchDashboard:
             label, started = self._pending_marks.pop(0)
             before = [step for when, step in self._rank0_points if when <= started]
             self.cell_marks.append((label, before[-1] if before else 0))
-            for plot in self.metric_figures.values():
-                _draw_mark(plot, *self.cell_marks[-1])
+            with self._plots_lock:
+                for plots in self.metric_figures.values():
+                    for plot in plots:
+                        _draw_mark(plot, *self.cell_marks[-1])
 
     def _add_metric(self, name: str, rank: int) -> Any:
-        plot = self.metric_figures.get(name)
-        if plot is None:
-            plot = self.metric_figures[name] = step_figure(name, 200)
-            self.layout.children.insert(len(self.metric_figures) - 1, plot)
-            for mark in self.cell_marks:
-                _draw_mark(plot, *mark)
         from bokeh.models import ColumnDataSource
 
-        source = ColumnDataSource({"step": [], "value": []})
-        rank_curve(plot, source, rank)
+        with self._plots_lock:
+            plots = self.metric_figures.get(name)
+            if plots is None:
+                if _loss_like(name):  # a loss spans decades: a log-y tab beside the linear one
+                    shown, *plots = log_tabs(name, 220, x_label="step")
+                else:
+                    shown = styled_figure(name, 200, x_label="step")
+                    plots = [shown]
+                for plot in plots:
+                    hover(plot, "step")
+                    for mark in self.cell_marks:
+                        _draw_mark(plot, *mark)
+                self.metric_figures[name] = plots
+                self._metrics_column.children.append(shown)
+                if self._metrics_column not in self.layout.children:
+                    self.layout.children.insert(0, self._metrics_column)  # the metrics first, resources beside
+            source = forward_only(ColumnDataSource({"step": [], "value": [], "smooth": []}), "step")
+            for plot in plots:
+                curve(
+                    plot,
+                    source,
+                    "step",
+                    "value",
+                    label=f"rank {rank}",
+                    color=PALETTE[rank % len(PALETTE)],
+                    smooth="smooth",
+                )
+            unsynced(self.layout)  # the new figure, source and lines too
         self.metric_sources[(name, rank)] = source
+        self._smoothers[(name, rank)] = Smoother()
+        self._forward[(name, rank)] = Forward()
         return source
 
     def _push_resources(self, processes: dict[int, Any]) -> None:
         import psutil
 
-        now = time.time() * 1000
+        now = time.monotonic() - self._attached  # seconds since the ranks started, drawn as 0:42
         gpus = {}
         if self.use_gpus:
             from gpumagic.devices.inventory import read_inventory
@@ -335,7 +419,8 @@ class LaunchDashboard:
                 continue
             sample = {"time": [now], "memory": [memory], "busy": [busy]}
             if rank in self.resource_sources:
-                self.resource_sources[rank].stream(sample, rollover=self.history)
+                with self._plots_lock:
+                    self.resource_sources[rank].stream(sample, rollover=self.history)
             else:  # not live yet: kept for the plots
                 kept = self._samples.setdefault(rank, {"time": [], "memory": [], "busy": []})
                 for key, values in sample.items():
@@ -349,10 +434,24 @@ class LaunchDashboard:
             (t0, s0), (t1, s1) = self._steps[0], self._steps[-1]
             rate = (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
             progress = f" · step {s1:,.0f} ({rate:,.1f} steps/s)"
+        behind = self.points_behind
+        note = (
+            f"<br>{behind:,} points not drawn: their step was not after one already drawn (log increasing steps,"
+            " or none: gpumagic.log then counts its calls)"
+            if behind
+            else ""
+        )
+        if self.state == "starting":
+            return f"<b>{self.title}</b> · starting the ranks · {elapsed:,.1f}s" + self._note
         return (
             f"<b>{self.title}</b> · {self.state} · {alive}/{self.nprocs} ranks alive{progress} · {elapsed:,.1f}s"
+            + note
             + self._note
         )
+
+
+def _loss_like(name: str) -> bool:
+    return any(word in name.lower() for word in ("loss", "perplexity", "error", "mse", "nll"))
 
 
 def _draw_mark(plot: Any, label: str, step: float) -> None:
@@ -360,6 +459,13 @@ def _draw_mark(plot: Any, label: str, step: float) -> None:
 
     plot.add_layout(Span(location=step, dimension="height", line_color="#999999", line_dash="dashed"))
     plot.add_layout(Label(x=step, y=4, y_units="screen", text=label, text_font_size="8pt", text_color="#666666"))
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _rank_processes(pids: list[int | None]) -> dict[int, Any]:

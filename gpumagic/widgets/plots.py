@@ -1,56 +1,315 @@
-"""Bokeh building blocks the dashboards share: figures over time or steps, per-rank curves, BokehJS loading,
-and re-saving a widget's state so browser reloads keep the history."""
+"""Bokeh building blocks the dashboards share: figures styled alike (legend outside, hover values, toolbar on
+hover, readable on JupyterLab's light and dark themes), curves with a smoothed line over the faint raw one,
+a log-y view, elapsed-time axes, the widget that keeps a page's view in step with the plots, and BokehJS.
+
+BokehJS travels with every live dashboard as a hidden ``Output`` widget shown just before it: a page that was
+reloaded, or a notebook reopened while its kernel runs, gets BokehJS before the plots' views are built, and
+the notebook file keeps only a reference to that widget (not 1.3 MB of JavaScript per dashboard).
+"""
 
 from __future__ import annotations
 
+import functools
+import json
+import math
+import threading
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
-TOOLS = "pan,wheel_zoom,box_zoom,reset"
-# Patches sent before the browser has built the widget's view are dropped by BokehJS: a full re-save this
-# long after a live dashboard starts catches up a view that missed its first updates.
+MUTED = "#8a8a8a"  # text, axes and grid: readable on a white and on a near-black background
+TOOLS = "pan,wheel_zoom,box_zoom,reset,save"
+SMOOTHING = 0.6  # weight of the exponential moving average, TensorBoard's default
+# Patches sent before the browser has built the widget's view are dropped by BokehJS: a full re-send of the
+# plots this long after a live dashboard is shown catches up a view that missed its first updates.
 FIRST_REFRESH_S = 2.0
-_bokehjs_loaded = False
+ELAPSED_FORMAT = """
+const t = Math.max(0, tick), whole = Math.floor(t + 1e-9), part = t - whole;
+const h = Math.floor(whole / 3600), m = Math.floor((whole % 3600) / 60), sec = whole % 60;
+const two = (n) => String(n).padStart(2, "0");
+const seconds = part > 0.05 && part < 0.95 ? two(sec) + (part.toFixed(1)).slice(1) : two(sec);
+return h > 0 ? `${h}:${two(m)}:${seconds}` : `${m}:${seconds}`;
+"""
 
 
-def time_figure(title: str, height: int, linked: Any = None, **options: Any) -> Any:
-    """A full-width figure with a datetime x axis, sharing ``linked``'s x range (panning one pans both)."""
+def styled_figure(
+    title: str,
+    height: int,
+    *,
+    x_label: str | None = None,
+    elapsed_x: bool = False,
+    y_from_zero: bool = False,
+    linked: Any = None,
+    legend: bool = True,
+    **options: Any,
+) -> Any:
+    """A full-width figure in the dashboards' style. ``elapsed_x``: x is seconds from a start, ticked ``0:42``;
+    ``y_from_zero``: the y axis starts at 0 (memory, utilization: a flat line is not magnified);
+    ``linked``: share that figure's x range (panning one pans both); ``legend``: a legend right of the plot."""
+    from bokeh.models import CustomJSTickFormatter, DataRange1d, Legend
     from bokeh.plotting import figure
 
     if linked is not None:
         options["x_range"] = linked.x_range
-    return figure(
-        title=title, height=height, sizing_mode="stretch_width", x_axis_type="datetime", tools=TOOLS, **options
+    if y_from_zero and "y_range" not in options:
+        options["y_range"] = DataRange1d(start=0, only_visible=True)
+    elif "y_range" not in options:
+        options["y_range"] = DataRange1d(only_visible=True)
+    options.setdefault("sizing_mode", "stretch_width")
+    plot = figure(title=title, height=height, tools=TOOLS, x_axis_label=x_label, **options)
+    if elapsed_x:
+        plot.xaxis.formatter = CustomJSTickFormatter(code=ELAPSED_FORMAT)
+    _style(plot)
+    if legend:
+        plot.add_layout(
+            Legend(
+                click_policy="hide",
+                background_fill_alpha=0,
+                border_line_alpha=0,
+                label_text_color=MUTED,
+                label_text_font_size="8pt",
+                glyph_height=12,
+                spacing=0,
+                padding=2,
+                margin=4,
+            ),
+            "right",
+        )
+    return plot
+
+
+def _style(plot: Any) -> None:
+    plot.toolbar.logo = None
+    plot.toolbar.autohide = True
+    plot.background_fill_alpha = 0
+    plot.border_fill_alpha = 0
+    plot.outline_line_alpha = 0.25
+    plot.min_border_left = 50
+    plot.title.text_color = MUTED
+    plot.title.text_font_style = "normal"
+    plot.title.text_font_size = "10pt"
+    for axis in (*plot.xaxis, *plot.yaxis):
+        axis.axis_line_color = MUTED
+        axis.major_tick_line_color = MUTED
+        axis.minor_tick_line_color = None
+        axis.major_label_text_color = MUTED
+        axis.axis_label_text_color = MUTED
+        axis.axis_label_text_font_style = "normal"
+    for grid in (*plot.xgrid, *plot.ygrid):
+        grid.grid_line_color = MUTED
+        grid.grid_line_alpha = 0.2
+
+
+def hover(plot: Any, x_name: str, elapsed: bool = False) -> None:
+    """Values under the mouse on every line of ``plot``: the line's name, x (``0:42`` when ``elapsed``) and y."""
+    from bokeh.models import CustomJSHover, HoverTool
+
+    formatters: dict[str, Any] = {}
+    x_field = "$snap_x{0,0.[00]}"
+    if elapsed:
+        formatters["$snap_x"] = CustomJSHover(code=ELAPSED_FORMAT.replace("tick", "value"))
+        x_field = "$snap_x{custom}"
+    plot.add_tools(
+        HoverTool(
+            tooltips=[("", "$name"), (x_name, x_field), ("value", "$snap_y{0,0.[0000]}")],
+            formatters=formatters,
+            line_policy="nearest",
+        )
     )
 
 
-def step_figure(title: str, height: int = 220) -> Any:
-    """A full-width figure with training steps on the x axis."""
-    from bokeh.plotting import figure
+def curve(
+    plot: Any, source: Any, x: str, y: str, *, label: str, color: str, width: float = 2, smooth: str | None = None
+) -> Any:
+    """One series: the line of ``y`` (faint behind ``smooth`` when given) named ``label`` (in the legend where
+    the plot has one)."""
+    from bokeh.models import Legend
 
-    return figure(title=title, height=height, sizing_mode="stretch_width", x_axis_label="step", tools=TOOLS)
-
-
-def rank_curve(plot: Any, source: Any, rank: int, x: str = "step", y: str = "value") -> None:
-    """One rank's line, in that rank's colour, in the legend (click to hide)."""
-    plot.line(x, y, source=source, color=PALETTE[rank % len(PALETTE)], line_width=2, legend_label=f"rank {rank}")
-    plot.legend.click_policy = "hide"
-    plot.legend.location = "top_left"
-
-
-def refresh(plots: Any, layout: Any) -> None:
-    """Re-save the plots' whole state into the widget: a browser reload redraws a BokehModel from its saved
-    state, which otherwise is the state it was created with (empty plots)."""
-    plots.update_from_model(layout)
+    named: dict[str, Any] = {"name": label}
+    if any(isinstance(panel, Legend) for panel in plot.right):
+        named["legend_label"] = label
+    if smooth is None:
+        return plot.line(x, y, source=source, color=color, line_width=width, **named)
+    plot.line(x, y, source=source, color=color, line_width=1, alpha=0.25, **named)
+    return plot.line(x, smooth, source=source, color=color, line_width=width, **named)
 
 
-def load_bokehjs() -> None:
-    """Put BokehJS into the page once per kernel, from bokeh's inline resources (no CDN: works offline)."""
-    global _bokehjs_loaded
-    if _bokehjs_loaded:
-        return
-    from bokeh.io.notebook import load_notebook
-    from bokeh.resources import INLINE
+def log_tabs(title: str, height: int, **options: Any) -> tuple[Any, Any, Any]:
+    """Two views of one metric, a tab each (switched in the browser, no kernel needed): linear and log y.
+    Returns (tabs, linear figure, log figure); draw every curve on both."""
+    from bokeh.models import TabPanel, Tabs
 
-    load_notebook(resources=INLINE, hide_banner=True)
-    _bokehjs_loaded = True
+    linear = styled_figure(title, height, **options)
+    log = styled_figure(title + " (log)", height, y_axis_type="log", **options)
+    log.x_range = linear.x_range
+    tabs = Tabs(tabs=[TabPanel(child=linear, title="linear"), TabPanel(child=log, title="log y")])
+    tabs.sizing_mode = "stretch_width"
+    return tabs, linear, log
+
+
+class Smoother:
+    """The debiased exponential moving average of one series, TensorBoard's: ``ema / (1 - w**n)``, so the first
+    points are not pulled towards 0 and a point's smoothed value never changes as the run grows."""
+
+    def __init__(self, weight: float = SMOOTHING) -> None:
+        self.weight = weight
+        self.ema = 0.0
+        self.count = 0
+
+    def feed(self, values: Iterable[float]) -> list[float]:
+        smoothed = []
+        for value in values:
+            if not math.isfinite(value):
+                smoothed.append(value)  # a NaN or inf is shown as it is, and does not poison what follows
+                continue
+            self.count += 1
+            self.ema = self.weight * self.ema + (1 - self.weight) * value
+            smoothed.append(self.ema / (1 - self.weight**self.count))
+        return smoothed
+
+
+class Forward:
+    """Keeps a plotted x series non-decreasing: ``keep`` returns the indices of the points after the last one
+    sent (a point logged again, or at an earlier step, is not drawn backwards); ``dropped`` counts the rest."""
+
+    def __init__(self) -> None:
+        self.last = -math.inf
+        self.dropped = 0
+
+    def keep(self, xs: Sequence[float]) -> list[int]:
+        kept = []
+        for index, x in enumerate(xs):
+            if x >= self.last:
+                self.last = x
+                kept.append(index)
+            else:
+                self.dropped += 1
+        return kept
+
+
+# Run in the browser after each stream into a source: if its x column goes back anywhere (the same points applied
+# twice to a view, when a page built its plots from a state and then received an update already in it), keep
+# only the rows whose x is after every earlier one.
+FORWARD_ONLY = """
+const data = cb_obj.data, isMap = data instanceof Map;
+const get = (name) => (isMap ? data.get(name) : data[name]);
+const xs = get(x);
+if (!xs) return;
+let backwards = false;
+for (let i = 1; i < xs.length; i++) if (!(xs[i] > xs[i - 1])) { backwards = true; break; }
+if (!backwards) return;
+const keep = [];
+let last = -Infinity;
+for (let i = 0; i < xs.length; i++) if (xs[i] > last) { keep.push(i); last = xs[i]; }
+const names = isMap ? Array.from(data.keys()) : Object.keys(data);
+const kept = names.map((name) => [name, keep.map((i) => get(name)[i])]);
+cb_obj.data = isMap ? new Map(kept) : Object.fromEntries(kept);
+"""
+
+
+def forward_only(source: Any, x: str) -> Any:
+    """Make the browser keep ``source``'s ``x`` column increasing after every stream (see FORWARD_ONLY)."""
+    from bokeh.models import CustomJS
+
+    source.js_on_change("streaming", CustomJS(args={"x": x}, code=FORWARD_ONLY))
+    return source
+
+
+def pick(columns: dict[str, Sequence[Any]], indices: list[int]) -> dict[str, list[Any]]:
+    """The rows ``indices`` of column data."""
+    return {name: [values[i] for i in indices] for name, values in columns.items()}
+
+
+def unsynced(model: Any) -> Any:
+    """Mark ``model`` and what it refers to as never sent back by the browser (no events for the kernel);
+    for models added to a live dashboard after it is shown."""
+    for part in model.references():
+        part.syncable = False
+    return model
+
+
+def live_model(layout: Any, lock: threading.RLock) -> Any:
+    """The widget showing ``layout``, kept in step with it: whatever changes ``layout`` must hold ``lock``."""
+    return _live_model_class()(layout, lock)
+
+
+@functools.cache
+def _live_model_class() -> type:
+    from bokeh.core.json_encoder import serialize_json
+    from jupyter_bokeh.widgets import BokehModel
+
+    class LiveBokehModel(BokehModel):
+        """A BokehModel whose full state is the plots as they are now, not as they were created: a page that
+        connects later (a reload, a reopened notebook) draws the history, with no periodic re-send. Every change
+        and every message to the browser happens under the dashboard's lock, so the several messages of one
+        patch are never interleaved with another's, and the plots are never read while they change."""
+
+        def __init__(self, layout: Any, lock: threading.RLock) -> None:
+            self._plots_lock = lock
+            unsynced(layout)
+            super().__init__(layout)
+
+        def get_state(self, key: Any = None, drop_defaults: bool = False) -> dict[str, Any]:
+            state = super().get_state(key, drop_defaults)
+            if "render_bundle" in state:
+                with self._plots_lock:
+                    state["render_bundle"] = serialize_json(self._model_to_traits(self._model))
+            return state
+
+        def catch_up(self) -> None:
+            """Send the plots whole to the pages showing them (a view built after the first patches)."""
+            self.send_state("render_bundle")
+
+        def _document_patched(self, event: Any) -> None:
+            with self._plots_lock:
+                super()._document_patched(event)
+
+        def _sync_model(self, model: Any, content: dict[str, Any], buffers: list[Any]) -> None:
+            """Changes made in the browser never come back: the kernel's plots are the only truth (a browser
+            that changed a source, as the forward-only guard does, would otherwise overwrite the kernel's
+            copy when the kernel next reads its messages)."""
+
+    return LiveBokehModel
+
+
+def bokehjs_loader() -> Any:
+    """The hidden widget carrying BokehJS (this kernel's one): displayed before a dashboard, it defines
+    ``window.Bokeh`` on a page that lacks this version, and does nothing on a page that has it."""
+    global _loader
+    if _loader is None or _loader.comm is None:
+        import ipywidgets
+
+        loader = ipywidgets.Output(layout=ipywidgets.Layout(display="none"))
+        loader.add_class("gpumagic-bokehjs")
+        loader.outputs = (
+            {"output_type": "display_data", "data": {"application/javascript": bokehjs_source()}, "metadata": {}},
+        )
+        _loader = loader
+    return _loader
+
+
+_loader: Any = None
+
+
+@functools.cache
+def bokehjs_source() -> str:
+    """BokehJS (its core bundle: plots, hover, tabs), run only where ``window.Bokeh`` is not this version."""
+    import bokeh
+    from bokeh.resources import Resources
+
+    code = "\n".join(Resources(mode="inline", components=["bokeh"]).js_raw)
+    version = json.dumps(bokeh.__version__)
+    # called with window as `this`: the bundle hands `this` to its loader as the global object
+    return f"if (!(window.Bokeh && window.Bokeh[{version}])) {{ (function () {{\n{code}\n}}).call(window); }}"
+
+
+def display_live(widget: Any, display_id: bool = False, text: str | None = None) -> Any:
+    """Display BokehJS's loader, then ``widget`` (with ``text`` as its plain-text form, what a viewer without
+    widgets shows); returns (loader handle, widget handle) with ``display_id``."""
+    from IPython.display import display
+
+    loader = display(bokehjs_loader(), display_id=display_id)
+    if text is None:
+        return loader, display(widget, display_id=display_id)
+    bundle = {**widget._repr_mimebundle_(), "text/plain": text}
+    return loader, display(bundle, raw=True, display_id=display_id)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
-from gpumagic.widgets.plots import load_bokehjs, rank_curve, step_figure
+from gpumagic.widgets.plots import PALETTE, Smoother, curve, display_live, hover, live_model, styled_figure
 
 
 class RunPlot:
@@ -26,20 +27,23 @@ class RunPlot:
                 f"run {run.id} has no metric {', '.join(unknown)}; it has {', '.join(names) or 'none'}"
             )
         for name in metrics or names:
-            plot = step_figure(f"{name} · {run.id}", 240)
+            plot = styled_figure(f"{name} · {run.id}", 240, x_label="step")
+            hover(plot, "step")
             for rank, per_rank in sorted(data.items()):
                 if name in per_rank:
                     series = per_rank[name]
-                    rank_curve(plot, ColumnDataSource({"step": series.steps, "value": series.values}), rank)
+                    source = ColumnDataSource(
+                        {"step": series.steps, "value": series.values, "smooth": Smoother().feed(series.values)}
+                    )
+                    color = PALETTE[rank % len(PALETTE)]
+                    curve(plot, source, "step", "value", label=f"rank {rank}", color=color, smooth="smooth")
             self.figures[name] = plot
         self.layout = column(*self.figures.values(), sizing_mode="stretch_width") if self.figures else None
 
     def _ipython_display_(self) -> None:
         from IPython.display import display
-        from jupyter_bokeh.widgets import BokehModel
 
         if self.layout is None:
             display(f"run {self.run.id} has no metrics")
             return
-        load_bokehjs()
-        display(BokehModel(self.layout))
+        display_live(live_model(self.layout, threading.RLock()))

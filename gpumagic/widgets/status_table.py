@@ -86,6 +86,10 @@ def _text_rows(status: GpuStatus, gpu: GpuInfo) -> list[str]:
     return rows
 
 
+CELL = "padding:2px 8px;text-align:left;vertical-align:top;white-space:nowrap"  # inline: JupyterLab right-aligns
+LOAD_COLOURS = ((90.0, "#cf222e"), (50.0, "#d29922"))  # utilization from this % up: this colour
+
+
 def render_html(status: GpuStatus) -> str:
     esc = html.escape
     head = f"<div style='font-weight:600;margin:4px 0'>{esc(headline(status))}</div>"
@@ -95,37 +99,48 @@ def render_html(status: GpuStatus) -> str:
     for gpu in status.inventory.gpus:
         cuda = status.visibility.cuda_index(gpu.nvml_index)
         lease = status.leases.get(gpu.uuid)
-        style = "background:rgba(46,160,67,0.12);" if cuda is not None else ""
+        # this kernel's GPUs: a tint and a green edge, both visible on light and dark themes
+        style = "background:rgba(46,160,67,0.18);box-shadow:inset 4px 0 #2ea043" if cuda is not None else ""
+        first = (
+            f"<td style='{CELL}'>{gpu.nvml_index}</td><td style='{CELL}'>{'' if cuda is None else f'cuda:{cuda}'}</td>"
+        )
         if not gpu.healthy:
             rows.append(
-                f"<tr style='{style}'><td>{gpu.nvml_index}</td><td>{'' if cuda is None else f'cuda:{cuda}'}</td>"
-                f"<td>{esc(gpu.short_name)}</td><td colspan='6' style='color:#b00'>✖ {esc(gpu.problem or '')}</td></tr>"
+                f"<tr style='{style}'>{first}<td style='{CELL}'>{esc(gpu.short_name)}</td>"
+                f"<td colspan='6' style='{CELL};color:#cf222e'>✖ {esc(gpu.problem or '')}</td></tr>"
             )
             continue
         processes = "<br>".join(esc(_process(p)) for p in gpu.processes) or "<span style='color:#888'>none</span>"
         rows.append(
-            f"<tr style='{style}'><td>{gpu.nvml_index}</td><td>{'' if cuda is None else f'cuda:{cuda}'}</td>"
-            f"<td title='{esc(gpu.uuid)} {esc(gpu.pci_bus_id or '')}'>{esc(gpu.short_name)}</td>"
-            f"<td>{_html_bar(gpu)}</td>"
-            f"<td>{'n/a' if gpu.utilization is None else f'{gpu.utilization:.0f}%'}</td>"
-            f"<td>{'n/a' if gpu.temperature is None else f'{gpu.temperature:.0f}°C'}</td>"
-            f"<td>{esc(_power(gpu))}</td>"
-            f"<td>{esc(lease.describe()) if lease else 'free'}</td>"
-            f"<td style='white-space:normal'>{processes}</td></tr>"
+            f"<tr style='{style}'>{first}"
+            f"<td style='{CELL}' title='{esc(gpu.uuid)} {esc(gpu.pci_bus_id or '')}'>{esc(gpu.short_name)}</td>"
+            f"<td style='{CELL}'>{_html_bar(gpu)}</td>"
+            f"<td style='{CELL}'>{_html_utilization(gpu.utilization)}</td>"
+            f"<td style='{CELL}'>{'n/a' if gpu.temperature is None else f'{gpu.temperature:.0f}°C'}</td>"
+            f"<td style='{CELL}'>{esc(_power(gpu))}</td>"
+            f"<td style='{CELL};white-space:normal;max-width:11em'>{esc(lease.describe()) if lease else 'free'}</td>"
+            f"<td style='{CELL};white-space:normal;min-width:28em'>{processes}</td></tr>"
         )
     header = "".join(
-        f"<th>{h}</th>" for h in ("GPU", "cuda", "name", "memory", "util", "temp", "power", "lease", "processes")
+        f"<th style='{CELL}'>{h}</th>"
+        for h in ("GPU", "cuda", "name", "memory", "util", "temp", "power", "lease", "processes")
     )
     table = (
-        "<style>.gpumagic-status td, .gpumagic-status th "
-        "{padding: 2px 8px; text-align: left; white-space: nowrap}</style>"
         "<table class='gpumagic-status' style='border-collapse:collapse;font-size:12px'>"
         f"<thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
     )
-    extra = "".join(f"<div style='color:#a60'>{esc(n)}</div>" for n in notes(status))
+    extra = "".join(f"<div style='color:#d29922'>{esc(n)}</div>" for n in notes(status))
     stamp = time.strftime("%H:%M:%S", time.localtime(status.inventory.taken_at))
     foot = f"<div style='color:#888;font-size:11px'>as of {stamp}; green rows: the GPUs this kernel sees</div>"
     return f"<div class='gpumagic-status'>{head}{table}{extra}{foot}</div>"
+
+
+def _html_utilization(utilization: float | None) -> str:
+    if utilization is None:
+        return "n/a"
+    colour = next((colour for floor, colour in LOAD_COLOURS if utilization >= floor), None)
+    text = f"{utilization:.0f}%"
+    return f"<b style='color:{colour}'>{text}</b>" if colour else text
 
 
 def _memory(gpu: GpuInfo) -> str:
@@ -150,7 +165,7 @@ def _html_bar(gpu: GpuInfo) -> str:
     color = "#2ea043" if percent < 50 else "#d29922" if percent < 85 else "#cf222e"
     return (
         "<div style='display:flex;align-items:center;gap:6px'>"
-        "<div style='width:120px;height:10px;background:#ddd;border-radius:3px;overflow:hidden'>"
+        "<div style='width:120px;height:10px;background:rgba(128,128,128,0.25);border-radius:3px;overflow:hidden'>"
         f"<div style='width:{percent:.1f}%;height:100%;background:{color}'></div></div>"
         f"<span>{html.escape(_memory(gpu))}</span></div>"
     )

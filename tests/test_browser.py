@@ -162,6 +162,22 @@ def jupyterlab(tmp_path):
         log.close()
 
 
+@pytest.fixture
+def artifacts():
+    """Where screenshots go (kept by CI)."""
+    folder = ROOT / "artifacts"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def save_and_reload(page) -> None:
+    """Save the notebook (outputs included), reload the page and wait for its kernel."""
+    page.keyboard.press("Control+s")
+    page.wait_for_timeout(1500)
+    page.reload()
+    page.wait_for_selector("text=Python 3 (ipykernel) | Idle", timeout=60_000)
+
+
 def open_and_run(playwright, url: str, cells: int, console: list[str] | None = None) -> tuple:
     """Chromium on the notebook; run its first ``cells`` cells in order. Returns (browser, page). The page's
     console messages and errors are appended to ``console``."""
@@ -193,11 +209,9 @@ def points_grow(page, within_s: float = 60) -> list[int]:
     return seen
 
 
-def test_the_launch_dashboard_streams_in_a_real_browser(jupyterlab):
+def test_the_launch_dashboard_streams_in_a_real_browser(jupyterlab, artifacts):
     from playwright.sync_api import sync_playwright
 
-    artifacts = ROOT / "artifacts"
-    artifacts.mkdir(exist_ok=True)
     url = jupyterlab(LAUNCH_CELLS)
     with sync_playwright() as playwright:
         browser, page = open_and_run(playwright, url, 2)
@@ -227,13 +241,11 @@ def test_the_launch_dashboard_streams_in_a_real_browser(jupyterlab):
             browser.close()
 
 
-def test_jobs_watch_streams_and_its_kill_button_works_in_a_real_browser(jupyterlab):
+def test_jobs_watch_streams_and_its_kill_button_works_in_a_real_browser(jupyterlab, artifacts):
     from playwright.sync_api import sync_playwright
 
     import gpumagic
 
-    artifacts = ROOT / "artifacts"
-    artifacts.mkdir(exist_ok=True)
     url = jupyterlab(JOB_CELLS)
     with sync_playwright() as playwright:
         browser, page = open_and_run(playwright, url, 3)
@@ -267,13 +279,11 @@ def bokeh_trouble(console: list[str]) -> list[str]:
 GPU_WATCH_CELLS = ["%load_ext gpumagic", "%gpu use 1,3\n%gpu watch --interval 0.5s"]
 
 
-def test_gpu_watch_keeps_updating_for_a_minute_with_no_bokeh_error(jupyterlab):
+def test_gpu_watch_keeps_updating_for_a_minute_with_no_bokeh_error(jupyterlab, artifacts):
     """8 simulated GPUs sampled at 2 Hz for 65 s: the points grow at every look, the page keeps the same
     Bokeh documents, the console shows no Bokeh error, and no plotted x series goes back."""
     from playwright.sync_api import sync_playwright
 
-    artifacts = ROOT / "artifacts"
-    artifacts.mkdir(exist_ok=True)
     url = jupyterlab(GPU_WATCH_CELLS, GPUMAGIC_SIMULATE="8xH100-80GB")
     console: list[str] = []
     with sync_playwright() as playwright:
@@ -307,13 +317,11 @@ RELOAD_CELLS = [
 ]
 
 
-def test_a_reloaded_page_draws_the_running_dashboard_and_new_ones(jupyterlab):
+def test_a_reloaded_page_draws_the_running_dashboard_and_new_ones(jupyterlab, artifacts):
     """BokehJS reaches every page: after a reload the running %gpu watch (saved in the notebook, its kernel
     alive) draws its plots, history included, and so does a new %%launch_ddp dashboard."""
     from playwright.sync_api import sync_playwright
 
-    artifacts = ROOT / "artifacts"
-    artifacts.mkdir(exist_ok=True)
     url = jupyterlab(RELOAD_CELLS, GPUMAGIC_SIMULATE="4xA100-80GB")
     console: list[str] = []
     with sync_playwright() as playwright:
@@ -322,10 +330,7 @@ def test_a_reloaded_page_draws_the_running_dashboard_and_new_ones(jupyterlab):
             page.wait_for_selector(".jp-Cell >> nth=1 >> canvas", timeout=60_000)
             page.wait_for_timeout(3000)
             before = page.evaluate(PLOTTED)["points"]
-            page.keyboard.press("Control+s")
-            page.wait_for_timeout(1500)
-            page.reload()
-            page.wait_for_selector("text=Python 3 (ipykernel) | Idle", timeout=60_000)
+            save_and_reload(page)
             page.wait_for_selector(".jp-Cell >> nth=1 >> canvas", timeout=30_000)  # the running one, redrawn
             page.wait_for_timeout(1500)
             assert page.evaluate(PLOTTED)["points"] >= before  # with its history, not empty plots
@@ -342,12 +347,10 @@ def test_a_reloaded_page_draws_the_running_dashboard_and_new_ones(jupyterlab):
             browser.close()
 
 
-def test_the_dark_theme_leaves_no_white_plot_boxes(jupyterlab):
+def test_the_dark_theme_leaves_no_white_plot_boxes(jupyterlab, artifacts):
     from PIL import Image
     from playwright.sync_api import sync_playwright
 
-    artifacts = ROOT / "artifacts"
-    artifacts.mkdir(exist_ok=True)
     url = jupyterlab(GPU_WATCH_CELLS, theme="JupyterLab Dark", GPUMAGIC_SIMULATE="4xA100-80GB")
     with sync_playwright() as playwright:
         browser, page = open_and_run(playwright, url, 2)
@@ -377,15 +380,13 @@ def sweep_train(width, lr, seed=0):
     return width
 
 
-def test_the_comparison_view_of_four_finished_sweep_jobs_in_a_new_kernel(jupyterlab):
+def test_the_comparison_view_of_four_finished_sweep_jobs_in_a_new_kernel(jupyterlab, artifacts):
     """Monday: a new kernel compares the weekend's four sweep jobs from disk: a curve per job, the table with
     the grid's values as columns and each job's last and best loss."""
     from playwright.sync_api import sync_playwright
 
     import gpumagic
 
-    artifacts = ROOT / "artifacts"
-    artifacts.mkdir(exist_ok=True)
     jobs = gpumagic.sweep(sweep_train, {"width": [32, 128], "lr": [0.01, 0.003]}, gpus_per_job=0, name="A")
     for job in jobs:
         assert job.wait(timeout=120) == "finished"
@@ -404,6 +405,27 @@ def test_the_comparison_view_of_four_finished_sweep_jobs_in_a_new_kernel(jupyter
             for job in jobs:
                 assert job.name in output
             assert "width" in output and "lr" in output and "loss" in output
+            assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
+        finally:
+            browser.close()
+
+
+def test_a_finished_dashboard_draws_its_static_copy_after_a_reload(jupyterlab):
+    """Only finished dashboards on the page: after saving and reloading, the static copy still gets BokehJS
+    (shown once per kernel as plain output) and draws; no widget error is left where its loader was."""
+    from playwright.sync_api import sync_playwright
+
+    url = jupyterlab(RELOAD_CELLS[:1] + RELOAD_CELLS[2:])
+    console: list[str] = []
+    with sync_playwright() as playwright:
+        browser, page = open_and_run(playwright, url, 2, console)
+        try:
+            page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=90_000)
+            page.wait_for_timeout(1500)
+            save_and_reload(page)
+            page.wait_for_selector(".jp-Cell >> nth=1 >> canvas", timeout=30_000)
+            assert page.locator(".jp-Cell >> nth=1 >> canvas").count() >= 2  # the loss and resources, drawn
+            assert page.locator("text=Error displaying widget").count() == 0
             assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
         finally:
             browser.close()

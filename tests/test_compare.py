@@ -367,3 +367,48 @@ def test_random_compare_lines_work_or_raise_a_one_line_usage_error(sweep, shell,
         assert str(err).strip() and "\n" not in str(err)
         return
     assert isinstance(shown, Comparison) or "%jobs compare" in str(shown)
+
+
+def member(name, params, steps, values):
+    from pathlib import Path
+
+    from gpumagic.telemetry.store import Series
+    from gpumagic.widgets.compare import Member
+
+    series = Series(list(steps), list(values), [1000.0 + s for s in steps])
+    return Member(name, "finished", 1.0, "cpu", params, {"loss": series}, Path(name))
+
+
+def test_seed_groups_keep_to_one_sweep_and_a_short_seed_cuts_nothing_short():
+    from gpumagic.widgets.compare import _group_points, seed_groups
+
+    runs = [
+        member("A-lr=1,seed=1", {"lr": 1, "seed": 1}, range(4), [4, 3, 2, 1]),
+        member("B-lr=1,seed=1", {"lr": 1, "seed": 1}, range(4), [8, 6, 4, 2]),
+        member("A-lr=1,seed=2", {"lr": 1, "seed": 2}, range(4), [6, 5, 4, 3]),
+        member("B-lr=1,seed=2", {"lr": 1, "seed": 2}, range(4), [9, 7, 5, 3]),
+        member("A-lr=1,seed=3", {"lr": 1, "seed": 3}, range(2), [5, 4]),  # crashed after two steps
+    ]
+    assert seed_groups(runs) == [[0, 2, 4], [1, 3]]  # two sweeps with the same grid: two groups
+    points = _group_points([runs[0], runs[2], runs[4]], "loss", "step")
+    assert points.x == [0, 1, 2, 3] and points.runs == 3
+    assert points.value == pytest.approx([5, 4, 3, 2])  # steps 2 and 3: the two seeds that got there
+    assert points.upper[3] - points.value[3] == pytest.approx(statistics.stdev([1, 3]))
+
+
+def test_a_step_logged_again_from_0_is_not_drawn_back_to_the_start():
+    from gpumagic.telemetry.store import Series
+    from gpumagic.widgets.compare import _forward
+
+    restarted = _forward(Series([0, 1, 2, 0, 1, 3], [5, 4, 3, 9, 8, 2], [1, 2, 3, 4, 5, 6]))
+    assert (restarted.steps, restarted.values) == ([0, 1, 2, 3], [5, 4, 3, 2])
+
+
+def test_a_launch_run_shows_its_gpus_as_indices_not_uuids(simulated):
+    from gpumagic.devices.inventory import read_inventory
+    from gpumagic.widgets.compare import _run_gpus
+
+    uuids = [gpu.uuid for gpu in read_inventory().gpus]
+    assert _run_gpus([[uuids[2]], [uuids[3]]], "finished") == "2,3"
+    assert _run_gpus([["GPU-elsewhere-1"], ["GPU-elsewhere-2"]], "finished") == "2 GPUs"
+    assert _run_gpus([[], []], "finished") == "cpu"

@@ -13,6 +13,7 @@ import contextlib
 import fnmatch
 import html
 import math
+import re
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -21,28 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from gpumagic.errors import InvalidArgument
+from gpumagic.widgets.plots import Forward, close_tree, higher_is_better, loss_like
 
 X_AXES = ("step", "elapsed", "time")
 SEED_KEY = "seed"
-LOWER_IS_BETTER = ("loss", "error", "mse", "nll", "perplexity")
-HIGHER_IS_BETTER = ("acc", "accuracy", "score", "f1", "auc", "reward")
 FIXED_COLUMNS = ("name", "status", "duration", "GPUs")
 MISSING = "–"
 PLOT_HEIGHT = 260
 BAND_ALPHA = 0.18
 CELL_PADDING = "padding:1px 8px"  # a widget's HTML gets none of the notebook's table style
-
-
-def loss_like(metric: str) -> bool:
-    """Whether lower is better for ``metric`` and its curve gets a log-y tab (loss, error, mse, nll, perplexity)."""
-    name = metric.lower()
-    return any(word in name for word in LOWER_IS_BETTER)
-
-
-def higher_is_better(metric: str) -> bool:
-    """Whether a metric's best value is its maximum (acc, accuracy, score, f1, auc, reward; not loss-like)."""
-    name = metric.lower()
-    return not loss_like(metric) and any(word in name for word in HIGHER_IS_BETTER)
 
 
 @dataclass
@@ -82,12 +70,12 @@ class Line:
     grouped: bool = False
     points: dict[str, Points] = field(default_factory=dict)  # per metric
 
-    def label(self, metric: str) -> str:
-        """The legend's words: a seed group's say how many runs its mean is of, and what its band is."""
+    @property
+    def label(self) -> str:
+        """The legend's words: a seed group's say how many runs it is of, and what its band is."""
         if not self.grouped:
             return self.name
-        runs = self.points[metric].runs
-        return f"{self.name} ({runs} seed{'s' if runs != 1 else ''}, mean ± std)"
+        return f"{self.name} ({len(self.members)} seeds, mean ± std)"
 
 
 def resolve(selection: Any) -> list[Any]:
@@ -163,41 +151,65 @@ def read_member(source: Any) -> Member:
     """A job's or run's row material as it is on disk now."""
     from gpumagic.jobs import records
     from gpumagic.jobs.api import Job
-    from gpumagic.telemetry.store import Run, load_run
+    from gpumagic.telemetry.run_files import RunFiles
+    from gpumagic.telemetry.store import RankReader, load_run
 
     if isinstance(source, Job):
+        from gpumagic.widgets.job_table import job_row
+
         info = source.info
         status = records.effective_status(info)
-        run = Run(source.path, info)
         duration = records.elapsed(info)
         name = info.get("name") or source.path.name
+        gpus = job_row(source, info, {}).gpus  # as %jobs shows them (Slurm shapes too)
     else:
         run = load_run(str(source.path))  # settled: a run whose kernel died reads lost
         info, status = run.info, run.status
         duration = max(0.0, (info.get("ended") or time.time()) - float(info.get("created") or time.time()))
         name = run.id
-    metrics = run.metrics().get(0, {})
+        gpus = _run_gpus(info.get("gpus"), status)
+    metrics = RankReader(RunFiles(source.path).metrics, 0).read()  # rank 0 stands for the run
     return Member(
         name=name,
         status=status,
         duration=duration,
-        gpus=_gpus_text(info.get("gpus"), status),
+        gpus=gpus,
         params=dict(info.get("params") or {}),
-        metrics={metric: series for metric, series in metrics.items() if len(series)},
+        metrics={metric: _forward(series) for metric, series in metrics.items() if len(series)},
         path=source.path,
     )
 
 
-def _gpus_text(gpus: Any, status: str) -> str:
-    """``0,1`` (a DDP run's per-rank lists flattened), ``cpu``, or ``-`` for what never started."""
-    flat: list[int] = []
+def _forward(series: Any) -> Any:
+    """The points of a series whose step is not before an earlier one's (a loop that restarts at step 0 is
+    not drawn back to the start)."""
+    kept = Forward().keep(series.steps)
+    if len(kept) == len(series):
+        return series
+    from gpumagic.telemetry.store import Series
+
+    return Series(*([column[i] for i in kept] for column in (series.steps, series.values, series.times)))
+
+
+def _run_gpus(gpus: Any, status: str) -> str:
+    """A launch's GPUs (its record keeps each rank's GPU UUIDs): their NVML indices where this machine has
+    them, else how many; ``cpu`` for CPU ranks."""
+    uuids: list[str] = []
     for entry in gpus or ():
-        for index in entry if isinstance(entry, (list, tuple)) else (entry,):
-            if index not in flat:
-                flat.append(index)
-    if flat:
-        return ",".join(map(str, flat))
-    return "-" if status in ("queued", "cancelled") else "cpu"
+        for uuid in entry if isinstance(entry, (list, tuple)) else (entry,):
+            if str(uuid) not in uuids:
+                uuids.append(str(uuid))
+    if not uuids:
+        return "-" if status in ("queued", "cancelled") else "cpu"
+    try:
+        from gpumagic.devices.inventory import read_inventory
+
+        index = {gpu.uuid: gpu.nvml_index for gpu in read_inventory().gpus}
+    except Exception:  # noqa: BLE001 - no driver here: the count still says something
+        index = {}
+    if all(uuid in index for uuid in uuids):
+        return ",".join(str(index[uuid]) for uuid in uuids)
+    return f"{len(uuids)} GPU{'s' if len(uuids) != 1 else ''}"
 
 
 def differing_keys(members: Sequence[Member]) -> list[str]:
@@ -215,8 +227,17 @@ def seed_groups(members: Sequence[Member]) -> list[list[int]]:
     for index, member in enumerate(members):
         if SEED_KEY in member.params:
             rest = sorted((k, repr(v)) for k, v in member.params.items() if k != SEED_KEY)
-            groups.setdefault(repr(rest), []).append(index)
+            groups.setdefault(repr((_experiment(member), rest)), []).append(index)
     return [indices for indices in groups.values() if len(indices) > 1]
+
+
+def _experiment(member: Member) -> str:
+    """A sweep job's name without its grid values (``A-lr=0.1,seed=1`` -> ``A``): two sweeps with the same
+    grid are not one group."""
+    name = member.name
+    for key in member.params:
+        name = re.sub(rf"(^|[-,]){re.escape(key)}=[^,]*", "", name)
+    return name
 
 
 def _lines(members: Sequence[Member], group_seeds: bool) -> list[Line]:
@@ -247,7 +268,8 @@ def _xs(member: Member, series: Any, x: str) -> list[float]:
 
 def _group_points(members: Sequence[Member], metric: str, x: str) -> Points | None:
     """The mean over a seed group's runs at each step they all logged, its band (± the sample standard
-    deviation), and x there (the mean of the runs' x for elapsed and wall-clock time)."""
+    deviation) over the runs that logged it, two at least, and x there (the mean of the runs' elapsed time; wall-
+    clock time is never grouped: seeds that ran one after another share no time)."""
     import numpy
 
     per_run = []
@@ -258,18 +280,21 @@ def _group_points(members: Sequence[Member], metric: str, x: str) -> Points | No
             per_run.append({step: (value, at) for step, value, at in zip(series.steps, series.values, xs, strict=True)})
     if not per_run:
         return None
-    steps = sorted(set.intersection(*(set(points) for points in per_run)))
-    values = numpy.array([[points[s][0] for s in steps] for points in per_run]).reshape(len(per_run), len(steps))
-    where = numpy.array([[points[s][1] for s in steps] for points in per_run]).reshape(len(per_run), len(steps))
-    mean = values.mean(axis=0)
-    spread = values.std(axis=0, ddof=1) if len(per_run) > 1 else numpy.zeros(len(steps))
-    return Points(
-        where.mean(axis=0).tolist(),
-        mean.tolist(),
-        (mean - spread).tolist(),
-        (mean + spread).tolist(),
-        len(per_run),
-    )
+    at_least = min(2, len(per_run))  # a step counts where two runs logged it (a crashed seed cuts nothing short)
+    xs_out, mean, lower, upper = [], [], [], []
+    for step in sorted({step for points in per_run for step in points}):
+        logged = [points[step] for points in per_run if step in points]
+        if len(logged) < at_least:
+            continue
+        values = numpy.array([value for value, _ in logged])
+        spread = values.std(ddof=1) if len(values) > 1 else 0.0
+        xs_out.append(float(numpy.mean([at for _, at in logged])))
+        mean.append(float(values.mean()))
+        lower.append(float(values.mean() - spread))
+        upper.append(float(values.mean() + spread))
+    if not xs_out:
+        return None
+    return Points(xs_out, mean, lower, upper, len(per_run))
 
 
 def _best(metric: str, values: Sequence[float]) -> float:
@@ -379,7 +404,6 @@ class Comparison:
             *(f"{metric} {which}" for metric in self.metrics for which in ("last", "best")),
         ]
         self._unsorted = [self._row(member) for member in self.members]
-        self._lines = _lines(self.members, self.group_seeds)
         self._compute_curves()
 
     def _row(self, member: Member) -> dict[str, Any]:
@@ -400,6 +424,7 @@ class Comparison:
     def _compute_curves(self) -> None:
         self.curves: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
         self.bands: dict[str, dict[str, tuple[list[float], list[float], list[float]]]] = {}
+        self._lines = _lines(self.members, self.group_seeds and self.x != "time")  # wall-clock x: never grouped
         for line in self._lines:
             line.points = {}
             for metric in self.metrics:
@@ -412,7 +437,7 @@ class Comparison:
                 if points is None:
                     continue
                 line.points[metric] = points
-                label = line.label(metric)
+                label = line.label
                 self.curves.setdefault(metric, {})[label] = (points.x, points.value)
                 if points.lower is not None and points.upper is not None:
                     self.bands.setdefault(metric, {})[label] = (points.x, points.lower, points.upper)
@@ -617,7 +642,7 @@ class Comparison:
             for number, line in enumerate(self._lines):
                 points = line.points.get(metric)
                 if points is not None:
-                    _draw(plots, line.label(metric), PALETTE[number % len(PALETTE)], points)
+                    _draw(plots, line.label, PALETTE[number % len(PALETTE)], points)
             self.figures[metric] = linear
             blocks.append(block)
         return column(*blocks, sizing_mode="stretch_width") if blocks else None
@@ -636,7 +661,7 @@ class Comparison:
         if self._widget is not None:
             _close_plots(self._model, self._layout)
             self._model = self._layout = None
-            self._widget.close()
+            close_tree(self._widget)
             self._widget = None
 
     @staticmethod

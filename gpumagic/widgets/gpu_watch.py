@@ -10,6 +10,7 @@ bounded number of messages and the memory used stays bounded however long it run
 
 from __future__ import annotations
 
+import html
 import sys
 import threading
 import time
@@ -21,18 +22,19 @@ from gpumagic.widgets.plots import (
     FIRST_REFRESH_S,
     PALETTE,
     Forward,
+    close_tree,
     curve,
     display_live,
     forward_only,
     hover,
     live_model,
+    load_colour,
     pick,
     styled_figure,
 )
 
 GIB = float(1 << 30)
 COLUMNS = ("time", "elapsed", "used", "mine", "others", "total", "utilization", "temperature")
-LOAD_COLOURS = ((90.0, "#d62728"), (50.0, "#e8a317"), (0.0, "#2ca02c"))  # from this % up: this colour
 
 
 class GpuWatch:
@@ -72,6 +74,7 @@ class GpuWatch:
         self.pushes = 0
         self.refreshes = 0
         self.samples = 0
+        self.problem = ""  # the last push's failure, shown in the header
         title = "GPUs" + (" (SIMULATED)" if self.simulated else "")
         memory = styled_figure(
             f"{title}: memory used, GiB (solid: all users, dashed: this kernel, dotted: total)",
@@ -129,7 +132,8 @@ class GpuWatch:
         else:
             state = f"live · a sample every {self.interval:g}s, the last {self.history} kept"
         label = " · SIMULATED" if self.simulated else ""
-        return f"<b>{len(self.indices)} GPUs{label}</b> · {state}"
+        problem = f" · <span style='color:#cf222e'>last push failed: {html.escape(self.problem)}</span>"
+        return f"<b>{len(self.indices)} GPUs{label}</b> · {state}" + (problem if self.problem else "")
 
     def _bars_html(self) -> str:
         """A bar per GPU: memory used of total and utilization now, coloured by load; this kernel's marked."""
@@ -174,6 +178,7 @@ class GpuWatch:
         # DOMWidget.close, not BokehModel.close: jupyter_bokeh's close unhooks the document and raises when
         # ipywidgets' __del__ calls it a second time; leaving that to __del__ makes it happen exactly once.
         self._close_widget(self.plots)
+        close_tree(self.widget)  # the buttons, header and bars, with their layouts and styles
 
     @property
     def running(self) -> bool:
@@ -207,13 +212,17 @@ class GpuWatch:
         caught_up = False
         while True:
             stopping = self._stop.wait(self.push_interval)
-            self.push()
+            try:
+                self.push()
+                if not stopping and not caught_up and time.time() - self.started >= FIRST_REFRESH_S:
+                    self.plots.catch_up()  # once: a view built after the first pushes missed them
+                    self.refreshes += 1
+                    caught_up = True
+            except Exception as err:  # noqa: BLE001 - one failed push is told, and the next one tries again
+                self.problem = f"{type(err).__name__}: {err}"
+                self.header.value = self._header_text()
             if stopping:
                 return
-            if not caught_up and time.time() - self.started >= FIRST_REFRESH_S:
-                self.plots.catch_up()  # once: a view built after the first pushes missed them
-                self.refreshes += 1
-                caught_up = True
 
     def push(self) -> None:
         """Send what was sampled since the last push as one ``stream`` (all GPUs share one source), and
@@ -232,6 +241,9 @@ class GpuWatch:
         bars = self._bars_html()
         if bars != self.bars.value:
             self.bars.value = bars
+        if self.problem:
+            self.problem = ""
+            self.header.value = self._header_text()
 
     def series(self, nvml_index: int, column: str) -> list[float]:
         """What the plots hold for one GPU: ``column`` is one of used, mine, others, total (GiB),
@@ -240,7 +252,7 @@ class GpuWatch:
 
 
 def _bar(percent: float, what: str) -> str:
-    colour = next(colour for floor, colour in LOAD_COLOURS if percent >= floor)
+    colour = load_colour(percent)
     width = max(0.0, min(100.0, percent))
     return (
         f"<span title='{what} {percent:.0f}%' style='display:inline-block;width:140px;height:10px;"

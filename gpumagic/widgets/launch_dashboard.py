@@ -21,15 +21,18 @@ from gpumagic.devices.processes import is_running
 from gpumagic.launch.output import in_kernel
 from gpumagic.widgets.plots import (
     FIRST_REFRESH_S,
+    NO_WIDGET,
     PALETTE,
     Forward,
     Smoother,
+    close_tree,
     curve,
     display_live,
     forward_only,
     hover,
     live_model,
     log_tabs,
+    loss_like,
     pick,
     styled_figure,
     unsynced,
@@ -81,7 +84,6 @@ class LaunchDashboard:
         self._smoothers: dict[tuple[str, int], Smoother] = {}
         self._forward: dict[tuple[str, int], Forward] = {}
         self._plots_lock = threading.RLock()
-        self._loader_display: Any = None
         self.plots: Any = None
         self.status: Any = None
         self.stop_button: Any = None
@@ -100,8 +102,9 @@ class LaunchDashboard:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._processes: dict[int, Any] = {}
-        self._samples: dict[int, dict[str, list[float]]] = {}
-        self._attached = self.started  # resources sampled before the plots exist
+        self._samples: dict[int, dict[str, list[float]]] = {}  # resources sampled before the plots exist
+        self._attached = self.started  # when the ranks started: the 0 of the resource plots' time
+        self._loader_display: Any = None
 
     def show(self) -> None:
         """Display the status line now (with the Stop button if ``stoppable``); the plots join it later."""
@@ -191,24 +194,14 @@ class LaunchDashboard:
 
         if self.layout is not None:
             return
+        small = {"elapsed_x": True, "y_from_zero": True, "legend": False, "sizing_mode": "fixed"}
+        small["width"] = RESOURCE_WIDTH
+        gpu = self.use_gpus
         memory = styled_figure(
-            "GPU memory per rank, MiB" if self.use_gpus else "resident memory per rank, MiB",
-            RESOURCE_HEIGHT,
-            elapsed_x=True,
-            y_from_zero=True,
-            legend=False,
-            sizing_mode="fixed",
-            width=RESOURCE_WIDTH,
+            "GPU memory per rank, MiB" if gpu else "resident memory per rank, MiB", RESOURCE_HEIGHT, **small
         )
         busy = styled_figure(
-            "GPU utilization per rank, %" if self.use_gpus else "CPU use per rank, %",
-            RESOURCE_HEIGHT,
-            elapsed_x=True,
-            y_from_zero=True,
-            legend=False,
-            linked=memory,
-            sizing_mode="fixed",
-            width=RESOURCE_WIDTH,
+            "GPU utilization per rank, %" if gpu else "CPU use per rank, %", RESOURCE_HEIGHT, linked=memory, **small
         )
         self.resource_figures = (memory, busy)
         for rank in range(self.nprocs):
@@ -285,9 +278,9 @@ class LaunchDashboard:
         self._close_widgets()  # first: the live view and its document go before the copy's (same models) come
         self._show_snapshot()
         if self._loader_display is not None:
-            from IPython.display import HTML
-
-            self._loader_display.update(HTML(""))  # the static copy needs no widget: nothing is left to load
+            # the static copy needs no widget: the place shows nothing, where a loader saved in the notebook
+            # would read "model not found" once its kernel ended (BokehJS for the copy: display_live's inline)
+            self._loader_display.update(NO_WIDGET, raw=True)
 
     def add_note(self, html: str) -> None:
         """A line under the status (a background launch's error), in the live view and in the static copy."""
@@ -305,17 +298,10 @@ class LaunchDashboard:
             self._display.update(HTML(self.snapshot))
 
     def _close_widgets(self) -> None:
-        """Close the live widgets: their comms, their styles and layouts (widgets too), and the bokeh document."""
+        """Close the live widgets (their comms, styles and layouts) and free the bokeh document."""
         if self.stop_button is not None:
             self.stop_button.disabled = True
-        if self.widget is not None:
-            row = self.widget.children[0]
-            for widget in (self.plots, self.stop_button, self.status, row, self.widget):
-                for part in (getattr(widget, "style", None), getattr(widget, "layout", None)):
-                    if part is not None and part.comm is not None:
-                        part.close()  # close() leaves a widget's style and layout open
-                if widget is not None and widget.comm is not None:
-                    widget.close()
+        close_tree(self.widget)
         if self.layout is not None and self.layout.document is not None:
             self.layout.document.remove_root(self.layout)  # frees the document; a second close() is a no-op
 
@@ -359,7 +345,7 @@ class LaunchDashboard:
             with self._plots_lock:
                 for plots in self.metric_figures.values():
                     for plot in plots:
-                        _draw_mark(plot, *self.cell_marks[-1])
+                        unsynced(_draw_mark(plot, *self.cell_marks[-1]))
 
     def _add_metric(self, name: str, rank: int) -> Any:
         from bokeh.models import ColumnDataSource
@@ -367,7 +353,7 @@ class LaunchDashboard:
         with self._plots_lock:
             plots = self.metric_figures.get(name)
             if plots is None:
-                if _loss_like(name):  # a loss spans decades: a log-y tab beside the linear one
+                if loss_like(name):  # a loss spans decades: a log-y tab beside the linear one
                     shown, *plots = log_tabs(name, 220, x_label="step")
                 else:
                     shown = styled_figure(name, 200, x_label="step")
@@ -450,15 +436,12 @@ class LaunchDashboard:
         )
 
 
-def _loss_like(name: str) -> bool:
-    return any(word in name.lower() for word in ("loss", "perplexity", "error", "mse", "nll"))
-
-
-def _draw_mark(plot: Any, label: str, step: float) -> None:
+def _draw_mark(plot: Any, label: str, step: float) -> Any:
     from bokeh.models import Label, Span
 
     plot.add_layout(Span(location=step, dimension="height", line_color="#999999", line_dash="dashed"))
-    plot.add_layout(Label(x=step, y=4, y_units="screen", text=label, text_font_size="8pt", text_color="#666666"))
+    plot.add_layout(Label(x=step, y=4, y_units="screen", text=label, text_font_size="8pt", text_color="#8a8a8a"))
+    return plot
 
 
 def _size(path: Path) -> int:

@@ -189,18 +189,18 @@ class Forward:
 
 # Run in the browser after each stream into a source: if its x column goes back anywhere (the same points applied
 # twice to a view, when a page built its plots from a state and then received an update already in it), keep
-# only the rows whose x is after every earlier one.
+# only the rows whose x is not before an earlier one (as Forward does in the kernel).
 FORWARD_ONLY = """
 const data = cb_obj.data, isMap = data instanceof Map;
 const get = (name) => (isMap ? data.get(name) : data[name]);
 const xs = get(x);
 if (!xs) return;
 let backwards = false;
-for (let i = 1; i < xs.length; i++) if (!(xs[i] > xs[i - 1])) { backwards = true; break; }
+for (let i = 1; i < xs.length; i++) if (xs[i] < xs[i - 1]) { backwards = true; break; }
 if (!backwards) return;
 const keep = [];
 let last = -Infinity;
-for (let i = 0; i < xs.length; i++) if (xs[i] > last) { keep.push(i); last = xs[i]; }
+for (let i = 0; i < xs.length; i++) if (xs[i] >= last) { keep.push(i); last = xs[i]; }
 const names = isMap ? Array.from(data.keys()) : Object.keys(data);
 const kept = names.map((name) => [name, keep.map((i) => get(name)[i])]);
 cb_obj.data = isMap ? new Map(kept) : Object.fromEntries(kept);
@@ -228,6 +228,41 @@ def unsynced(model: Any) -> Any:
     return model
 
 
+def close_tree(widget: Any) -> None:
+    """Close an ipywidget and everything it holds: its children, and the layouts and styles ``close()`` leaves
+    open (widgets too)."""
+    if widget is None:
+        return
+    for child in getattr(widget, "children", ()):
+        close_tree(child)
+    for part in (getattr(widget, "style", None), getattr(widget, "layout", None)):
+        if part is not None and getattr(part, "comm", None) is not None:
+            part.close()
+    if getattr(widget, "comm", None) is not None:
+        widget.close()
+
+
+LOWER_IS_BETTER = ("loss", "error", "mse", "mae", "nll", "perplexity")
+HIGHER_IS_BETTER = ("acc", "score", "f1", "auc", "reward", "precision", "recall", "iou", "bleu")
+LOAD_COLOURS = ((90.0, "#cf222e"), (50.0, "#d29922"), (0.0, "#2ea043"))  # from this % up: this colour
+
+
+def loss_like(metric: str) -> bool:
+    """Lower is better, and its curve spans decades (a log-y tab): loss, error, mse, nll, perplexity, ..."""
+    name = metric.lower()
+    return any(word in name for word in LOWER_IS_BETTER)
+
+
+def higher_is_better(metric: str) -> bool:
+    """A metric whose best value is its maximum (accuracy, score, f1, auc, reward, precision, ...)."""
+    return not loss_like(metric) and any(word in metric.lower() for word in HIGHER_IS_BETTER)
+
+
+def load_colour(percent: float) -> str:
+    """Green under 50 %, amber under 90 %, red from 90 % (memory or utilization)."""
+    return next(colour for floor, colour in LOAD_COLOURS if percent >= floor)
+
+
 def live_model(layout: Any, lock: threading.RLock) -> Any:
     """The widget showing ``layout``, kept in step with it: whatever changes ``layout`` must hold ``lock``."""
     return _live_model_class()(layout, lock)
@@ -240,9 +275,11 @@ def _live_model_class() -> type:
 
     class LiveBokehModel(BokehModel):
         """A BokehModel whose full state is the plots as they are now, not as they were created: a page that
-        connects later (a reload, a reopened notebook) draws the history, with no periodic re-send. Every change
-        and every message to the browser happens under the dashboard's lock, so the several messages of one
-        patch are never interleaved with another's, and the plots are never read while they change."""
+        connects later (a reload, a reopened notebook) draws the history, with no periodic re-send. Patches and
+        this widget's own state messages are sent under the dashboard's lock, so the several messages of one
+        patch are never interleaved with another's, and the plots are never read while they change. (A page
+        that asks for every widget's state at once gets it on ipywidgets' control channel, sent after the lock
+        is released: a push made meanwhile reaches that page before its view exists, a gap of one push.)"""
 
         def __init__(self, layout: Any, lock: threading.RLock) -> None:
             self._plots_lock = lock
@@ -255,6 +292,10 @@ def _live_model_class() -> type:
                 with self._plots_lock:
                     state["render_bundle"] = serialize_json(self._model_to_traits(self._model))
             return state
+
+        def send_state(self, key: Any = None) -> None:
+            with self._plots_lock:
+                super().send_state(key)
 
         def catch_up(self) -> None:
             """Send the plots whole to the pages showing them (a view built after the first patches)."""
@@ -305,11 +346,22 @@ def bokehjs_source() -> str:
 
 def display_live(widget: Any, display_id: bool = False, text: str | None = None) -> Any:
     """Display BokehJS's loader, then ``widget`` (with ``text`` as its plain-text form, what a viewer without
-    widgets shows); returns (loader handle, widget handle) with ``display_id``."""
+    widgets shows); returns (loader handle, widget handle) with ``display_id``. The first time in a kernel,
+    BokehJS itself comes first as plain output too: saved in the notebook, it draws the static copies of
+    finished dashboards when the notebook is reopened after its kernel ended (no widget survives that)."""
     from IPython.display import display
 
+    global _inline_shown
+    if not _inline_shown:
+        display({"application/javascript": bokehjs_source()}, raw=True)
+        _inline_shown = True
     loader = display(bokehjs_loader(), display_id=display_id)
     if text is None:
         return loader, display(widget, display_id=display_id)
     bundle = {**widget._repr_mimebundle_(), "text/plain": text}
     return loader, display(bundle, raw=True, display_id=display_id)
+
+
+_inline_shown = False
+# a widget view of no model: JupyterLab shows nothing (where a closed loader's would read "model not found")
+NO_WIDGET = {"application/vnd.jupyter.widget-view+json": {"version_major": 2, "version_minor": 0, "model_id": ""}}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from gpumagic.widgets.plots import PALETTE, Smoother, curve, display_live, hover, live_model, styled_figure
+from gpumagic.widgets.plots import PALETTE, Forward, Smoother, curve, display_live, hover, live_model, styled_figure
 
 
 class RunPlot:
@@ -32,9 +32,10 @@ class RunPlot:
             for rank, per_rank in sorted(data.items()):
                 if name in per_rank:
                     series = per_rank[name]
-                    source = ColumnDataSource(
-                        {"step": series.steps, "value": series.values, "smooth": Smoother().feed(series.values)}
-                    )
+                    kept = Forward().keep(series.steps)  # a loop that restarted at step 0: not drawn backwards
+                    values = [series.values[i] for i in kept]
+                    steps = [series.steps[i] for i in kept]
+                    source = ColumnDataSource({"step": steps, "value": values, "smooth": Smoother().feed(values)})
                     color = PALETTE[rank % len(PALETTE)]
                     curve(plot, source, "step", "value", label=f"rank {rank}", color=color, smooth="smooth")
             self.figures[name] = plot

@@ -8,6 +8,7 @@ import time
 from gpumagic.devices.model import GpuInfo, GpuProcess
 from gpumagic.devices.status import GpuStatus
 from gpumagic.units import GIB, format_bytes
+from gpumagic.widgets.plots import load_colour
 
 
 class StatusTable:
@@ -87,7 +88,6 @@ def _text_rows(status: GpuStatus, gpu: GpuInfo) -> list[str]:
 
 
 CELL = "padding:2px 8px;text-align:left;vertical-align:top;white-space:nowrap"  # inline: JupyterLab right-aligns
-LOAD_COLOURS = ((90.0, "#cf222e"), (50.0, "#d29922"))  # utilization from this % up: this colour
 
 
 def render_html(status: GpuStatus) -> str:
@@ -138,9 +138,8 @@ def render_html(status: GpuStatus) -> str:
 def _html_utilization(utilization: float | None) -> str:
     if utilization is None:
         return "n/a"
-    colour = next((colour for floor, colour in LOAD_COLOURS if utilization >= floor), None)
     text = f"{utilization:.0f}%"
-    return f"<b style='color:{colour}'>{text}</b>" if colour else text
+    return f"<b style='color:{load_colour(utilization)}'>{text}</b>" if utilization >= 50 else text
 
 
 def _memory(gpu: GpuInfo) -> str:
@@ -162,7 +161,7 @@ def _html_bar(gpu: GpuInfo) -> str:
     if not gpu.memory_total:
         return "n/a"
     percent = 100 * (gpu.memory_used or 0) / gpu.memory_total
-    color = "#2ea043" if percent < 50 else "#d29922" if percent < 85 else "#cf222e"
+    color = load_colour(percent)
     return (
         "<div style='display:flex;align-items:center;gap:6px'>"
         "<div style='width:120px;height:10px;background:rgba(128,128,128,0.25);border-radius:3px;overflow:hidden'>"

@@ -279,24 +279,26 @@ def bokeh_trouble(console: list[str]) -> list[str]:
 GPU_WATCH_CELLS = ["%load_ext gpumagic", "%gpu use 1,3\n%gpu watch --interval 0.5s"]
 
 
-def test_gpu_watch_keeps_updating_for_a_minute_with_no_bokeh_error(jupyterlab, artifacts):
-    """8 simulated GPUs sampled at 2 Hz for 65 s: the points grow at every look, the page keeps the same
-    Bokeh documents, the console shows no Bokeh error, and no plotted x series goes back."""
+def test_gpu_watch_keeps_updating_for_a_minute_with_no_bokeh_error_and_reads_on_the_dark_theme(jupyterlab, artifacts):
+    """8 simulated GPUs sampled at 2 Hz for a minute, on JupyterLab's dark theme: the points grow at every
+    look, the page keeps the same Bokeh documents, the console shows no Bokeh error, no plotted x series goes
+    back, and the plots leave no white box on the dark page."""
     from playwright.sync_api import sync_playwright
 
-    url = jupyterlab(GPU_WATCH_CELLS, GPUMAGIC_SIMULATE="8xH100-80GB")
+    url = jupyterlab(GPU_WATCH_CELLS, theme="JupyterLab Dark", GPUMAGIC_SIMULATE="8xH100-80GB")
     console: list[str] = []
     with sync_playwright() as playwright:
         browser, page = open_and_run(playwright, url, 2, console)
         try:
             page.wait_for_selector(".jp-Cell >> nth=1 >> canvas", timeout=60_000)
-            page.wait_for_timeout(4000)  # past the one catch-up re-send
+            page.wait_for_timeout(3000)  # past the one catch-up re-send
             looks = [page.evaluate(PLOTTED)]
-            for _ in range(13):
+            for _ in range(12):
                 page.wait_for_timeout(5000)
                 looks.append(page.evaluate(PLOTTED))
-            page.screenshot(path=str(artifacts / "browser-gpu-watch.png"), full_page=True)
-            page.locator(".jp-Cell >> nth=1").screenshot(path=str(artifacts / "cell-gpu-watch.png"))
+            shot = artifacts / "browser-gpu-watch-dark.png"
+            page.screenshot(path=str(shot), full_page=True)
+            page.locator(".jp-Cell >> nth=1").screenshot(path=str(artifacts / "cell-gpu-watch-dark.png"))
             points = [look["points"] for look in looks]
             assert all(b > a for a, b in itertools.pairwise(points)), f"points at each look: {points}"
             assert len({look["documents"] for look in looks}) == 1, f"documents: {[x['documents'] for x in looks]}"
@@ -305,21 +307,33 @@ def test_gpu_watch_keeps_updating_for_a_minute_with_no_bokeh_error(jupyterlab, a
             assert page.locator(".jp-Cell >> nth=1 >> text=live").count() > 0
             assert page.locator(".jp-Cell >> nth=1 >> .gpumagic-gpu-bar").count() == 8
             assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
+            assert near_white(shot, page.locator(".jp-Cell >> nth=1 >> canvas").first.bounding_box()) < 0.2
         finally:
             browser.close()
 
 
+def near_white(screenshot, box) -> float:
+    """The share of a screenshot's pixels in ``box`` that are near white."""
+    from PIL import Image
+
+    area = (int(box["x"]), int(box["y"]), int(box["x"] + box["width"]), int(box["y"] + box["height"]))
+    histogram = Image.open(screenshot).convert("L").crop(area).histogram()
+    return sum(histogram[200:]) / max(1, sum(histogram))
+
+
 RELOAD_CELLS = [
     "%load_ext gpumagic",
-    "%gpu watch --interval 0.5s",
-    "%%launch_ddp -n 2 --gpus none\nimport time\nfor step in range(200):\n"
+    "%%launch_ddp -n 2 --gpus none\nimport time\nfor step in range(100):\n"
     "    gpumagic.log(step=step, loss=1.0 / (step + 1) + rank)\n    time.sleep(0.02)",
+    "%gpu watch --interval 0.5s",
 ]
 
 
-def test_a_reloaded_page_draws_the_running_dashboard_and_new_ones(jupyterlab, artifacts):
-    """BokehJS reaches every page: after a reload the running %gpu watch (saved in the notebook, its kernel
-    alive) draws its plots, history included, and so does a new %%launch_ddp dashboard."""
+def test_a_reloaded_page_draws_finished_running_and_new_dashboards(jupyterlab, artifacts):
+    """BokehJS reaches every page. After a reload: a finished launch's static copy, alone on the page, draws
+    (BokehJS shown once per kernel as plain output; no widget error where its loader was); a new %gpu watch
+    draws; after a second reload the running watch, saved in the notebook with its kernel alive, draws its
+    history."""
     from playwright.sync_api import sync_playwright
 
     url = jupyterlab(RELOAD_CELLS, GPUMAGIC_SIMULATE="4xA100-80GB")
@@ -327,47 +341,26 @@ def test_a_reloaded_page_draws_the_running_dashboard_and_new_ones(jupyterlab, ar
     with sync_playwright() as playwright:
         browser, page = open_and_run(playwright, url, 2, console)
         try:
-            page.wait_for_selector(".jp-Cell >> nth=1 >> canvas", timeout=60_000)
+            page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=90_000)
+            page.wait_for_timeout(1500)
+            save_and_reload(page)
+            page.wait_for_selector(".jp-Cell >> nth=1 >> canvas", timeout=30_000)  # the static copy
+            assert page.locator(".jp-Cell >> nth=1 >> canvas").count() >= 2  # the loss and resources, drawn
+            assert page.locator("text=Error displaying widget").count() == 0
+            page.locator(".jp-Cell >> nth=2 >> .jp-InputArea-editor").click()
+            page.keyboard.press("Shift+Enter")  # a new dashboard on the reloaded page
+            page.wait_for_selector(".jp-Cell >> nth=2 >> canvas", timeout=60_000)
             page.wait_for_timeout(3000)
             before = page.evaluate(PLOTTED)["points"]
             save_and_reload(page)
-            page.wait_for_selector(".jp-Cell >> nth=1 >> canvas", timeout=30_000)  # the running one, redrawn
-            page.wait_for_timeout(1500)
-            assert page.evaluate(PLOTTED)["points"] >= before  # with its history, not empty plots
-            page.locator(".jp-Cell >> nth=2 >> .jp-InputArea-editor").click()
-            page.keyboard.press("Shift+Enter")  # a new dashboard on the reloaded page
-            page.wait_for_selector(".jp-Cell >> nth=2 >> text=finished", timeout=90_000)
+            page.wait_for_selector(".jp-Cell >> nth=2 >> canvas", timeout=30_000)  # the running one, redrawn
             page.wait_for_timeout(1500)
             page.screenshot(path=str(artifacts / "browser-after-reload.png"), full_page=True)
-            assert page.locator(".jp-Cell >> nth=1 >> canvas").count() >= 3
-            assert page.locator(".jp-Cell >> nth=2 >> canvas").count() >= 2
+            assert page.evaluate(PLOTTED)["points"] >= before  # with its history, not empty plots
+            assert page.locator(".jp-Cell >> nth=1 >> canvas").count() >= 2
+            assert page.locator(".jp-Cell >> nth=2 >> canvas").count() >= 3
             assert page.locator("text=Failed to create view").count() == 0
             assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
-        finally:
-            browser.close()
-
-
-def test_the_dark_theme_leaves_no_white_plot_boxes(jupyterlab, artifacts):
-    from PIL import Image
-    from playwright.sync_api import sync_playwright
-
-    url = jupyterlab(GPU_WATCH_CELLS, theme="JupyterLab Dark", GPUMAGIC_SIMULATE="4xA100-80GB")
-    with sync_playwright() as playwright:
-        browser, page = open_and_run(playwright, url, 2)
-        try:
-            page.wait_for_selector(".jp-Cell >> nth=1 >> canvas", timeout=60_000)
-            page.wait_for_timeout(3000)
-            shot = artifacts / "browser-gpu-watch-dark.png"
-            page.screenshot(path=str(shot), full_page=True)
-            box = page.locator(".jp-Cell >> nth=1 >> canvas").first.bounding_box()
-            pixels = (
-                Image.open(shot)
-                .convert("L")
-                .crop((int(box["x"]), int(box["y"]), int(box["x"] + box["width"]), int(box["y"] + box["height"])))
-            )
-            histogram = pixels.histogram()
-            bright = sum(histogram[200:]) / max(1, sum(histogram))
-            assert bright < 0.2, f"{bright:.0%} of the first plot's pixels are near white on the dark theme"
         finally:
             browser.close()
 
@@ -405,27 +398,6 @@ def test_the_comparison_view_of_four_finished_sweep_jobs_in_a_new_kernel(jupyter
             for job in jobs:
                 assert job.name in output
             assert "width" in output and "lr" in output and "loss" in output
-            assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
-        finally:
-            browser.close()
-
-
-def test_a_finished_dashboard_draws_its_static_copy_after_a_reload(jupyterlab):
-    """Only finished dashboards on the page: after saving and reloading, the static copy still gets BokehJS
-    (shown once per kernel as plain output) and draws; no widget error is left where its loader was."""
-    from playwright.sync_api import sync_playwright
-
-    url = jupyterlab(RELOAD_CELLS[:1] + RELOAD_CELLS[2:])
-    console: list[str] = []
-    with sync_playwright() as playwright:
-        browser, page = open_and_run(playwright, url, 2, console)
-        try:
-            page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=90_000)
-            page.wait_for_timeout(1500)
-            save_and_reload(page)
-            page.wait_for_selector(".jp-Cell >> nth=1 >> canvas", timeout=30_000)
-            assert page.locator(".jp-Cell >> nth=1 >> canvas").count() >= 2  # the loss and resources, drawn
-            assert page.locator("text=Error displaying widget").count() == 0
             assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
         finally:
             browser.close()

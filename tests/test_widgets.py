@@ -334,3 +334,17 @@ def test_the_launch_dashboard_shows_each_ranks_own_gpu_memory(fake_nvml, tmp_pat
         for rank in ranks:
             rank.kill()
             rank.wait()
+
+
+def test_a_flat_metric_is_not_magnified_and_the_axis_changes_rarely():
+    from gpumagic.widgets.plots import SteadySpan, styled_figure
+
+    plot = styled_figure("lr", 200)
+    span = SteadySpan(plot)
+    span.feed([0.001] * 50)  # a constant learning rate: at least 0.0001 of axis, not -1..1 around it
+    assert plot.y_range.min_interval == pytest.approx(0.0001)
+    changes = []
+    plot.y_range.on_change("min_interval", lambda attr, old, new: changes.append(new))
+    for step in range(1000):  # a loss from 2 down to 0.002: a change per halving at most
+        span.feed([2.0 / (step + 1)])
+    assert 1 <= len(changes) <= 12

@@ -25,6 +25,7 @@ from gpumagic.widgets.plots import (
     PALETTE,
     Forward,
     Smoother,
+    SteadySpan,
     close_tree,
     curve,
     display_live,
@@ -82,6 +83,7 @@ class LaunchDashboard:
         self.layout: Any = None
         self._metrics_column: Any = None
         self._smoothers: dict[tuple[str, int], Smoother] = {}
+        self._spans: dict[str, SteadySpan] = {}
         self._forward: dict[tuple[str, int], Forward] = {}
         self._plots_lock = threading.RLock()
         self.plots: Any = None
@@ -318,6 +320,7 @@ class LaunchDashboard:
                 with self._plots_lock:
                     columns = pick({"step": series.steps, "value": series.values}, kept)
                     source.stream({**columns, "smooth": smooth}, rollover=self.history)
+                    self._spans[name].feed(columns["value"])
                 self.points += len(kept)
                 if rank == 0 and series.steps:  # the first and the latest: enough for the step rate
                     self._steps[1:] = [(series.times[-1], series.steps[-1])]
@@ -363,6 +366,7 @@ class LaunchDashboard:
                     for mark in self.cell_marks:
                         _draw_mark(plot, *mark)
                 self.metric_figures[name] = plots
+                self._spans[name] = SteadySpan(plots[0])  # the linear view
                 self._metrics_column.children.append(shown)
                 if self._metrics_column not in self.layout.children:
                     self.layout.children.insert(0, self._metrics_column)  # the metrics first, resources beside

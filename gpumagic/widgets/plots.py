@@ -4,7 +4,8 @@ a log-y view, elapsed-time axes, the widget that keeps a page's view in step wit
 
 BokehJS travels with every live dashboard as a hidden ``Output`` widget shown just before it: a page that was
 reloaded, or a notebook reopened while its kernel runs, gets BokehJS before the plots' views are built, and
-the notebook file keeps only a reference to that widget (not 1.3 MB of JavaScript per dashboard).
+the notebook file keeps only a reference to that widget (not 1.3 MB of JavaScript per dashboard). Once per
+kernel BokehJS is also plain output, for the static copies of finished dashboards in a reopened notebook.
 """
 
 from __future__ import annotations
@@ -145,6 +146,25 @@ def log_tabs(title: str, height: int, **options: Any) -> tuple[Any, Any, Any]:
     tabs = Tabs(tabs=[TabPanel(child=linear, title="linear"), TabPanel(child=log, title="log y")])
     tabs.sizing_mode = "stretch_width"
     return tabs, linear, log
+
+
+class SteadySpan:
+    """Keeps a linear y axis from magnifying a flat series (a constant learning rate drawn on -1..1, 162.0 to
+    162.5 MiB filling the plot): the axis spans at least 10 % of the values' magnitude. Changed only when the
+    magnitude moves by 2x, so the browser gets a handful of updates per run."""
+
+    def __init__(self, plot: Any) -> None:
+        self.plot = plot
+        self.magnitude = 0.0
+
+    def feed(self, values: Iterable[float]) -> None:
+        finite = [abs(v) for v in values if math.isfinite(v)]
+        if not finite:
+            return
+        magnitude = max(finite)
+        if magnitude > 0 and not (self.magnitude / 2 <= magnitude <= self.magnitude * 2):
+            self.magnitude = magnitude
+            self.plot.y_range.min_interval = 0.1 * magnitude
 
 
 class Smoother:

@@ -21,14 +21,11 @@ from gpumagic.widgets.gpu_watch import _owned_box_class
 from gpumagic.widgets.plots import (
     FIRST_REFRESH_S,
     PALETTE,
-    Forward,
-    Smoother,
+    StepCurve,
     curve,
     display_live,
-    forward_only,
     hover,
     live_model,
-    pick,
     styled_figure,
     unsynced,
 )
@@ -53,8 +50,7 @@ class JobWatch:
         self.sources: dict[Path, Any] = {}  # job directory -> its curve's source
         self.rows: dict[Path, dict[str, Any]] = {}
         self._readers: dict[Path, Any] = {}
-        self._smoothers: dict[Path, Smoother] = {}
-        self._forward: dict[Path, Forward] = {}
+        self._curves: dict[Path, StepCurve] = {}
         self._plots_lock = threading.RLock()
         self._latest: dict[Path, dict[str, tuple[float, float]]] = {}  # rank 0's last point of each metric
         self._texts: dict[Path, tuple[str, ...]] = {}
@@ -153,7 +149,6 @@ class JobWatch:
 
     def _add_job(self, path: Path) -> None:
         import ipywidgets
-        from bokeh.models import ColumnDataSource
 
         from gpumagic.jobs import records
         from gpumagic.telemetry.store import RankReader
@@ -168,13 +163,11 @@ class JobWatch:
         self.rows[path] = {"box": cells, "kill": kill, "logs": logs}
         self.table.children = (*self.table.children, cells)
         colour = PALETTE[(len(self.sources)) % len(PALETTE)]
-        source = forward_only(ColumnDataSource({"step": [], "value": [], "smooth": []}), "step")
+        self._curves[path] = line = StepCurve()
         with self._plots_lock:
-            curve(self.plot, source, "step", "value", label=name, color=colour, smooth="smooth")
+            curve(self.plot, line.source, "step", "value", label=name, color=colour, smooth="smooth")
             unsynced(self.plot)
-        self.sources[path] = source
-        self._smoothers[path] = Smoother()
-        self._forward[path] = Forward()
+        self.sources[path] = line.source
         self._readers[path] = RankReader(RunFiles(path).metrics, 0)
 
     @staticmethod
@@ -222,12 +215,9 @@ class JobWatch:
                 self._menu_changing = False
         points = series.get(self.metric)
         if points is not None and len(points):
-            kept = self._forward[path].keep(points.steps)  # a step logged again is not drawn backwards
-            if kept:
-                smooth = self._smoothers[path].feed([points.values[i] for i in kept])
-                with self._plots_lock:
-                    columns = pick({"step": points.steps, "value": points.values}, kept)
-                    self.sources[path].stream({**columns, "smooth": smooth}, rollover=self.history)
+            with self._plots_lock:
+                drawn = self._curves[path].stream(points.steps, points.values, rollover=self.history)
+            if drawn:
                 self.pushes += 1
 
     def _switch(self, metric: str) -> None:
@@ -240,11 +230,9 @@ class JobWatch:
         self.metric = metric
         with self._plots_lock:
             self.plot.title.text = f"{metric} per job"
-            for path, source in self.sources.items():
-                source.data = {"step": [], "value": [], "smooth": []}
+            for path, line in self._curves.items():
+                line.reset()
                 self._readers[path] = RankReader(RunFiles(path).metrics, 0)
-                self._smoothers[path] = Smoother()
-                self._forward[path] = Forward()
 
     def _kill(self, path: Path) -> None:
         from gpumagic.jobs.api import Job

@@ -23,9 +23,8 @@ from gpumagic.widgets.plots import (
     FIRST_REFRESH_S,
     NO_WIDGET,
     PALETTE,
-    Forward,
-    Smoother,
     SteadySpan,
+    StepCurve,
     close_tree,
     curve,
     display_live,
@@ -34,7 +33,6 @@ from gpumagic.widgets.plots import (
     live_model,
     log_tabs,
     loss_like,
-    pick,
     styled_figure,
     unsynced,
 )
@@ -82,9 +80,8 @@ class LaunchDashboard:
         self.resource_figures: tuple[Any, ...] = ()
         self.layout: Any = None
         self._metrics_column: Any = None
-        self._smoothers: dict[tuple[str, int], Smoother] = {}
         self._spans: dict[str, SteadySpan] = {}
-        self._forward: dict[tuple[str, int], Forward] = {}
+        self._curves: dict[tuple[str, int], StepCurve] = {}
         self._plots_lock = threading.RLock()
         self.plots: Any = None
         self.status: Any = None
@@ -314,14 +311,12 @@ class LaunchDashboard:
         for rank, reader in enumerate(self._readers):
             for name, series in reader.read().items():
                 key = (name, rank)
-                source = self.metric_sources.get(key) or self._add_metric(name, rank)
-                kept = self._forward[key].keep(series.steps)  # a step logged again is not drawn backwards
-                smooth = self._smoothers[key].feed([series.values[i] for i in kept])
+                if key not in self._curves:
+                    self._add_metric(name, rank)
                 with self._plots_lock:
-                    columns = pick({"step": series.steps, "value": series.values}, kept)
-                    source.stream({**columns, "smooth": smooth}, rollover=self.history)
-                    self._spans[name].feed(columns["value"])
-                self.points += len(kept)
+                    drawn = self._curves[key].stream(series.steps, series.values, rollover=self.history)
+                    self._spans[name].feed(drawn)
+                self.points += len(drawn)
                 if rank == 0 and series.steps:  # the first and the latest: enough for the step rate
                     self._steps[1:] = [(series.times[-1], series.steps[-1])]
                     latest = list(zip(series.times, series.steps, strict=True))
@@ -331,7 +326,7 @@ class LaunchDashboard:
     @property
     def points_behind(self) -> int:
         """Points not drawn because their step was not after the last one drawn for that metric and rank."""
-        return sum(forward.dropped for forward in self._forward.values())
+        return sum(curve.dropped for curve in self._curves.values())
 
     def mark(self, label: str) -> None:
         """A cell (``label``) starts now: a dashed line at rank 0's latest step on every metric plot (a group's
@@ -350,9 +345,7 @@ class LaunchDashboard:
                     for plot in plots:
                         unsynced(_draw_mark(plot, *self.cell_marks[-1]))
 
-    def _add_metric(self, name: str, rank: int) -> Any:
-        from bokeh.models import ColumnDataSource
-
+    def _add_metric(self, name: str, rank: int) -> None:
         with self._plots_lock:
             plots = self.metric_figures.get(name)
             if plots is None:
@@ -370,11 +363,12 @@ class LaunchDashboard:
                 self._metrics_column.children.append(shown)
                 if self._metrics_column not in self.layout.children:
                     self.layout.children.insert(0, self._metrics_column)  # the metrics first, resources beside
-            source = forward_only(ColumnDataSource({"step": [], "value": [], "smooth": []}), "step")
+            self._curves[(name, rank)] = line = StepCurve()
+            self.metric_sources[(name, rank)] = line.source
             for plot in plots:
                 curve(
                     plot,
-                    source,
+                    line.source,
                     "step",
                     "value",
                     label=f"rank {rank}",
@@ -382,10 +376,6 @@ class LaunchDashboard:
                     smooth="smooth",
                 )
             unsynced(self.layout)  # the new figure, source and lines too
-        self.metric_sources[(name, rank)] = source
-        self._smoothers[(name, rank)] = Smoother()
-        self._forward[(name, rank)] = Forward()
-        return source
 
     def _push_resources(self, processes: dict[int, Any]) -> None:
         import psutil

@@ -235,6 +235,37 @@ def forward_only(source: Any, x: str) -> Any:
     return source
 
 
+class StepCurve:
+    """One curve's source, fed (step, value) batches: only points at or after its last step are drawn
+    (``Forward``, in the kernel and in the browser), with the smoothed column beside the raw one
+    (``Smoother``). ``dropped`` counts the points not drawn."""
+
+    def __init__(self) -> None:
+        from bokeh.models import ColumnDataSource
+
+        self.source = forward_only(ColumnDataSource({"step": [], "value": [], "smooth": []}), "step")
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty, as if new (the caller holds the plots' lock)."""
+        self.source.data = {"step": [], "value": [], "smooth": []}
+        self._forward = Forward()
+        self._smoother = Smoother()
+
+    @property
+    def dropped(self) -> int:
+        return self._forward.dropped
+
+    def stream(self, steps: Sequence[float], values: Sequence[float], rollover: int | None = None) -> list[float]:
+        """Append the points not behind the last step (the caller holds the plots' lock); returns their values."""
+        kept = self._forward.keep(steps)
+        if not kept:
+            return []
+        columns = pick({"step": steps, "value": values}, kept)
+        self.source.stream({**columns, "smooth": self._smoother.feed(columns["value"])}, rollover=rollover)
+        return columns["value"]
+
+
 def pick(columns: dict[str, Sequence[Any]], indices: list[int]) -> dict[str, list[Any]]:
     """The rows ``indices`` of column data."""
     return {name: [values[i] for i in indices] for name, values in columns.items()}

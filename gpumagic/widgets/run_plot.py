@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from gpumagic.widgets.plots import PALETTE, Forward, Smoother, curve, display_live, hover, live_model, styled_figure
+from gpumagic.widgets.plots import PALETTE, StepCurve, curve, display_live, hover, live_model, styled_figure
 
 
 class RunPlot:
@@ -13,7 +13,6 @@ class RunPlot:
 
     def __init__(self, run: Any, metrics: list[str] | None = None) -> None:
         from bokeh.layouts import column
-        from bokeh.models import ColumnDataSource
 
         self.run = run
         self.figures: dict[str, Any] = {}
@@ -32,10 +31,9 @@ class RunPlot:
             for rank, per_rank in sorted(data.items()):
                 if name in per_rank:
                     series = per_rank[name]
-                    kept = Forward().keep(series.steps)  # a loop that restarted at step 0: not drawn backwards
-                    values = [series.values[i] for i in kept]
-                    steps = [series.steps[i] for i in kept]
-                    source = ColumnDataSource({"step": steps, "value": values, "smooth": Smoother().feed(values)})
+                    line = StepCurve()  # a loop that restarted at step 0 is not drawn backwards
+                    line.stream(series.steps, series.values)
+                    source = line.source
                     color = PALETTE[rank % len(PALETTE)]
                     curve(plot, source, "step", "value", label=f"rank {rank}", color=color, smooth="smooth")
             self.figures[name] = plot

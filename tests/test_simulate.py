@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -112,3 +113,22 @@ def test_a_process_started_on_a_simulated_gpu_uses_its_memory_and_utilization(si
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_process_seen_before_its_exec_is_read_again_after_it(simulated):
+    """A scan that meets a process before it execs (a child between fork and exec shows its parent's
+    environment) must not keep that view: after the exec it counts against the GPU its new environment names."""
+    gpu = gpumagic.gpus()[1]
+    script = f"while [ ! -e go ]; do sleep 0.01; done; exec env CUDA_VISIBLE_DEVICES={gpu.uuid} sleep 30"
+    with tempfile.TemporaryDirectory() as place:
+        child = subprocess.Popen(["sh", "-c", script], cwd=place, env={"PATH": "/usr/bin:/bin"})
+        try:
+            assert not any(p.pid == child.pid for p in gpumagic.gpus()[1].processes)  # a shell without the variable
+            open(f"{place}/go", "w").close()
+            deadline = time.time() + 10
+            while time.time() < deadline and open(f"/proc/{child.pid}/comm").read().strip() != "sleep":
+                time.sleep(0.01)
+            assert any(p.pid == child.pid for p in gpumagic.gpus()[1].processes)
+        finally:
+            child.kill()
+            child.wait()

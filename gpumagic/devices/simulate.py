@@ -237,12 +237,14 @@ def _uuid(spec: str, index: int) -> str:
 class _ProcessScan:
     """Finds this machine's processes whose ``CUDA_VISIBLE_DEVICES`` names a simulated GPU.
 
-    A process's initial environment never changes, so each PID's match is read once and cached.
+    A process's initial environment changes only when it execs, so each PID's match is read once and cached
+    under its identity (start time, command name, environment's address): a scan that looked at a child between
+    ``fork`` and ``exec`` (when it still shows its parent's environment) reads it again after the ``exec``.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._matches: dict[int, tuple[float, tuple[str, ...]]] = {}  # pid -> (proc inode ctime, visible ids)
+        self._matches: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}  # pid -> (identity, visible ids)
         self._cpu: dict[int, tuple[float, float, float]] = {}  # pid -> (cpu seconds, monotonic time, percent)
 
     def usage(self, uuid_to_index: dict[str, int]) -> dict[int, list[GpuProcess]]:
@@ -299,9 +301,8 @@ class _ProcessScan:
             if not name.isdigit() or int(name) == me:
                 continue
             pid = int(name)
-            try:
-                stamp = os.stat(f"/proc/{name}").st_ctime
-            except OSError:
+            stamp = _identity(pid)
+            if stamp is None:
                 continue
             seen.add(pid)
             cached = self._matches.get(pid)
@@ -323,6 +324,22 @@ class _ProcessScan:
             if first and uuid.startswith(first):
                 return index
         return None
+
+
+def _identity(pid: int) -> tuple[str, ...] | None:
+    """What tells ``pid``'s current program apart from an earlier one of the same PID, or from the same process
+    before it called ``exec``: its start time, command name and the address of its environment (all from
+    ``/proc/PID/stat``; the address reads 0 for processes this user may not inspect). None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            line = handle.read().decode(errors="replace")
+    except OSError:
+        return None
+    command, _, rest = line.rpartition(")")
+    fields = rest.split()
+    if len(fields) < 49:  # before Linux 3.5: no environment address
+        return (command, *fields[19:20])
+    return (command, fields[19], fields[47], fields[48])  # fields 2, 22, 50 and 51 of proc(5)
 
 
 def _visible_devices_of(pid: int) -> tuple[str, ...]:

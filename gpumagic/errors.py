@@ -36,7 +36,9 @@ class NotEnoughGpusError(GpumagicError):
         self.reasons = dict(reasons)
         message = f"Only {len(chosen)} of the {wanted} GPUs asked for qualify{note}"
         if self.reasons:  # one line, as every refusal a magic shows: GPU by GPU, then what to do
-            why = "; ".join(f"GPU {index}: {reason}" for index, reason in sorted(self.reasons.items()))
+            from gpumagic.devices.placement import explain
+
+            why = explain(self.reasons, len(self.reasons))
             message += f" ({why}). Lower --min-free/--max-util, free a GPU, or add --wait 10m to wait for one."
         else:
             message += "."

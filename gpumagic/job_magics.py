@@ -31,7 +31,10 @@ def _launch_bg_parser() -> _Parser:
         "--gpus", metavar="N|SPEC", help="how many GPUs (default 1, or one per rank; 0 = CPU), or a spec: GPU:1"
     )
     parser.add_argument(
-        "--min-free", metavar="SIZE", help="memory each GPU needs free (20GB); the job may share a GPU with jobs"
+        "--min-free", metavar="SIZE", help="memory the job needs per GPU (20GB): reserved, may share a GPU with jobs"
+    )
+    parser.add_argument(
+        "--memory-limit", action="store_true", help="cap the job at its --min-free on each GPU (fails naming it)"
     )
     parser.add_argument("--ddp", metavar="N", help="run as a DDP group of N ranks (process group ready)")
     parser.add_argument("--after", metavar="NAME", help="start after these jobs finish (A or A,B)")
@@ -145,6 +148,7 @@ class JobMagics(Magics):
                 name=args.name,
                 gpus=args.gpus,
                 min_free=args.min_free,
+                memory_limit=args.memory_limit,
                 ddp=ddp,
                 after=args.after,
                 backend=args.backend,

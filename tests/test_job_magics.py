@@ -35,6 +35,15 @@ def test_a_cell_becomes_a_job_with_the_notebook_names_it_uses(shell, simulated):
     assert "Removed cell1" in jobs(shell, "rm cell1") and gpumagic.list_jobs() == []
 
 
+def test_memory_limit_caps_a_cell_job_at_its_declared_memory(shell, simulated):
+    cell = "import os\nos.environ.get('GPUMAGIC_MEMORY_LIMIT')"
+    launch_bg(shell, "--name capped --min-free 3GB --memory-limit", cell)
+    jobs(shell, "wait capped --timeout 60s")
+    assert jobs(shell, "result capped") == str(3 << 30)
+    with pytest.raises(UsageError, match="%%launch_bg: memory_limit caps a job at the memory it declares"):
+        launch_bg(shell, "--name nothing --memory-limit", cell)
+
+
 def test_a_failed_cells_result_is_its_traceback(shell, simulated):
     launch_bg(shell, "--name broken --gpus 0", "def step():\n    return 1 / 0\nstep()")
     jobs(shell, "wait broken")

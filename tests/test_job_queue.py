@@ -1,5 +1,5 @@
-"""The job queue's placement, in this process: submission order with backfill, whole-GPU and shared leases,
-memory needs and settling, and the reasons a waiting job shows. (Real runners: test_jobs.py.)"""
+"""The job queue's placement: submission order with backfill and its bound, round-robin between users,
+whole-GPU and shared leases, reservations, kernels waiting in order, and the reasons a waiting job shows."""
 
 import os
 import subprocess
@@ -13,6 +13,7 @@ from gpumagic.devices import leases
 from gpumagic.devices.inventory import read_inventory
 from gpumagic.devices.processes import current_user
 from gpumagic.jobs.queue import Request, Ticket, place, take, waiting_tickets
+from gpumagic.units import GIB
 
 ME = current_user()
 
@@ -20,26 +21,33 @@ ME = current_user()
 SHARER = """
 import sys
 from gpumagic.devices import leases
-uuid = sys.argv[1]
+uuid, reserve = sys.argv[1], int(sys.argv[2])
 leases.book().label = "job S"
 with leases.pick_lock():
-    assert leases.book().try_share(uuid)
+    assert leases.book().try_share(uuid, reserve)
 print("shared", flush=True)
+held = []
 for line in sys.stdin:
-    leases.book().mark_settled(uuid)
-    print("settled", flush=True)
+    held.append(bytearray(int(line) << 20))  # touched: resident, so the simulated GPU counts it
+    print("allocated", flush=True)
 """
 
 
 @pytest.fixture
 def sharer():
-    """Starts a process of this user that shares a GPU as a sharing job's runner does (a locked shared record);
-    a line on its stdin marks it settled."""
+    """Starts a process of this user that shares a GPU as a sharing job's runner does (a locked shared record
+    reserving ``reserve`` bytes), seen on that GPU (its ``CUDA_VISIBLE_DEVICES``); ``allocate(p, mib)`` makes it
+    allocate."""
     processes = []
 
-    def start(uuid):
+    def start(uuid, reserve):
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": uuid}
         process = subprocess.Popen(
-            [sys.executable, "-c", SHARER, uuid], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", SHARER, uuid, str(reserve)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         processes.append(process)
         assert process.stdout.readline().strip() == "shared"
@@ -51,10 +59,10 @@ def sharer():
         process.wait()
 
 
-def settle(process):
-    process.stdin.write("settle\n")
+def allocate(process, mib):
+    process.stdin.write(f"{mib}\n")
     process.stdin.flush()
-    assert process.stdout.readline().strip() == "settled"
+    assert process.stdout.readline().strip() == "allocated"
 
 
 def ticket(name, request, offset):
@@ -112,36 +120,52 @@ def test_provisional_tickets_expire_when_no_runner_takes_them_over(simulated, mo
     assert waiting_tickets() == []
 
 
-def test_sharing_jobs_join_a_gpu_only_after_its_jobs_settled(monkeypatch, sharer):
-    monkeypatch.setenv("GPUMAGIC_SIMULATE", "1xA100-80GB")
+def test_jobs_that_declare_memory_share_a_gpu_at_once_within_what_is_not_reserved(monkeypatch, sharer):
+    """Placement counts each sharer's reservation less what it has allocated, not a wait for it to settle."""
+    monkeypatch.setenv("GPUMAGIC_SIMULATE", "1xT4-4GB")
     uuid = read_inventory()[0].uuid
-    other = sharer(uuid)
-    mine = ticket("sharer", Request(1, (), 10 << 30), 0)
+    first = sharer(uuid, GIB)
+    mine = ticket("sharer", Request(1, (), 5 * GIB // 2), 0)
     chosen, reason = place(mine, read_inventory(), leases.book())
-    assert chosen == [] and "GPU 0: a job on it is still allocating its memory" in reason
-    settle(other)
+    assert [g.uuid for g in chosen] == [uuid], reason  # 4 GiB free, 1 GiB reserved: no waiting for it to settle
+    second = sharer(uuid, GIB)
     chosen, reason = place(mine, read_inventory(), leases.book())
-    assert [g.uuid for g in chosen] == [uuid]
+    assert chosen == []
+    assert "after 2.0 GiB reserved and not yet allocated < 2.5 GiB needed" in reason
+    assert f"{ME} (pid {first.pid}, job S) 1.0 GiB, {ME} (pid {second.pid}, job S) 1.0 GiB" in reason  # every sharer
+    allocate(first, 900)  # what it allocated is in use, and no longer counted as reserved too
+    later = ticket("later", Request(1, (), 19 * GIB // 10), 1)
+    chosen, reason = place(later, read_inventory(), leases.book())
+    assert [g.uuid for g in chosen] == [uuid], reason
     with leases.pick_lock():
-        assert take(chosen, mine.request, leases.book())
-    assert {s.pid for s in leases.sharers(uuid)} == {other.pid, os.getpid()}
-    assert leases.holders([uuid], leases.book())[uuid].mine
+        assert take(chosen, later.request, leases.book())
+        view = leases.read_view(leases.book())
+    assert {lease.pid for lease in view.on(uuid)} == {first.pid, second.pid, os.getpid()}
+    assert [lease.reserve for lease in view.on(uuid) if lease.mine] == [19 * GIB // 10]
+
+
+def test_an_earlier_sharing_ticket_takes_its_reservation_first(monkeypatch):
+    monkeypatch.setenv("GPUMAGIC_SIMULATE", "1xT4-4GB")
+    ticket("first", Request(1, (), 3 * GIB), 0)
+    mine = ticket("second", Request(1, (), 2 * GIB), 1)
+    chosen, reason = place(mine, read_inventory(), leases.book())
+    assert chosen == [] and "(shared by job first 3.0 GiB (placed ahead in the queue))" in reason
 
 
 def test_a_shared_gpu_is_closed_to_whole_gpu_jobs_and_kernels(monkeypatch, sharer):
     monkeypatch.setenv("GPUMAGIC_SIMULATE", "1xA100-80GB")
     uuid = read_inventory()[0].uuid
-    other_process = sharer(uuid)
-    settle(other_process)
+    other_process = sharer(uuid, 10 * GIB)
     mine = ticket("whole", Request(1), 0)
     chosen, reason = place(mine, read_inventory(), leases.book())
-    assert chosen == [] and f"GPU 0: shared by jobs of {ME} (pid {other_process.pid}, job S)" in reason
-    with pytest.raises(gpumagic.NotEnoughGpusError, match=f"shared by jobs of {ME}"):
+    assert chosen == [] and f"GPU 0: shared by jobs: {ME} (pid {other_process.pid}, job S) 10.0 GiB" in reason
+    with pytest.raises(gpumagic.NotEnoughGpusError, match=f"shared by jobs: {ME}"):
         gpumagic.pick(1)
     with leases.pick_lock():
         assert not leases.book().try_acquire(uuid)  # nor by naming it
     other_process.kill()
     other_process.wait()
+    mine.remove()  # else the job's ticket, ahead of the kernel, gets the GPU first
     assert gpumagic.pick(1).indices == (0,)  # the sharer is gone: its record no longer counts
 
 
@@ -153,8 +177,8 @@ def test_a_memory_need_says_how_much_is_free(tmp_path, monkeypatch):
     chosen, reason = place(mine, read_inventory(), leases.book())
     assert chosen == []
     assert reason == (
-        "waiting for 1 GPU with 20.0 GiB free — GPU 0 has 5.0 GiB free, job needs 20.0 GiB; "
-        "GPU 1 has 9.0 GiB free, job needs 20.0 GiB"
+        "waiting for 1 GPU with 20.0 GiB reserved — GPU 0: 5.0 GiB free < 20.0 GiB needed; "
+        "GPU 1: 9.0 GiB free < 20.0 GiB needed"
     )
     small = ticket("small", Request(1, (), 8 << 30), 1)
     assert [g.nvml_index for g in place(small, read_inventory(), leases.book())[0]] == [1]
@@ -178,3 +202,171 @@ def test_a_ticket_of_ours_that_someone_else_locked_holds_no_place(monkeypatch):
     finally:
         locker.kill()
         locker.wait()
+
+
+def test_a_large_job_passed_over_longer_than_the_bound_has_its_gpus_held(simulated, monkeypatch):
+    """Backfill lets small jobs pass a large one that cannot start, until it has waited the bound; then the
+    GPUs it would take are held for it, so the small ones stop taking them as they come free."""
+    monkeypatch.setenv("GPUMAGIC_BACKFILL_BOUND", "1s")
+    gpumagic.use("GPU:0")  # a kernel holds one GPU: the large job, wanting all four, cannot start
+    ticket("large", Request(4), 0)
+    small = Ticket.create("small", Request(1), time.time(), key="run-small")
+    chosen, reason = place(small, read_inventory(), leases.book())
+    assert len(chosen) == 1, reason  # backfilled: the large job has not waited the bound yet
+    time.sleep(1.1)
+    chosen, reason = place(small, read_inventory(), leases.book())
+    assert chosen == []
+    assert "GPU 1: held for job large, waiting longer than 1s" in reason and "GPU 3: held for job large" in reason
+
+
+def test_the_bound_is_read_from_the_environment_and_checked(monkeypatch):
+    from gpumagic.devices.placement import BACKFILL_BOUND_S, backfill_bound
+
+    monkeypatch.delenv("GPUMAGIC_BACKFILL_BOUND", raising=False)
+    assert backfill_bound() == BACKFILL_BOUND_S == 600
+    monkeypatch.setenv("GPUMAGIC_BACKFILL_BOUND", "2m")
+    assert backfill_bound() == 120
+    monkeypatch.setenv("GPUMAGIC_BACKFILL_BOUND", "soon")
+    with pytest.raises(gpumagic.InvalidArgument, match="GPUMAGIC_BACKFILL_BOUND"):
+        backfill_bound()
+
+
+def test_queue_order_is_round_robin_between_users_and_arrival_within_a_round(tmp_path):
+    from gpumagic.devices.leases import TicketFile
+    from gpumagic.devices.placement import queue_order
+
+    def made(uid, at, name, turn):
+        data = {"kind": "job", "name": name, "request": Request(1).to_json(), "submitted_ns": at, "round": turn}
+        return Ticket.of(TicketFile(tmp_path / f"queue.{uid}.{name}.ab.json", uid, at, data))
+
+    alice = [made(1001, at, f"a{at}", turn) for turn, at in enumerate((1, 2, 3, 4))]  # a sweep of 4
+    bob = made(1002, 5, "b5", 0)
+    carol = [made(1003, at, f"c{at}", turn) for turn, at in enumerate((6, 7))]
+    assert [t.name for t in queue_order([*carol, bob, *alice])] == ["a1", "b5", "c6", "a2", "c7", "a3", "a4"]
+    # a1 has started: a2 keeps its turn, behind Bob's and Carol's first
+    assert [t.name for t in queue_order([*carol, bob, *alice[1:]])] == ["b5", "c6", "a2", "c7", "a3", "a4"]
+    # a forged round 0 on every ticket gets no more than one ticket per turn
+    forged = [made(1004, at, f"m{at}", 0) for at in (0, 8, 9)]
+    assert [t.name for t in queue_order([*forged, bob])][:3] == ["m0", "b5", "m8"]
+
+
+WAITER = """
+import sys, time, gpumagic
+from gpumagic.devices import leases
+poll = float(sys.argv[1])
+leases.book().label = sys.argv[2]
+print("waiting", flush=True)
+chosen = gpumagic.pick(1, wait="60s", poll_interval=poll)
+print("got", time.time(), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_kernels_waiting_in_pick_are_served_in_arrival_order_and_a_re_pick_queues_behind(monkeypatch):
+    """A waiter holds a ticket: the first to wait gets the GPU first, even if a later one looks more often, and
+    a kernel that gives its GPU back and picks again at once (no --wait) does not jump the queue."""
+    monkeypatch.setenv("GPUMAGIC_SIMULATE", "1xA100-80GB")
+    gpumagic.pick(1)
+    started = []
+    try:
+        for poll, label in ((1.5, "slow"), (0.05, "eager")):
+            process = subprocess.Popen(
+                [sys.executable, "-c", WAITER, str(poll), label],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            started.append(process)
+            assert process.stdout.readline().strip() == "waiting"
+            deadline = time.monotonic() + 10
+            while len(waiting_tickets()) < len(started) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert [t.name for t in waiting_tickets()] == ["slow", "eager"]
+        gpumagic.release()
+        with pytest.raises(gpumagic.NotEnoughGpusError, match=r"goes to kernel slow \(in %gpu pick --wait\)"):
+            gpumagic.pick(1)  # this kernel picks again at once: behind both waiters
+        slow, eager = started
+        assert slow.stdout.readline().startswith("got")  # the first waiter, though it looks every 1.5 s
+        assert [t.name for t in waiting_tickets()] == ["eager"]
+        slow.stdin.write("\n")
+        slow.stdin.flush()
+        assert eager.stdout.readline().startswith("got")
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()
+
+
+def test_three_jobs_declaring_memory_run_at_once_and_the_fourth_when_one_ends(monkeypatch, tmp_path):
+    """Four jobs declaring 1.3 GB each on a 4 GiB GPU (the issue's 4 x 20 GiB declaring 25 GB on 80 GiB, at
+    1/20): three fit their reservations and start together, without waiting for each other to allocate; the
+    fourth waits, saying why, until one ends."""
+    monkeypatch.setenv("GPUMAGIC_SIMULATE", "1xT4-4GB")  # a job's memory is its resident memory here
+
+    def hold(stop):
+        import os
+        import time
+
+        block = bytearray(600 << 20)  # touched: resident
+        while not os.path.exists(stop):
+            time.sleep(0.05)
+        return len(block) >> 20
+
+    jobs = [gpumagic.submit(hold, str(tmp_path / f"stop{n}"), min_free="1.3GB", name=f"r{n}") for n in range(4)]
+    try:
+        deadline = time.monotonic() + 120
+        while any(j.status != "running" for j in jobs[:3]) and time.monotonic() < deadline:
+            assert all(j.status in ("queued", "running") for j in jobs)
+            time.sleep(0.05)
+        assert [j.status for j in jobs] == ["running", "running", "running", "queued"]
+        time.sleep(1.0)  # the three allocate: the fourth still does not fit
+        assert jobs[3].status == "queued"
+        assert "waiting for 1 GPU with 1.3 GiB reserved — GPU 0:" in jobs[3].reason
+        assert all(f"job r{n}" in jobs[3].reason for n in range(3)), jobs[3].reason  # every sharer named
+        (tmp_path / "stop1").touch()
+        assert jobs[1].wait("60s") == "finished"
+        while jobs[3].status == "queued" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert jobs[3].status == "running" and jobs[3].info["started"] >= jobs[1].info["ended"]
+        for n in (0, 2, 3):
+            (tmp_path / f"stop{n}").touch()
+        assert [j.wait("60s") for j in jobs] == ["finished"] * 4 and jobs[0].result() == 600
+        starts = [j.info["started"] for j in jobs[:3]]
+        assert max(starts) < min(j.info["ended"] for j in jobs[:3])  # the three ran together
+    finally:
+        for job in jobs:
+            if job.status in ("queued", "running"):
+                job.kill(grace_s=1)
+
+
+def test_an_out_of_memory_error_of_a_capped_job_names_its_limit_and_what_to_do(monkeypatch):
+    import torch
+
+    from gpumagic.launch.rank import MEMORY_LIMIT_VARIABLE, memory_limit, name_memory_limit
+
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nGPU 0 has ...")
+    monkeypatch.delenv(MEMORY_LIMIT_VARIABLE, raising=False)
+    assert memory_limit() is None and str(name_memory_limit(error)).startswith("CUDA out of memory")
+    monkeypatch.setenv(MEMORY_LIMIT_VARIABLE, str(25 * GIB))
+    assert memory_limit() == 25 * GIB
+    assert str(name_memory_limit(error)) == (
+        "the job ran out of its --memory-limit of 25.0 GiB, the memory it declared with --min-free 25.0 GiB "
+        "(CUDA out of memory. Tried to allocate 2.00 GiB.); declare more with --min-free, or lower its batch size"
+    )
+    other = ValueError("not memory")
+    assert name_memory_limit(other) is other and str(other) == "not memory"
+
+
+def test_memory_limit_reaches_the_jobs_processes_and_needs_a_declared_size(simulated):
+    def limit():
+        import os
+
+        return os.environ.get("GPUMAGIC_MEMORY_LIMIT")
+
+    with pytest.raises(gpumagic.InvalidArgument, match="give min_free too"):
+        gpumagic.submit(limit, memory_limit=True)
+    with pytest.raises(gpumagic.InvalidArgument, match="True or False"):
+        gpumagic.submit(limit, min_free="1GB", memory_limit="yes")
+    capped = gpumagic.submit(limit, min_free="2GB", memory_limit=True, name="capped")
+    free = gpumagic.submit(limit, min_free="2GB", name="uncapped")
+    assert capped.result("60s") == str(2 * GIB) and free.result("60s") is None

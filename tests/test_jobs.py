@@ -1,9 +1,13 @@
 """Background jobs with real runners on simulated GPUs: the queue, sharing with settling, results, failures,
 kills of whole process trees, --after ordering, and the API's checks."""
 
+import ast
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -49,39 +53,6 @@ def test_four_variants_run_at_once_and_a_fifth_waits_for_a_free_gpu(simulated):
     assert [j.result() for j in jobs] == [0, 10, 20, 30, 40]
     assert [len(j.metrics()[0]["loss"]) for j in jobs] == [4] * 5
     assert jobs[1].last_metrics() == {"loss": (3.0, 0.25)}
-
-
-def test_sharing_jobs_start_once_the_previous_one_has_allocated(monkeypatch):
-    monkeypatch.setenv("GPUMAGIC_SIMULATE", "1xA100-4GB")  # a job's memory is its resident memory here
-
-    def hold(mb, seconds, until_settled=None):
-        import time
-
-        import numpy
-
-        block = numpy.ones(mb << 17)
-        gpumagic.log(loss=1.0)
-        while until_settled and not gpumagic.job(until_settled).info.get("settled"):
-            time.sleep(0.1)  # keep the GPU shared until the other job has allocated too
-        time.sleep(seconds)
-        return block.nbytes >> 20
-
-    first = gpumagic.submit(hold, 400, 1.5, "s2", min_free="1GB", name="s1")
-    second = gpumagic.submit(hold, 400, 4.0, min_free="1GB", name="s2")
-    third = gpumagic.submit(hold, 400, 0.5, min_free="3GB", name="s3")
-    reasons = set()
-    while third.status == "queued":
-        reasons.add(second.reason if second.status == "queued" else "")
-        reasons.add(third.reason)
-        time.sleep(0.05)
-    assert [j.wait("2m") for j in (first, second, third)] == ["finished"] * 3
-    one, two, three = first.info, second.info, third.info
-    assert one["settled"] <= two["started"], "the second job waited until the first had allocated"
-    assert one["started"] < two["started"] < one["ended"], "... and then shared the GPU with it"
-    assert three["started"] >= min(one["ended"], two["ended"]), "3 GB were not free while both ran"
-    assert any("still allocating its memory" in r for r in reasons), reasons
-    assert any("free, job needs 3.0 GiB" in r for r in reasons), reasons
-    assert first.result() == 400
 
 
 def test_a_job_sees_exactly_its_gpus_and_a_cpu_job_none(simulated):
@@ -338,3 +309,18 @@ def test_a_slurm_job_holds_no_space_for_a_runner_it_does_not_have(monkeypatch):
     assert RunFiles(local.path).reserve.stat().st_size == records.RESERVE_BYTES
     assert [local.wait("2m"), on_slurm.wait("2m")] == ["finished", "finished"]
     assert not RunFiles(local.path).reserve.exists() and not RunFiles(on_slurm.path).reserve.exists()
+
+
+def test_records_is_the_jobs_data_and_imports_no_executor():
+    """``jobs.records`` (run.json, names) is below the executors: ``local`` and ``slurm`` use it, never the reverse."""
+    code = "import sys, gpumagic.jobs.records; print(sorted(m for m in sys.modules if m.startswith('gpumagic.jobs')))"
+    loaded = ast.literal_eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout)
+    assert "gpumagic.jobs.records" in loaded
+    assert not {"gpumagic.jobs.local", "gpumagic.jobs.slurm", "gpumagic.jobs.executors"} & set(loaded), loaded
+    imported = set()
+    for node in ast.walk(ast.parse(Path(records.__file__).read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    assert not {"gpumagic.jobs.local", "gpumagic.jobs.slurm"} & imported, "not even inside a function"

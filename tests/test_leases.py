@@ -67,7 +67,7 @@ def test_a_killed_holders_lease_is_reclaimed(simulated, isolated_leases, no_left
     holder.stdin.flush()
     taken = holder.stdout.readline().split()[1].split(",")
     status = gpumagic.status().status
-    assert {u for u, lease in status.leases.items() if lease.pid == holder.pid} == set(taken)
+    assert {u for u, held in status.leases.items() for lease in held if lease.pid == holder.pid} == set(taken)
     with pytest.raises(NotEnoughGpusError, match="leased by"):
         gpumagic.pick(3)
     holder.send_signal(signal.SIGKILL)
@@ -96,7 +96,7 @@ def test_forged_records_are_ignored(simulated, isolated_leases, no_leftover_chil
     with open(forged) as handle:  # locked, as a live holder's record is
         fcntl.flock(handle, fcntl.LOCK_EX)
         with leases.pick_lock(exclusive=False):
-            lease = leases.holders([uuid], leases.book())[uuid]
+            (lease,) = leases.read_view(leases.book()).on(uuid)
     assert lease.pid == holder.pid and lease.user != "mallory"
     assert "named as" in gpumagic.status().status.ignored[forged.name]
     holder.stdin.close()

@@ -128,7 +128,7 @@ def test_records_planted_in_alices_name_neither_break_nor_fake_her_lease(server)
         )
         assert kernel.value("import gpumagic; result = list(gpumagic.pick(2).indices)") == [0, 1]
         leases_seen = kernel.value(
-            "status = gpumagic.status().status; result = {u: [l.pid, l.mine] for u, l in status.leases.items()}"
+            "status = gpumagic.status().status; result = {u: [l.pid, l.mine] for u, (l,) in status.leases.items()}"
         )
         assert leases_seen == {uuids[0]: [kernel.pid, True], uuids[1]: [kernel.pid, True]}
         # Bob sees Alice's real lease, with her pid, and cannot take those GPUs
@@ -136,7 +136,7 @@ def test_records_planted_in_alices_name_neither_break_nor_fake_her_lease(server)
             """
             import gpumagic, json
             status = gpumagic.status().status
-            print(json.dumps({u: [l.user, l.pid] for u, l in status.leases.items()}))
+            print(json.dumps({u: [l.user, l.pid] for u, (l,) in status.leases.items()}))
             """
         )
         assert seen_by_bob == {uuids[0]: [alice.name, kernel.pid], uuids[1]: [alice.name, kernel.pid]}
@@ -261,7 +261,8 @@ def test_a_runner_that_never_takes_its_gpus_is_no_longer_waited_for(server):
             timeout=100,
         )
         assert answer["result"] == "ran"
-        assert any("goes to job b-fake, ahead in the queue" in r for r in answer["reasons"]), answer["reasons"]
+        expected = f"goes to {bob.name}'s job b-fake, ahead in the queue"
+        assert any(expected in r for r in answer["reasons"]), answer["reasons"]
     finally:
         runner.kill()
         runner.wait()
@@ -299,3 +300,36 @@ def test_in_a_root_owned_sticky_directory_nobody_removes_anothers_lease(server):
         assert bob.json("import gpumagic, json; print(json.dumps(list(gpumagic.pick(3).indices)))") == [1, 2, 3]
     finally:
         kernel.close()
+
+
+QUEUE_BEHIND_A_HOLDER = """
+import gpumagic, json, os, time
+def hold(path):
+    import os, time
+    while not os.path.exists(path):
+        time.sleep(0.05)
+holder = gpumagic.submit(hold, os.path.expanduser("~/stop"), name="hold")
+while holder.status != "running":
+    time.sleep(0.05)
+for n in (1, 2, 3):
+    gpumagic.submit(lambda: 1, name=f"a{n}")
+print(json.dumps({}))
+"""
+
+STARTS = """
+import gpumagic, json
+jobs = [j for j in gpumagic.list_jobs() if j.name != "hold"]
+print(json.dumps({j.name: (j.wait("2m"), j.info["started"]) for j in jobs}))
+"""
+
+
+def test_queued_jobs_of_two_users_are_served_round_robin(server):
+    """Alice queues three jobs behind her own holder, then Bob queues one: Bob's comes second, not fourth."""
+    alice, bob, _, _ = server
+    one_gpu = {"GPUMAGIC_SIMULATE": "1xA100-80GB"}
+    assert alice.json(QUEUE_BEHIND_A_HOLDER, timeout=60, **one_gpu) == {}
+    assert bob.json('import gpumagic, json\ngpumagic.submit(lambda: 1, name="b1")\nprint("{}")', **one_gpu) == {}
+    (alice.home / "stop").touch()
+    starts = {**alice.json(STARTS, timeout=150, **one_gpu), **bob.json(STARTS, timeout=150, **one_gpu)}
+    assert {status for status, _ in starts.values()} == {"finished"}
+    assert sorted(starts, key=lambda name: starts[name][1]) == ["a1", "b1", "a2", "a3"]

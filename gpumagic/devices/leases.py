@@ -9,8 +9,12 @@ the open descriptor, size capped); what does not pass is ignored and named in ``
 
     pick.<uid>.<pid>.<token>.lock           a process's share of the pick lock (below)
     GPU-<uuid>.<uid>.<pid>.<token>.json     a lease: who holds the GPU (user, pid, since, notebook, shared,
-                                            settled), ``flock``-ed by its holder for as long as it lasts
-    queue.<uid>.<run id>.<token>.json       a background job waiting for GPUs (``gpumagic.jobs.queue``)
+                                            reserve), ``flock``-ed by its holder for as long as it lasts
+    queue.<uid>.<key>.<token>.json          a ticket: a background job, or a kernel in ``%gpu pick --wait``,
+                                            waiting for GPUs, its place in the queue (``devices.placement``)
+
+This module is the only reader and writer of these files: ``read_view`` reads them all at once (every live
+lease of every GPU, every live ticket) for ``devices.placement`` and ``%gpu status``.
 
 A lease *is* the ``flock`` its holder keeps on its record: the OS drops it when the holder exits, however
 it exits, so a dead holder's GPU is free at once, and nobody can hold a lease in another's name. No file is
@@ -21,9 +25,10 @@ shared file: a process locks its own ``pick`` file, then checks that no other pr
 locked in a conflicting mode; if one is, it lets go and tries again after a random pause. Two processes can
 never both pass (each locks before it looks), so at most one takes leases at a time.
 
-Background jobs that give a memory need may *share* a GPU: their records say ``"shared": true``. A shared GPU
-is closed to kernels and whole-GPU jobs; other sharing jobs may join it once every sharer has ``"settled"``
-(allocated its memory).
+Background jobs that declare their memory may *share* a GPU: their records say ``"shared": true`` and
+``"reserve"``: the bytes they declared, held for them until they end. A shared GPU is closed to kernels and
+whole-GPU jobs; another sharing job is placed on it when its free memory, less what the sharers reserved and
+have not allocated yet, is enough (``devices.placement``).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from gpumagic.devices import shared_files
 from gpumagic.devices.processes import current_user, is_same_process, process_start_time
 from gpumagic.devices.shared_files import Untrusted
 from gpumagic.errors import LeaseDirectoryError
+from gpumagic.units import format_bytes
 
 DEFAULT_LEASE_DIR = "/tmp/gpumagic-leases"
 LEASE_DIR_VARIABLE = "GPUMAGIC_LEASE_DIR"
@@ -85,17 +91,21 @@ class Lease:
     notebook: str | None = None
     mine: bool = False
     shared: bool = False
-    settled: bool = True
+    reserve: int | None = None  # bytes a sharing job declared, held for it until it ends
+    uid: int = -1  # whose file the record is
+
+    def holder(self) -> str:
+        """Who holds it, in words: ``this kernel``, ``bob (pid 1234, job A1)``."""
+        if self.mine:
+            return "this kernel"
+        return f"{self.user} (pid {self.pid}" + (f", {self.notebook}" if self.notebook else "") + ")"
 
     def describe(self) -> str:
         when = time.strftime("%H:%M", time.localtime(self.since)) if self.since else "?"
-        who = "this kernel" if self.mine else f"{self.user} (pid {self.pid}"
-        if not self.mine:
-            who += f", {self.notebook}" if self.notebook else ""
-            who += ")"
         if self.shared:
-            return f"shared by jobs of {who} since {when}" + ("" if self.settled else ", still allocating memory")
-        return f"leased by {who} since {when}"
+            reserved = f", {format_bytes(self.reserve)} reserved" if self.reserve else ""
+            return f"shared by {self.holder()}{reserved} since {when}"
+        return f"leased by {self.holder()} since {when}"
 
 
 def lease_dir() -> Path:
@@ -362,6 +372,14 @@ class LeaseBook:
             entry = self._held.get(uuid)
             return entry[2] if entry else None
 
+    def as_lease(self, uuid: str) -> Lease:
+        """This process's lease on ``uuid`` as a record would show it."""
+        pid = os.getpid()
+        label = self.label or os.environ.get("JPY_SESSION_NAME") or None
+        since = self.since(uuid) or time.time()
+        host = socket.gethostname()
+        return Lease(uuid, current_user(), pid, since, host, label, True, self.shares(uuid), uid=os.getuid())
+
     def shares(self, uuid: str) -> bool:
         """True if this process holds ``uuid`` as a shared lease (a sharing job's)."""
         with self._lock:
@@ -377,12 +395,12 @@ class LeaseBook:
             directory = lease_dir()
             if _live_records(directory, uuid):
                 return False
-            self._take(directory, uuid, shared=False, settled=True)
+            self._take(directory, uuid, shared=False)
             return True
 
-    def try_share(self, uuid: str) -> bool:
-        """Join the jobs sharing ``uuid`` unless someone holds it whole. Call under ``pick_lock()``; whether
-        the other sharers have settled and memory suffices is the caller's check."""
+    def try_share(self, uuid: str, reserve: int) -> bool:
+        """Join the jobs sharing ``uuid``, reserving ``reserve`` bytes on it, unless someone holds it whole.
+        Call under ``pick_lock()``; whether the memory suffices is the caller's check (``devices.placement``)."""
         _check_uuid(uuid)
         with self._lock:
             if uuid in self._held:
@@ -390,38 +408,19 @@ class LeaseBook:
             directory = lease_dir()
             if any(not lease.shared for lease in _live_records(directory, uuid)):
                 return False
-            self._take(directory, uuid, shared=True, settled=False)
+            self._take(directory, uuid, shared=True, reserve=reserve)
             return True
 
-    def mark_settled(self, uuid: str) -> None:
-        """Say that this process has allocated its memory on the shared GPU ``uuid``: others may join."""
-        with self._lock:
-            entry = self._held.get(uuid)
-            if entry is None or not entry[3]:
-                return
-            fd, path, since, _ = entry
-            record = json.dumps(self._record(uuid, since, True, True)).encode()
-            new_fd, temporary = create_own_file(path.parent, f".{path.name}.", ".tmp", record, lock=True)
-            try:
-                os.replace(temporary, path)  # locked before it is in place: the lease never lapses
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    temporary.unlink()
-                os.close(new_fd)
-                raise
-            os.close(fd)
-            self._held[uuid] = (new_fd, path, since, True)
-
-    def _take(self, directory: Path, uuid: str, shared: bool, settled: bool) -> None:
+    def _take(self, directory: Path, uuid: str, shared: bool, reserve: int | None = None) -> None:
         since = time.time()
-        record = json.dumps(self._record(uuid, since, shared, settled)).encode()
+        record = json.dumps(self._record(uuid, since, shared, reserve)).encode()
         fd, path = create_own_file(directory, f"{uuid}.{os.getuid()}.{os.getpid()}.", ".json", record, lock=True)
         self._held[uuid] = (fd, path, since, shared)
         if not self._atexit:
             atexit.register(self.release_all)
             self._atexit = True
 
-    def _record(self, uuid: str, since: float, shared: bool, settled: bool) -> dict:
+    def _record(self, uuid: str, since: float, shared: bool, reserve: int | None) -> dict:
         pid = os.getpid()
         return {
             "uuid": uuid,
@@ -433,7 +432,7 @@ class LeaseBook:
             "host": socket.gethostname(),
             "notebook": self.label or os.environ.get("JPY_SESSION_NAME") or None,
             "shared": shared,
-            "settled": settled,
+            "reserve": reserve,
         }
 
     def release(self, uuids: Iterable[str]) -> list[str]:
@@ -455,56 +454,42 @@ class LeaseBook:
         return self.release(self.held())
 
 
-def holders(uuids: Iterable[str], mine: LeaseBook) -> dict[str, Lease]:
-    """The live lease on each of ``uuids`` that has one. Call under ``pick_lock()`` for a consistent view."""
+@dataclass(frozen=True)
+class LeaseView:
+    """The lease directory at one moment: every live lease of every GPU (this process's marked ``mine``), and
+    every live ticket. Read under ``pick_lock()`` for a consistent view."""
+
+    leases: dict[str, tuple[Lease, ...]]
+    tickets: tuple[TicketFile, ...]
+
+    def on(self, uuid: str) -> tuple[Lease, ...]:
+        """The leases on ``uuid``: one holder's whole lease, or the jobs sharing it (none: free)."""
+        return self.leases.get(uuid, ())
+
+
+def read_view(mine: LeaseBook, provisional_s: float = PROVISIONAL_S) -> LeaseView:
+    """Read every record kind of the lease directory once: leases (whole and shared) and tickets. This user's
+    records whose holder is gone are removed; what gpumagic does not trust is noted (``shared_files.ignored``).
+    """
     directory = lease_dir()
     own = set(mine.held())
-    records = _scan(directory)
-    result: dict[str, Lease] = {}
-    for uuid in uuids:
-        if uuid in own:
-            result[uuid] = Lease(
-                uuid,
-                current_user(),
-                os.getpid(),
-                mine.since(uuid) or time.time(),
-                socket.gethostname(),
-                mine.label or os.environ.get("JPY_SESSION_NAME") or None,
-                mine=True,
-                shared=mine.shares(uuid),
-            )
-            continue
-        live = _live_records(directory, uuid, records.get(uuid, ()))
-        exclusive = [lease for lease in live if not lease.shared]
-        if exclusive:
-            result[uuid] = exclusive[0]
-        elif live:  # jobs share it: the earliest names them, settled only if all are
-            first = min(live, key=lambda lease: lease.since)
-            result[uuid] = dataclasses.replace(first, settled=all(s.settled for s in live))
-    return result
+    names = _listdir(directory)
+    leases: dict[str, tuple[Lease, ...]] = {}
+    for uuid, records in _scan(directory, names).items():
+        live = _live_records(directory, uuid, records)
+        if uuid in own:  # our own records are read like any other; they are ours if this process holds them
+            live = [dataclasses.replace(lease, mine=True) if lease.pid == os.getpid() else lease for lease in live]
+        if live:
+            leases[uuid] = tuple(sorted(live, key=lambda lease: (lease.since, lease.pid)))
+    for uuid in own - set(leases):  # our record was removed under us: we still hold the GPU
+        leases[uuid] = (mine.as_lease(uuid),)
+    return LeaseView(leases, tuple(_live_tickets(directory, names, provisional_s)))
 
 
-def audit(read: Iterable[str] = ()) -> dict[str, str]:
-    """Every file of the lease directory that gpumagic ignores, and why (for ``%gpu status``); the records of
-    the GPUs in ``read`` were just read (by ``holders``) and are not read again. Call under ``pick_lock()``."""
-    directory = lease_dir()
-    done = set(read)
-    for uuid, names in _scan(directory).items():
-        if uuid not in done:
-            _live_records(directory, uuid, names)
-    live_tickets()
-    return shared_files.ignored()
-
-
-def sharers(uuid: str) -> list[Lease]:
-    """The live shared leases (jobs) on ``uuid``."""
-    return [lease for lease in _live_records(lease_dir(), uuid) if lease.shared]
-
-
-def _scan(directory: Path) -> dict[str, list[str]]:
+def _scan(directory: Path, names: list[str] | None = None) -> dict[str, list[str]]:
     """The lease records in ``directory`` by GPU UUID; notes every name gpumagic does not write as ignored."""
     records: dict[str, list[str]] = {}
-    names = _listdir(directory)
+    names = _listdir(directory) if names is None else names
     for name in names:
         match = _RECORD_NAME.match(name)
         if match:
@@ -569,7 +554,8 @@ def _live_records(directory: Path, uuid: str, names: Iterable[str] | None = None
                 str(data.get("host") or "")[:64],
                 str(data["notebook"])[:120] if data.get("notebook") else None,
                 shared=data.get("shared") is True,
-                settled=data.get("settled", True) is not False,
+                reserve=_bytes(data.get("reserve")),
+                uid=uid,
             )
         except (TypeError, ValueError, OverflowError):
             shared_files.note_ignored(name, "a record with malformed fields")
@@ -583,24 +569,109 @@ def _live_records(directory: Path, uuid: str, names: Iterable[str] | None = None
 
 @dataclass(frozen=True)
 class TicketFile:
-    """A queue ticket as the lease directory holds it (``gpumagic.jobs.queue`` reads what it asks)."""
+    """A ticket as the lease directory holds it: a job (``kind`` "job") or a kernel in ``%gpu pick --wait``
+    ("pick") waiting for GPUs. ``devices.placement`` reads what it asks; ``fd`` is the holder's locked descriptor
+    (this process's tickets only)."""
 
     path: Path
     uid: int
     made_ns: int  # when the directory saw it made: its change time, which its writer cannot set back
     data: dict
+    fd: int | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def kind(self) -> str:
+        return self.data.get("kind", "job")
+
+    @property
+    def key(self) -> str:
+        """Whose ticket it is: the job's run id, or ``pick-<pid>``."""
+        return self.path.name.split(".")[2]
+
+    def remove(self) -> None:
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
 
 
-def live_tickets(provisional_s: float = PROVISIONAL_S) -> list[TicketFile]:
-    """The queue tickets that count: locked by their runner (for another user's, by a gpumagic job runner of
-    that user, per ``/proc/locks``), or not locked yet but made less than ``provisional_s`` ago while the
-    runner starts (``OTHERS_PROVISIONAL_S`` for other users' tickets). This user's dead tickets are removed;
-    other users' suspicious ones are noted as ignored."""
+def create_ticket(key: str, record: dict, lock: bool) -> TicketFile:
+    """A new ticket ``queue.<uid>.<key>.<token>.json`` holding ``record``; locked by this process with ``lock``
+    (a kernel writes a job's ticket unlocked at submission, and its runner takes it over: ``claim_ticket``)."""
     directory = lease_dir()
+    stem = f"queue.{os.getuid()}.{safe_name(key)}."
+    fd, path = create_own_file(directory, stem, ".json", json.dumps(record).encode(), lock=lock)
+    made = os.fstat(fd).st_ctime_ns
+    if not lock:
+        os.close(fd)
+        return TicketFile(path, os.getuid(), made, record)
+    return TicketFile(path, os.getuid(), made, record, fd)
+
+
+def claim_ticket(key: str) -> TicketFile | None:
+    """Take over (lock) the unlocked ticket this user wrote for ``key``, keeping its place; None if there is none."""
+    directory = lease_dir()
+    prefix = f"queue.{os.getuid()}.{safe_name(key)}."
+    for entry in sorted(n for n in _listdir(directory) if n.startswith(prefix)):
+        path = directory / entry
+        try:
+            fd, _ = shared_files.open_regular(path, os.getuid())
+        except (OSError, Untrusted):
+            continue
+        deadline = time.monotonic() + 1.0  # another process's probe holds a lock for microseconds
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:  # held by someone else: not ours to wait behind
+                    os.close(fd)
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+                    fd = -1
+                    break
+                time.sleep(0.01)
+        if fd < 0:
+            continue
+        info = os.fstat(fd)
+        if info.st_nlink == 0:  # removed (killed) meanwhile
+            os.close(fd)
+            continue
+        try:
+            data = _checked_ticket(shared_files.read_record(fd, info))
+        except (Untrusted, OSError, ValueError):
+            os.close(fd)
+            continue
+        return TicketFile(path, os.getuid(), info.st_ctime_ns, data, fd)
+    return None
+
+
+def waiting_of_this_user() -> int:
+    """How many tickets of this user are in the lease directory now (a new ticket's round)."""
+    prefix = f"queue.{os.getuid()}."
+    return sum(1 for name in _listdir(lease_dir()) if name.startswith(prefix) and TICKET_NAME.match(name))
+
+
+def remove_tickets(key: str) -> None:
+    """Take ``key``'s tickets out of the queue (a killed job's, even one its runner never took over)."""
+    directory = lease_dir()
+    prefix = f"queue.{os.getuid()}.{safe_name(key)}."
+    for name in _listdir(directory):
+        if name.startswith(prefix):
+            with contextlib.suppress(OSError):
+                (directory / name).unlink()
+
+
+def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> list[TicketFile]:
+    """The tickets that count: locked by their holder (for another user's, by a process of that user: a
+    gpumagic job runner for a job's ticket, per ``/proc/locks``), or not locked yet but made less than
+    ``provisional_s`` ago while the runner starts (``OTHERS_PROVISIONAL_S`` for other users' tickets). This
+    user's dead tickets are removed; other users' suspicious ones are noted as ignored."""
     found = []
     holders = shared_files.flock_holders()
     now = time.time_ns()
-    for name in _listdir(directory):
+    for name in names:
         match = TICKET_NAME.match(name)
         if match is None:
             continue
@@ -617,12 +688,17 @@ def live_tickets(provisional_s: float = PROVISIONAL_S) -> list[TicketFile]:
             if locked and not pids:  # locked since /proc/locks was read: read it again
                 holders = shared_files.flock_holders()
                 pids = holders.get((info.st_dev, info.st_ino), [])
-            if (locked or pids) and not _held_by_a_runner(pids, uid) and not _runner_holds_later(info, uid):
+            runner = data["kind"] == "job"
+            if (locked or pids) and not _held_by(pids, uid, runner) and not _holder_later(info, uid, runner):
                 if mine:  # someone else locked our ticket (before our runner could): it is no place of ours
                     with contextlib.suppress(OSError):
                         path.unlink()
                     continue
-                raise Untrusted("locked by a process that is not that user's gpumagic job runner")
+                raise Untrusted(
+                    "locked by a process that is not that user's gpumagic job runner"
+                    if runner
+                    else "locked by a process of another user"
+                )
         except Untrusted as why:
             shared_files.note_ignored(name, str(why))
             continue
@@ -638,7 +714,8 @@ def live_tickets(provisional_s: float = PROVISIONAL_S) -> list[TicketFile]:
 
 
 def _checked_ticket(data: dict) -> dict:
-    """A ticket's fields, every one checked (``name``, ``request``: count, uuids, min_free; ``submitted_ns``).
+    """A ticket's fields, every one checked (``kind``, ``name``, ``request``: count, uuids, min_free, shares,
+    min_free_percent, max_util, exclude; ``submitted_ns``).
 
     Raises:
         Untrusted: a field is missing, of the wrong type or out of range (Infinity, nested lists...).
@@ -647,9 +724,14 @@ def _checked_ticket(data: dict) -> dict:
     if not isinstance(request, dict) or not isinstance(name, str):
         raise Untrusted("a ticket with malformed fields")
     count, uuids, min_free = request.get("count", 1), request.get("uuids") or [], request.get("min_free")
+    kind, shares, turn = data.get("kind", "job"), request.get("shares", min_free is not None), data.get("round", 0)
+    percent, util, exclude = request.get("min_free_percent"), request.get("max_util"), request.get("exclude") or []
 
     def whole(value: object, high: int) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= high
+
+    def percentage(value: object) -> bool:
+        return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 100)
 
     if not (
         whole(count, 1024)
@@ -658,21 +740,31 @@ def _checked_ticket(data: dict) -> dict:
         and all(isinstance(u, str) and re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z-]{1,80}", u) for u in uuids)
         and (min_free is None or whole(min_free, 1 << 60))
         and whole(submitted, 1 << 63)
+        and kind in ("job", "pick")
+        and whole(turn, 1 << 20)
+        and isinstance(shares, bool)
+        and percentage(percent)
+        and percentage(util)
+        and isinstance(exclude, list)
+        and len(exclude) <= 1024
+        and all(whole(i, 1 << 16) for i in exclude)
     ):
         raise Untrusted("a ticket with malformed fields")
-    return {"name": name, "request": {"count": count, "uuids": uuids, "min_free": min_free}, "submitted_ns": submitted}
+    request = {"count": count, "uuids": uuids, "min_free": min_free, "shares": shares}
+    request.update(min_free_percent=percent, max_util=util, exclude=exclude)
+    return {"kind": kind, "name": name, "request": request, "submitted_ns": submitted, "round": turn}
 
 
-def _runner_holds_later(info: os.stat_result, uid: int) -> bool:
-    """A second look, 20 ms later: whether the ticket is unlocked or held by a runner now. Another process's
-    probe (``is_locked``) holds a lock for microseconds; what a hostile process holds, it still holds."""
+def _holder_later(info: os.stat_result, uid: int, runner: bool) -> bool:
+    """A second look, 20 ms later: whether the ticket is unlocked or held as it should be now. Another
+    process's probe (``is_locked``) holds a lock for microseconds; what a hostile process holds, it still holds."""
     time.sleep(0.02)
     pids = shared_files.flock_holders().get((info.st_dev, info.st_ino), [])
-    return not pids or _held_by_a_runner(pids, uid)
+    return not pids or _held_by(pids, uid, runner)
 
 
-def _held_by_a_runner(pids: list[int], uid: int) -> bool:
-    """True if one of ``pids`` is a process of ``uid`` running ``gpumagic.jobs.runner``."""
+def _held_by(pids: list[int], uid: int, runner: bool) -> bool:
+    """True if one of ``pids`` is a process of ``uid`` (running ``gpumagic.jobs.runner``, with ``runner``)."""
     import psutil
 
     for pid in pids:
@@ -680,8 +772,10 @@ def _held_by_a_runner(pids: list[int], uid: int) -> bool:
             return True
         try:
             process = psutil.Process(pid)
-            argv = process.cmdline()
-            if process.uids().real == uid and any(argv[i : i + 2] == ["-m", RUNNER] for i in range(len(argv))):
+            if process.uids().real != uid:
+                continue
+            argv = process.cmdline() if runner else []
+            if not runner or any(argv[i : i + 2] == ["-m", RUNNER] for i in range(len(argv))):
                 return True
         except (psutil.AccessDenied, psutil.NoSuchProcess):  # /proc hides it (hidepid): cannot tell, so counts
             if not Path(f"/proc/{pid}").exists():  # (the 10 s rule of the queue bounds what it can hold up)
@@ -689,6 +783,13 @@ def _held_by_a_runner(pids: list[int], uid: int) -> bool:
         except psutil.Error:
             continue
     return False
+
+
+def _bytes(value: object) -> int | None:
+    """``value`` if it is a plausible number of bytes (a reservation from a record), else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= 1 << 60:
+        return value
+    return None
 
 
 def _number(value: object) -> float | None:

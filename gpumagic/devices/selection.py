@@ -7,6 +7,7 @@ numbered GPU chosen, and so on.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from gpumagic.devices import visibility
 from gpumagic.devices.cuda_state import cuda_initialized
 from gpumagic.devices.inventory import read_inventory, require_gpus
 from gpumagic.devices.model import GpuInfo, Inventory
-from gpumagic.devices.policy import Requirements, assess
+from gpumagic.devices.placement import Placement, Request, Ticket, describe_holders, explain, place
 from gpumagic.devices.spec import SpecError, parse_spec, resolve
 from gpumagic.errors import GpuLeasedError, InvalidArgument, NotEnoughGpusError
 from gpumagic.units import GIB, format_duration, parse_duration, parse_percent, parse_size_or_percent
@@ -64,7 +65,7 @@ def pick(
     max_util: str | float | None = None,
     exclude: str | Iterable[int] | None = None,
     wait: str | float | None = None,
-    poll_interval: float = 1.0,
+    poll_interval: float = 0.25,
     on_wait: Callable[[str], None] | None = None,
 ) -> Selection:
     """Lease the ``n`` best free GPUs and make them this kernel's ``cuda:0..n-1``.
@@ -86,46 +87,58 @@ def pick(
     """
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_GPUS:
         raise InvalidArgument(f"the number of GPUs must be a whole number from 1 to {MAX_GPUS}, got {n!r}")
-    needs = _requirements(min_free, max_util)
+    free_bytes, free_percent = parse_size_or_percent(min_free) if min_free is not None else (None, None)
+    util = parse_percent(max_util) if max_util is not None else None
     timeout = parse_duration(wait) if wait is not None else 0.0
     deadline = time.monotonic() + timeout
-    first = True
-    while True:
-        inventory = require_gpus(read_inventory())
-        resolved = Requirements(needs.min_free, needs.min_free_percent, needs.max_util, _excluded(exclude, inventory))
-        if first and n > len(inventory.gpus):
-            raise NotEnoughGpusError(n, (), {}, f" (this machine has only {len(inventory.gpus)} GPUs)")
-        first = False
-        try:
-            with leasing.pick_lock():
-                held = leasing.holders([g.uuid for g in inventory.gpus], leasing.book())
-                qualifying, reasons = assess(list(inventory.gpus), resolved, held)
-                if len(qualifying) >= n:
-                    chosen = qualifying[:n]
-                    before = set(leasing.book().held())
-                    acquired = [g for g in chosen if leasing.book().try_acquire(g.uuid)]
-                    if len(acquired) == len(chosen):
-                        _keep_only(chosen)
-                        return _select(inventory, chosen, _why_picked(chosen, len(qualifying), resolved))
-                    # a holder took one without the pick lock (it cannot, unless the lease directory was
-                    # tampered with): give back what this attempt took and look again
-                    leasing.book().release(g.uuid for g in acquired if g.uuid not in before)
-        except leasing.LeaseBusy as busy:
-            if time.monotonic() >= deadline:
-                raise
+    inventory = require_gpus(read_inventory())
+    if n > len(inventory.gpus):
+        raise NotEnoughGpusError(n, (), {}, f" (this machine has only {len(inventory.gpus)} GPUs)")
+    request = Request(n, (), free_bytes, False, free_percent, util, _excluded(exclude, inventory))
+    ticket = None  # a waiting kernel holds a place in the queue, served in order with jobs and other kernels
+    try:
+        while True:
+            try:
+                with leasing.pick_lock():
+                    view = leasing.read_view(leasing.book())
+                    placed = place(request, inventory, view, ticket)
+                    if placed.gpus and _lease(placed.gpus):
+                        return _select(inventory, list(placed.gpus), _why_picked(placed, request))
+            except leasing.LeaseBusy as busy:
+                if time.monotonic() >= deadline:
+                    raise
+                if on_wait is not None:
+                    on_wait(f"Waiting for the GPU lease directory: {busy.holder} keeps its pick lock")
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                note = f" after waiting {format_duration(timeout)}" if timeout else ""
+                raise NotEnoughGpusError(n, tuple(g.nvml_index for g in placed.qualify), placed.reasons, note)
+            if ticket is None:
+                label = leasing.book().label or os.environ.get("JPY_SESSION_NAME") or f"pid {os.getpid()}"
+                ticket = Ticket.create(label[:80], request, time.time(), f"pick-{os.getpid()}", kind="pick")
             if on_wait is not None:
-                on_wait(f"Waiting for the GPU lease directory: {busy.holder} keeps its pick lock")
-            continue
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            note = f" after waiting {format_duration(timeout)}" if timeout else ""
-            raise NotEnoughGpusError(n, tuple(g.nvml_index for g in qualifying), reasons, note)
-        if on_wait is not None:
-            lacking = "; ".join(f"GPU {i}: {why}" for i, why in sorted(reasons.items()))
-            on_wait(
-                f"Waiting for {n} GPU(s), {len(qualifying)} qualify ({format_duration(remaining)} left) — {lacking}"
-            )
-        time.sleep(min(poll_interval, max(remaining, 0.01)))
+                on_wait(
+                    f"Waiting for {n} GPU(s), {len(placed.qualify)} qualify ({format_duration(remaining)} left) — "
+                    + explain(placed.reasons, len(inventory.gpus))
+                )
+            time.sleep(min(poll_interval, max(remaining, 0.01)))
+            inventory = require_gpus(read_inventory())
+    finally:
+        if ticket is not None:
+            ticket.remove()
+
+
+def _lease(gpus: Iterable[GpuInfo]) -> bool:
+    """Lease ``gpus`` (under ``pick_lock()``), keeping none of this kernel's others; False (nothing taken) if
+    a holder took one without the pick lock (it cannot, unless the lease directory was tampered with)."""
+    before = set(leasing.book().held())
+    acquired = [g for g in gpus if leasing.book().try_acquire(g.uuid)]
+    if len(acquired) == len(list(gpus)):
+        _keep_only(gpus)
+        return True
+    leasing.book().release(g.uuid for g in acquired if g.uuid not in before)
+    return False
 
 
 def use(spec: object, *, force: bool = False) -> Selection:
@@ -155,11 +168,11 @@ def use(spec: object, *, force: bool = False) -> Selection:
     if broken:
         raise SpecError("; ".join(f"GPU {g.nvml_index} cannot be used: {g.problem}" for g in broken))
     with leasing.pick_lock():
-        held = leasing.holders([g.uuid for g in gpus], leasing.book())
-        taken = [g for g in gpus if g.uuid in held and not held[g.uuid].mine]
+        view = leasing.read_view(leasing.book())
+        taken = [g for g in gpus if any(not lease.mine for lease in view.on(g.uuid))]
         if taken and not force:
             raise GpuLeasedError(
-                "; ".join(f"GPU {g.nvml_index} is {held[g.uuid].describe()}" for g in taken)
+                "; ".join(f"GPU {g.nvml_index} is {describe_holders(view.on(g.uuid))}" for g in taken)
                 + ". Pick others (%gpu pick), or add --force to share it without a lease."
             )
         shared = []
@@ -184,12 +197,6 @@ def release() -> tuple[int, ...]:
         return ()
     inventory = read_inventory()
     return tuple(g.nvml_index for g in inventory.gpus if g.uuid in uuids)
-
-
-def _requirements(min_free: str | int | None, max_util: str | float | None) -> Requirements:
-    free_bytes, free_percent = parse_size_or_percent(min_free) if min_free is not None else (None, None)
-    util = parse_percent(max_util) if max_util is not None else None
-    return Requirements(free_bytes, free_percent, util)
 
 
 def _excluded(exclude: str | Iterable[int] | None, inventory: Inventory) -> frozenset[int]:
@@ -227,14 +234,15 @@ def _finish(
     return Selection(gpus, summary, environment, cuda_initialized(), inventory.simulated, shared)
 
 
-def _why_picked(chosen: list[GpuInfo], qualifying: int, needs: Requirements) -> str:
-    ordered = sorted(chosen, key=lambda g: g.nvml_index)
+def _why_picked(placed: Placement, request: Request) -> str:
+    ordered = sorted(placed.gpus, key=lambda g: g.nvml_index)
     free = "/".join(f"{(g.memory_free or 0) / GIB:.1f}" for g in ordered) + " GiB"
     busy = "/".join(f"{g.utilization or 0:.0f}" for g in ordered)
-    condition = f" with {needs.describe()}" if needs.describe() else ""
+    needs = request.describe().partition(" with ")[2]
+    condition = f" with {needs}" if needs else ""
     return (
         f"Picked GPU {_list(g.nvml_index for g in ordered)} ({_names(ordered)}): most free memory of "
-        f"{qualifying} qualifying{condition} ({free} free, {busy}% busy)"
+        f"{len(placed.qualify)} qualifying{condition} ({free} free, {busy}% busy)"
     )
 
 

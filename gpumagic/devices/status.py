@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpumagic.devices import leases as leasing
+from gpumagic.devices import shared_files
 from gpumagic.devices.cuda_state import cuda_initialized
 from gpumagic.devices.inventory import read_inventory
 from gpumagic.devices.model import Inventory
@@ -15,7 +16,7 @@ from gpumagic.errors import LeaseDirectoryError
 @dataclass(frozen=True)
 class GpuStatus:
     inventory: Inventory
-    leases: dict[str, leasing.Lease]
+    leases: dict[str, tuple[leasing.Lease, ...]]  # every holder of each GPU (all the jobs sharing one)
     visibility: Visibility
     too_late: str | None
     lease_problem: str | None = None
@@ -25,15 +26,14 @@ class GpuStatus:
 def gather_status() -> GpuStatus:
     """Read the inventory, the leases on it and this kernel's visibility, now."""
     inventory = read_inventory()
-    held: dict[str, leasing.Lease] = {}
+    held: dict[str, tuple[leasing.Lease, ...]] = {}
     problem = None
     ignored: dict[str, str] = {}
     if inventory.gpus:
         try:
             with leasing.pick_lock(exclusive=False):
-                uuids = [g.uuid for g in inventory.gpus]
-                held = leasing.holders(uuids, leasing.book())
-                ignored = leasing.audit(read=set(uuids) - set(leasing.book().held()))  # holders skips our own
+                held = leasing.read_view(leasing.book()).leases
+                ignored = shared_files.ignored()
         except LeaseDirectoryError as err:
             problem = str(err)
     return GpuStatus(inventory, held, current_visibility(inventory), cuda_initialized(), problem, ignored)

@@ -1,28 +1,23 @@
-"""Background jobs: notebook code submitted as detached jobs, queued until GPUs are free, and the ``Job``
-handle that lists, follows, waits for, kills and removes them, from this kernel or any later one."""
+"""Background jobs: notebook code submitted as detached jobs to an executor (``jobs.local``: this machine's
+queue; ``jobs.slurm``), and the ``Job`` handle that lists, follows, waits for, kills and removes them, from this
+kernel or any later one."""
 
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpumagic.devices.model import Inventory
 from gpumagic.errors import GpumagicError, InvalidArgument, KillRefused
-from gpumagic.jobs import records
-from gpumagic.jobs.queue import Request, Ticket, remove_tickets
+from gpumagic.jobs import executors, records
+from gpumagic.jobs.executors import Entry, Submission, executor_of
 from gpumagic.telemetry.run_files import RunFiles
-from gpumagic.units import format_bytes, format_duration, parse_duration, parse_size
+from gpumagic.units import format_duration, parse_duration
 
-EXECUTORS = ("local", "slurm")
-MAX_GPUS = 64
 MAX_RANKS = 256
 KILL_GRACE_S = 5.0
 
@@ -57,12 +52,12 @@ class Job:
     @property
     def status(self) -> str:
         """queued, running, finished, failed, killed, cancelled, or lost (its runner vanished)."""
-        return records.effective_status(self.info)
+        return executors.status(self.info)
 
     @property
     def reason(self) -> str:
         """Why it waits (queued), or why it ended."""
-        return records.why(self.info)
+        return executors.why(self.info)
 
     @property
     def gpus(self) -> tuple[int, ...]:
@@ -110,13 +105,10 @@ class Job:
         return f"job {self.name} {status}: {self.reason}"
 
     def _outputs(self) -> list[tuple[int | None, Path]]:
-        """Where its output is: ``output.log``, or each rank's own file for a Slurm job (rank given when there
-        are several, for the ``[rank N]`` prefix)."""
-        info, files = self.info, RunFiles(self.path)
-        if info.get("executor") != "slurm":
-            return [(None, files.output)]
-        ranks = int(info.get("ranks") or 1)
-        return [(rank if ranks > 1 else None, files.rank_log(rank)) for rank in range(ranks)]
+        """Where its executor puts its output (``output.log``; on Slurm each rank's own file), with the rank when
+        there are several, for the ``[rank N]`` prefix."""
+        info = self.info
+        return executor_of(info).outputs(self.path, info)
 
     def logs(self, tail: int | None = None) -> str:
         """Its stdout and stderr so far (the last ``tail`` lines); a Slurm job's ranks one after another."""
@@ -196,46 +188,13 @@ class Job:
             InvalidArgument: it has ended already. KillRefused: another user's job.
         """
         info = self.info
-        status = records.effective_status(info)
+        runs_on = executor_of(info)
+        status = runs_on.status(info)
         if status in records.ENDED:
             raise InvalidArgument(f"job {info['name']} has already ended ({status}); nothing to kill")
         if RunFiles(self.path).record.stat().st_uid != os.getuid():
             raise KillRefused(f"job {info['name']} belongs to another user; only they can stop it")
-        if info.get("executor") == "slurm":
-            return self._cancel_on_slurm(info)
-        deadline = time.monotonic() + 10
-        while info.get("runner_pid") is None and time.monotonic() < deadline:  # submitted a moment ago
-            time.sleep(0.05)
-            info = self.info
-        _write_private(RunFiles(self.path).kill_request, json.dumps({"pid": os.getpid(), "time": time.time()}))
-        pid = info.get("runner_pid")
-        _stop_tree(pid, _process_tree(pid) if pid else [], time.monotonic() + grace_s)
-        remove_tickets(self.path.name)
-        if records.read(self.path).get("status") in records.ACTIVE:
-            records.update(
-                self.path,
-                status="killed",
-                reason="",
-                exit=f"killed with %jobs kill (SIGKILL: still running {grace_s:g}s after SIGTERM)",
-                ended=time.time(),
-            )
-        return self.status
-
-    def _cancel_on_slurm(self, info: dict[str, Any]) -> str:
-        from gpumagic.jobs import slurm
-
-        _write_private(RunFiles(self.path).kill_request, json.dumps({"pid": os.getpid(), "time": time.time()}))
-        pid = info.get("runner_pid")
-        if info.get("slurm_cluster") == "local":  # submitit's stand-in: a controller process of this machine
-            tree = _process_tree(pid) if pid else []
-            _stop_tree(None, tree, time.monotonic() + KILL_GRACE_S)
-            done = f"stopped submitit's local controller (pid {pid})" if tree else "its controller had ended"
-        else:
-            done = slurm.cancel(info)
-        if records.read(self.path).get("status") in records.ACTIVE:
-            records.update(
-                self.path, status="killed", reason="", exit=f"killed with %jobs kill: {done}", ended=time.time()
-            )
+        runs_on.kill(self.path, info, grace_s)
         return self.status
 
     def remove(self) -> None:
@@ -250,11 +209,12 @@ class Job:
     def describe(self) -> str:
         """One line: name, status, GPUs, elapsed time, why (waiting or ended), latest metrics."""
         info = self.info
-        status = records.effective_status(info)
+        runs_on = executor_of(info)
+        status = runs_on.status(info)
         gpus = ",".join(map(str, info.get("gpus") or ()))
         where = f" on GPU {gpus}" if gpus else " on the CPU" if info.get("started") else ""
         text = f"{info['name']}: {status}{where}, {format_duration(records.elapsed(info))}"
-        reason = records.why(info)
+        reason = runs_on.why(info)
         if status != "finished" and reason:
             text += f" ({reason})"
         latest = _format_metrics(self.last_metrics())
@@ -279,6 +239,7 @@ def submit(
     gpus: int | str | None = None,
     name: str | None = None,
     min_free: str | int | None = None,
+    memory_limit: bool = False,
     ddp: int | None = None,
     after: str | Iterable[str] | Job | None = None,
     backend: str | None = None,
@@ -297,8 +258,11 @@ def submit(
         gpus: how many GPUs (default 1, or one per rank with ``ddp``; 0 runs on the CPU), or a device spec
             naming them (``"GPU:1"``, ``"0,2"``, ``"A100"``).
         name: the job's name (default: the function's, made unique).
-        min_free: memory each GPU needs free (``"20GB"``); the job may then share a GPU with other jobs
-            (placed once those have allocated their memory). Without it a job takes whole GPUs.
+        min_free: the memory the job needs on each GPU (``"20GB"``): it reserves that much and may share a
+            GPU with other such jobs (placed where the free memory less their unallocated reservations is
+            enough). Without it a job takes whole GPUs.
+        memory_limit: cap each of the job's processes at ``min_free`` on its GPU
+            (``torch.cuda.set_per_process_memory_fraction``); an overrun fails naming the limit.
         ddp: run as a DDP group of this many ranks (process group initialized, as ``launch_ddp``).
         after: name(s) or Job(s) that must finish first; if one fails, this job is cancelled.
         backend, timeout: of the process group with ``ddp``.
@@ -315,7 +279,17 @@ def submit(
     packed = pack(ship_function(fn, tuple(args), dict(kwargs), rank_first=False))
     base = getattr(fn, "__name__", "job")
     return _create(
-        [(name, base, packed, {})], gpus, min_free, ddp, after, backend, timeout, f"{base}()", executor, slurm
+        [Entry(name, base, packed, {})],
+        gpus,
+        min_free,
+        ddp,
+        after,
+        backend,
+        timeout,
+        f"{base}()",
+        executor,
+        slurm,
+        memory_limit,
     )[0]
 
 
@@ -328,6 +302,7 @@ def submit_cell(
     name: str | None = None,
     gpus: int | str | None = None,
     min_free: str | int | None = None,
+    memory_limit: bool = False,
     ddp: int | None = None,
     after: str | Iterable[str] | None = None,
     backend: str | None = None,
@@ -340,9 +315,8 @@ def submit_cell(
     from gpumagic.launch.shipping import pack, ship_cell
 
     packed = pack(ship_cell(source, namespace, filename, hidden))
-    return _create([(name, "job", packed, {})], gpus, min_free, ddp, after, backend, timeout, "cell", executor, slurm)[
-        0
-    ]
+    entry = Entry(name, "job", packed, {})
+    return _create([entry], gpus, min_free, ddp, after, backend, timeout, "cell", executor, slurm, memory_limit)[0]
 
 
 def sweep(
@@ -352,6 +326,7 @@ def sweep(
     *,
     name: str | None = None,
     min_free: str | int | None = None,
+    memory_limit: bool = False,
     ddp: int | None = None,
     after: str | Iterable[str] | None = None,
     **fixed: Any,
@@ -376,8 +351,10 @@ def sweep(
         point = dict(zip(grid.keys(), combination, strict=True))
         label = ",".join(f"{k}={_short(v)}" for k, v in point.items())
         packed = pack(ship_function(fn, (), {**point, **fixed}, rank_first=False))
-        entries.append((_sanitize(f"{base}-{label}"), base, packed, {k: _short(v) for k, v in point.items()}))
-    return _create(entries, gpus_per_job, min_free, ddp, after, None, "30m", f"{getattr(fn, '__name__', 'fn')}()")
+        params = {k: _short(v) for k, v in point.items()}
+        entries.append(Entry(records.sanitize_name(f"{base}-{label}"), base, packed, params))
+    description = f"{getattr(fn, '__name__', 'fn')}()"
+    return _create(entries, gpus_per_job, min_free, ddp, after, None, "30m", description, memory_limit=memory_limit)
 
 
 def job(name: str) -> Job:
@@ -393,7 +370,7 @@ def list_jobs() -> list[Job]:
 
 
 def _create(
-    entries: list[tuple[str | None, str, bytes, dict[str, Any]]],
+    entries: list[Entry],
     gpus: int | str | None,
     min_free: str | int | None,
     ddp: int | None,
@@ -403,184 +380,22 @@ def _create(
     description: str,
     executor: str = "local",
     slurm: Mapping[str, Any] | None = None,
+    memory_limit: bool = False,
 ) -> list[Job]:
-    """Validate the options once, take every name (all or none), write the jobs and start their runners."""
+    """Check the options once, then the executor takes every name (all or none), writes the jobs, starts them."""
     from gpumagic.launch.plan import check_backend, check_timeout
 
     ddp = _check_ddp(ddp)
-    if executor not in EXECUTORS:
-        raise InvalidArgument(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
-    if executor == "slurm":
-        return _create_on_slurm(entries, gpus, min_free, ddp, after, backend, timeout, description, slurm)
-    if slurm is not None:
-        raise InvalidArgument("slurm options need executor='slurm' (--executor slurm)")
-    request, inventory = _request(gpus, min_free, ddp)
-    check_backend(backend)
-    timeout_s = check_timeout(timeout)
-    dependencies = _dependencies(after)
-    if request.wants:
-        from gpumagic.devices.leases import lease_dir
-
-        lease_dir()  # an unusable lease directory is refused before any job is written
-    paths: list[Path] = []
-    tickets: list[Ticket] = []
-    with records.names_locked():
-        names = _take_names(entries)
-        try:
-            for job_name, (_, _, packed, params) in zip(names, entries, strict=True):
-                paths.append(
-                    records.create(
-                        job_name,
-                        packed,
-                        ranks=ddp or 1,
-                        request=request.to_json(),
-                        ddp=ddp,
-                        after=dependencies,
-                        backend=backend,
-                        timeout_s=timeout_s,
-                        params=params,
-                        description=description,
-                        uid=os.getuid(),
-                        sys_path=[p for p in sys.path if p],
-                        cwd=os.getcwd(),
-                    )
-                )
-                if request.wants and not dependencies:  # its place in the queue is its submission, from now
-                    info = records.read(paths[-1])
-                    tickets.append(
-                        Ticket.create(job_name, request, info["submitted"], paths[-1].name, provisional=True)
-                    )
-        except BaseException:  # all or none: a sweep that cannot be written whole leaves nothing half made
-            import shutil
-
-            for ticket in tickets:
-                ticket.remove()
-            for path in paths:
-                shutil.rmtree(path, ignore_errors=True)
-            raise
-    _say_who_waits(paths, tickets, inventory)
-    for path in paths:
-        _start_runner(path)
-    return [Job(path) for path in paths]
-
-
-def _take_names(entries: list[tuple[str | None, str, bytes, dict[str, Any]]]) -> list[str]:
-    """The jobs' names: the explicit ones checked, the others made unique. Call under ``names_locked()``."""
-    taken = set(records.names())  # read once: each job's run.json
-    names = []
-    for explicit, base, _, _ in entries:
-        if explicit is not None:
-            records.check_name(explicit)
-            if explicit in taken:
-                raise InvalidArgument(
-                    f"a job named {explicit!r} exists already; choose another name, or remove it (%jobs rm {explicit})"
-                )
-            names.append(explicit)
-        else:
-            names.append(_free_name(_sanitize(base), taken))
-        taken.add(names[-1])
-    return names
-
-
-def _create_on_slurm(
-    entries: list[tuple[str | None, str, bytes, dict[str, Any]]],
-    gpus: int | str | None,
-    min_free: Any,
-    ddp: int | None,
-    after: Any,
-    backend: str | None,
-    timeout: str | float,
-    description: str,
-    options: Mapping[str, Any] | None,
-) -> list[Job]:
-    """Write the jobs' directories as for local jobs and submit each through submitit."""
-    from gpumagic.jobs import slurm
-    from gpumagic.launch.plan import check_backend, check_timeout
-    from gpumagic.launch.rank import write_spec
-
-    if min_free is not None:
-        raise InvalidArgument("min_free is for this machine's queue; on Slurm ask for whole GPUs (gpus, gres)")
-    if isinstance(gpus, str) and not (gpus.strip().isascii() and gpus.strip().isdigit()):
-        raise InvalidArgument(f"on Slurm, gpus is a number of GPUs per node, got {gpus!r}")
-    where = slurm.cluster()
-    slurm.check_available(where)
-    check_backend(backend)
-    timeout_s = check_timeout(timeout)
-    dependencies = _dependencies(after)
-    params, ranks = slurm.parameters("check", options, gpus, ddp, where)  # validated before anything is written
-    if dependencies:
-        if where == "local":
-            raise InvalidArgument("after= needs a real Slurm cluster (GPUMAGIC_SLURM=local cannot chain jobs)")
-        ids = []
-        for name in dependencies:
-            info = records.read(records.find(name))
-            if not info.get("slurm_job_id") or info.get("slurm_cluster") == "local":
-                raise InvalidArgument(f"job {name} is not a Slurm job; a Slurm job can only run after Slurm jobs")
-            ids.append(info["slurm_job_id"])
-        extra = dict(params.get("slurm_additional_parameters") or {})
-        extra["dependency"] = "afterok:" + ":".join(ids)
-        params["slurm_additional_parameters"] = extra
-    use_cuda = slurm.uses_gpus(params)
-    jobs = []
-    with records.names_locked():
-        names = _take_names(entries)
-        paths = []
-        for job_name, (_, _, packed, point) in zip(names, entries, strict=True):
-            path = records.create(
-                job_name,
-                packed,
-                reserve=False,  # Slurm runs it: no runner of ours records its end
-                ranks=ranks,
-                executor="slurm",
-                slurm_cluster=where,
-                request=Request(0).to_json(),
-                ddp=ranks if ranks > 1 else None,
-                after=dependencies,
-                backend=backend,
-                timeout_s=timeout_s,
-                params=point,
-                description=description,
-                uid=os.getuid(),
-                cwd=os.getcwd(),
-                runner_pid=None,
-            )
-            spec = {
-                "backend": (backend or ("nccl" if use_cuda else "gloo")) if ranks > 1 or ddp else None,
-                "use_cuda": use_cuda,
-                "timeout_s": timeout_s,
-                "threads_per_rank": int(params.get("cpus_per_task") or 1),
-                "sys_path": [p for p in sys.path if p],
-            }
-            write_spec(RunFiles(path), spec, packed)
-            paths.append((job_name, path))
-    for job_name, path in paths:
-        try:
-            fields = slurm.submit(path, {**params, "name": job_name}, where)
-        except Exception as err:  # noqa: BLE001 - sbatch's own refusal (partition, limits) is the user's answer
-            records.update(path, status="failed", reason="", exit=f"submission failed: {err}", ended=time.time())
-            raise InvalidArgument(f"submitting job {job_name} failed: {err}") from None
-        records.update(path, reason=f"submitted as Slurm job {fields['slurm_job_id']}", slurm=params, **fields)
-        jobs.append(Job(path))
-    return jobs
-
-
-def _say_who_waits(paths: list[Path], tickets: list[Ticket], inventory: Inventory | None) -> None:
-    """Record at once why a new job will wait (its runner says so too, a moment later), so a ``%jobs`` run
-    right after the submission already tells."""
-    from gpumagic.devices import leases
-    from gpumagic.jobs.queue import place
-
-    if not tickets or inventory is None:
-        return
-    try:
-        with leases.pick_lock(exclusive=False):
-            for ticket in tickets:
-                chosen, reason = place(ticket, inventory, leases.book())
-                if not chosen:
-                    path = next(p for p in paths if p.name in ticket.path.name)
-                    records.update(path, reason=reason)
-    except leases.LeaseBusy:  # the runners will say why they wait
-        return
+    if not isinstance(memory_limit, bool):
+        raise InvalidArgument(f"memory_limit is True or False, got {memory_limit!r}")
+    if memory_limit and min_free is None:
+        raise InvalidArgument("memory_limit caps a job at the memory it declares: give min_free too (--min-free 20GB)")
+    runs_on = executors.named(executor)
+    resources = runs_on.check_resources(gpus, min_free, ddp, slurm)
+    submission = Submission(
+        ddp, check_backend(backend), check_timeout(timeout), _dependencies(after), description, memory_limit
+    )
+    return [Job(path) for path in runs_on.submit(entries, resources, submission)]
 
 
 def _check_ddp(ddp: Any) -> int | None:
@@ -589,54 +404,6 @@ def _check_ddp(ddp: Any) -> int | None:
     if isinstance(ddp, bool) or not isinstance(ddp, int) or not 1 <= ddp <= MAX_RANKS:
         raise InvalidArgument(f"ddp is the number of ranks, a whole number from 1 to {MAX_RANKS}, got {ddp!r}")
     return ddp
-
-
-def _request(gpus: int | str | None, min_free: str | int | None, ddp: int | None) -> tuple[Request, Inventory | None]:
-    """What the job asks of the queue, checked against this machine's GPUs (read for it, and returned)."""
-    from gpumagic.devices.inventory import read_inventory
-    from gpumagic.devices.spec import parse_spec, resolve
-
-    if gpus is None:
-        gpus = ddp or 1
-    if isinstance(gpus, str) and gpus.strip().isascii() and gpus.strip().isdigit():
-        gpus = int(gpus.strip())
-    if isinstance(gpus, bool) or not isinstance(gpus, (int, str)):
-        raise InvalidArgument(f"gpus is a number of GPUs or a device spec like 'GPU:1', got {gpus!r}")
-    if isinstance(gpus, int) and not 0 <= gpus <= MAX_GPUS:
-        raise InvalidArgument(f"gpus must be from 0 to {MAX_GPUS}, got {gpus}")
-    free = parse_size(min_free) if min_free is not None else None
-    if free is not None and free <= 0:
-        raise InvalidArgument("min_free must be more than 0 bytes")
-    spec = parse_spec(gpus) if isinstance(gpus, str) else None
-    if gpus == 0 or (spec is not None and spec.none):
-        if free is not None:
-            raise InvalidArgument("min_free needs GPUs; leave it out for a CPU job (gpus=0)")
-        return Request(0), None
-    inventory = read_inventory()
-    if not inventory.gpus:
-        why = f" ({inventory.problem})" if inventory.problem else ""
-        raise InvalidArgument(
-            f"this machine has no GPU{why}; submit with gpus=0 (--gpus 0) to run on the CPU, "
-            "or set GPUMAGIC_SIMULATE=4xA100-80GB to try the queue with simulated GPUs"
-        )
-    if spec is not None:
-        uuids = tuple(g.uuid for g in resolve(spec, inventory))
-        wants = len(uuids)
-        request = Request(wants, uuids, free)
-    else:
-        wants = int(gpus)
-        if wants > len(inventory.gpus):
-            raise InvalidArgument(f"the job asks for {wants} GPUs; this machine has {len(inventory.gpus)}")
-        request = Request(wants, (), free)
-    if free is not None:
-        biggest = max((g.memory_total or 0) for g in inventory.gpus)
-        if free > biggest:
-            raise InvalidArgument(
-                f"min_free {format_bytes(free)} is more than any GPU here has ({format_bytes(biggest)})"
-            )
-    if ddp is not None and wants % ddp:
-        raise InvalidArgument(f"{wants} GPUs cannot be split evenly among {ddp} ranks; ask for a multiple of {ddp}")
-    return request, inventory
 
 
 def _dependencies(after: Any) -> list[str]:
@@ -656,71 +423,8 @@ def _dependencies(after: Any) -> list[str]:
     return names
 
 
-def _free_name(base: str, taken: Collection[str]) -> str:
-    if base not in taken:
-        return base
-    for number in itertools.count(2):
-        candidate = f"{base}-{number}"
-        if candidate not in taken:
-            return candidate
-    raise AssertionError("unreachable")
-
-
-def _sanitize(text: str) -> str:
-    cleaned = re.sub(r"[^A-Za-z0-9_.,=+-]", "_", text).lstrip("_.,=+-")[:80]
-    return cleaned or "job"
-
-
 def _short(value: Any) -> str:
     return value if isinstance(value, str) else repr(value) if not isinstance(value, float) else f"{value:g}"
-
-
-def _start_runner(path: Path) -> None:
-    """Start the job's runner, detached (it forks again and leaves its parent, which exits at once)."""
-    from gpumagic.launch.plan import command_environment
-    from gpumagic.telemetry.private import open_private
-    from gpumagic.telemetry.store import runs_root
-
-    env = command_environment()
-    env["GPUMAGIC_RUNS_DIR"] = str(runs_root())
-    with open_private(RunFiles(path).runner_log) as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "gpumagic.jobs.runner", str(path)],
-            cwd=os.getcwd(),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            close_fds=True,
-        )
-    process.wait(timeout=60)
-
-
-def _write_private(path: Path, text: str) -> None:
-    from gpumagic.telemetry.private import write_private
-
-    write_private(path, text.encode())
-
-
-def _stop_tree(pid: int | None, tree: list[Any], deadline: float) -> None:
-    """End the job: its runner's process group (``pid``: the runner leads its own session and group) and every
-    process of ``tree`` (its ranks, each leading its own group, and what they started), with the one
-    SIGTERM-then-SIGKILL ladder."""
-    from gpumagic.devices.processes import end_processes
-
-    grace = max(0.0, deadline - time.monotonic())
-    pids = [p.pid for p in tree]
-    end_processes(pids, groups=[pid, *pids] if pid else pids, grace_s=grace)
-
-
-def _process_tree(pid: int) -> list[Any]:
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
 
 
 def _format_metrics(latest: Mapping[str, tuple[float, float]]) -> str:

@@ -1,9 +1,9 @@
 """A background job's directory: a run directory (``telemetry.store``) of kind ``job`` with a few more files.
 
     run.json      the run's fields, plus name, request, status, reason, GPUs, runner pid, the job's process
-                  pids, started, settled, ended, exit (why it ended), exitcode, signal
-    job.json      what the runner runs (name, request, ddp, backend, timeout, after, sys_path, cwd), sealed:
-                  the runner reads these from here, never from run.json
+                  pids, started, ended, exit (why it ended), exitcode, signal
+    job.json      what the runner runs (name, request, ddp, backend, timeout, after, sys_path, cwd,
+                  memory_limit), sealed: the runner reads these from here, never from run.json
     payload.pkl   the shipped code (cloudpickle, sealed: ``launch.signing``)
     output.log    the job's stdout and stderr (``[rank N]`` prefixes with --ddp)
     result.pkl    the return value (rank 0's; ``{rank: value}`` with --ddp), sealed
@@ -15,7 +15,8 @@
 
 Only the runner writes ``run.json`` while the job lives; a job whose runner died without a word reads as
 ``lost``. The directory is private to its user (0700, files 0600), like every run.
-``telemetry.run_files`` names these files.
+``telemetry.run_files`` names these files. This module is the job's data; what a job's state means now is its
+executor's to say (``jobs.executors``: ``local``, ``slurm``), and neither is imported here.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import json
 import os
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ ACTIVE = ("queued", "running")
 ENDED = ("finished", "failed", "killed", "cancelled", "lost")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.,=+-]{0,79}$")
 RUNNER_FIELDS = ("name", "submitted", "request", "ddp", "backend", "timeout_s", "after", "sys_path", "cwd")
+RUNNER_FIELDS += ("memory_limit",)
 RESERVE_BYTES = 64 << 10
 
 
@@ -51,6 +54,46 @@ def check_name(name: str) -> str:
             f"job names are 1-80 letters, digits and _ . , = + - (starting with a letter or digit), got {name!r}"
         )
     return name
+
+
+def take_names(wanted: Sequence[tuple[str | None, str]]) -> list[str]:
+    """The names of new jobs, one per ``(name, base)``: each given name checked, each None made unique from
+    its ``base``. Call under ``names_locked()``.
+
+    Raises:
+        InvalidArgument: a malformed name, or one a job has already.
+    """
+    taken = set(names())  # read once: each job's run.json
+    chosen = []
+    for explicit, base in wanted:
+        if explicit is not None:
+            check_name(explicit)
+            if explicit in taken:
+                raise InvalidArgument(
+                    f"a job named {explicit!r} exists already; choose another name, or remove it (%jobs rm {explicit})"
+                )
+            chosen.append(explicit)
+        else:
+            chosen.append(free_name(sanitize_name(base), taken))
+        taken.add(chosen[-1])
+    return chosen
+
+
+def free_name(base: str, taken: Collection[str]) -> str:
+    """``base``, or ``base-2``, ``base-3`` ... whichever is not ``taken``."""
+    if base not in taken:
+        return base
+    for number in itertools.count(2):
+        candidate = f"{base}-{number}"
+        if candidate not in taken:
+            return candidate
+    raise AssertionError("unreachable")
+
+
+def sanitize_name(text: str) -> str:
+    """``text`` made a usable job name (other characters become ``_``, at most 80)."""
+    cleaned = re.sub(r"[^A-Za-z0-9_.,=+-]", "_", text).lstrip("_.,=+-")[:80]
+    return cleaned or "job"
 
 
 @contextlib.contextmanager
@@ -197,40 +240,18 @@ def names() -> list[str]:
     return found
 
 
-def effective_status(info: dict[str, Any]) -> str:
-    """The recorded status, or ``lost`` when the job should be alive but its runner is gone."""
-    status = info.get("status", "?")
-    if status in ACTIVE and info.get("executor") == "slurm":
-        from gpumagic.jobs import slurm
-
-        return slurm.effective_status(info)
-    if status in ACTIVE and not runner_alive(info):
-        return "lost"
-    return status
+def request_kill(path: Path) -> None:
+    """Write ``kill.json`` (this process, now) before the job is signalled, so its end names who stopped it."""
+    private.write_private(RunFiles(path).kill_request, json.dumps({"pid": os.getpid(), "time": time.time()}).encode())
 
 
-def why(info: dict[str, Any]) -> str:
-    """Why the job waits (queued), or why it ended."""
-    if info.get("executor") == "slurm" and info.get("status") in ACTIVE:
-        from gpumagic.jobs import slurm
-
-        return slurm.why(info)
-    if effective_status(info) == "lost":
-        return f"its runner (pid {info.get('runner_pid')}) is gone without recording an end"
-    return info.get("exit") or info.get("reason") or ""
+def record_killed(path: Path, how: str) -> None:
+    """Record the job as killed (``how``: its exit), unless it recorded its own end first."""
+    if read(path).get("status") in ACTIVE:
+        update(path, status="killed", reason="", exit=how, ended=time.time())
 
 
 def elapsed(info: dict[str, Any]) -> float:
     """Seconds the job has run (so far, or in all), or waited if it never started."""
     start = info.get("started") or info.get("submitted") or time.time()
     return max(0.0, (info.get("ended") or time.time()) - start)
-
-
-def runner_alive(info: dict[str, Any]) -> bool:
-    """True while the job's runner runs (a young job whose runner has not written its pid yet counts)."""
-    from gpumagic.devices.processes import is_same_process
-
-    pid = info.get("runner_pid")
-    if pid is None:
-        return time.time() - float(info.get("submitted", 0)) < 30
-    return is_same_process(int(pid), info.get("runner_start"))

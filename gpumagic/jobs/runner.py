@@ -32,12 +32,6 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-SETTLE_AFTER_LOG_S = 2.0  # memory steady this long after the job's first gpumagic.log: it has allocated
-SETTLE_WITHOUT_LOG_S = 10.0  # ... or this long for a job that never logs
-SETTLE_LIMIT_S = 600.0  # stop waiting for a job that keeps growing
-SETTLE_TOLERANCE = 64 << 20
-
-
 class _Runner:
     def __init__(self, run_dir: Any) -> None:
         self.run_dir = run_dir
@@ -174,14 +168,14 @@ class _Runner:
         import time
 
         from gpumagic.errors import InvalidArgument
-        from gpumagic.jobs import records
+        from gpumagic.jobs import executors, records
 
         pending = list(spec.get("after") or [])
         last = None
         while pending:
             for name in list(pending):
                 try:
-                    status = records.effective_status(records.read(records.find(name)))
+                    status = executors.status(records.read(records.find(name)))
                 except (InvalidArgument, OSError, ValueError):
                     status = "removed"
                 if status == "finished":
@@ -219,7 +213,6 @@ class _Runner:
 
         from gpumagic.errors import DiskFull
         from gpumagic.jobs import records
-        from gpumagic.jobs.queue import Request
         from gpumagic.launch import local
         from gpumagic.launch.failures import LaunchError, LaunchInterrupted
         from gpumagic.launch.output import RankOutput
@@ -245,6 +238,13 @@ class _Runner:
             master_port=port,
             timeout_s=float(spec.get("timeout_s") or 1800.0),
         )
+        reserve = spec["request"].get("min_free")
+        if spec.get("memory_limit") and reserve:  # each rank capped at the job's reservation (--memory-limit)
+            import dataclasses
+
+            from gpumagic.launch.rank import MEMORY_LIMIT_VARIABLE
+
+            plan = dataclasses.replace(plan, base_env={**plan.base_env, MEMORY_LIMIT_VARIABLE: str(int(reserve))})
         records.update(
             self.run_dir,
             status="running",
@@ -257,7 +257,6 @@ class _Runner:
         self.output = open_private(files.output)
         self.cancel = threading.Event()
         sink = RankOutput(lambda text: self._output(text.encode()), "all", nprocs) if ddp else None
-        settle = _Settler(self.run_dir, uuids) if Request.from_json(spec["request"]).shares else None
         try:
             packed = read_sealed(files.job_payload, f"job {self.name}'s code ({files.job_payload})")
             results = local.run_local(
@@ -266,7 +265,7 @@ class _Runner:
                 start_method="spawn",
                 listener=listener,
                 on_output=sink.feed if sink else (lambda rank, data: self._output(data)),
-                on_start=lambda plan, pids: self._started(pids, settle),
+                on_start=lambda plan, pids: records.update(self.run_dir, pids=pids),
                 cancel=self.cancel,
             )
             remove_launch_directories(files)  # the ranks' copies: a nearly full disk need not hold two
@@ -290,8 +289,6 @@ class _Runner:
             self._output(f"{err}\n".encode())
             self._finish("failed", str(err))
         finally:
-            if settle is not None:
-                settle.stop()
             if sink is not None:
                 sink.flush()
             self.output.close()
@@ -309,72 +306,6 @@ class _Runner:
         except OSError as err:
             self.output_error = disk_error(err, self.files.output)
             self.cancel.set()
-
-    def _started(self, pids: list[int], settle: _Settler | None) -> None:
-        from gpumagic.jobs import records
-
-        records.update(self.run_dir, pids=pids)
-        if settle is not None:
-            settle.start()
-
-
-class _Settler:
-    """Watches a sharing job's GPU memory and marks its leases settled once it has allocated (see queue)."""
-
-    def __init__(self, run_dir: Any, uuids: list[str]) -> None:
-        import threading
-
-        self.run_dir = run_dir
-        self.uuids = set(uuids)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="gpumagic-settle", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _watch(self) -> None:
-        import time
-
-        from gpumagic.devices import leases
-        from gpumagic.jobs import records
-
-        started = time.monotonic()
-        history: list[tuple[float, int]] = []
-        first_log = RunFiles(self.run_dir).metric_points(0)
-        while not self._stop.wait(0.5):
-            now = time.monotonic()
-            memory = self._memory()
-            if memory is None:
-                continue
-            history.append((now, memory))
-            window = SETTLE_AFTER_LOG_S if first_log.exists() else SETTLE_WITHOUT_LOG_S
-            recent = [m for t, m in history if t >= now - window]
-            steady = history[0][0] <= now - window and max(recent) - min(recent) <= max(
-                SETTLE_TOLERANCE, 0.02 * max(recent)
-            )
-            if steady or now - started > SETTLE_LIMIT_S:
-                for uuid in self.uuids:
-                    leases.book().mark_settled(uuid)
-                records.update(self.run_dir, settled=time.time(), settled_memory=memory)
-                return
-
-    def _memory(self) -> int | None:
-        """GPU memory the job's processes hold on its GPUs now."""
-        import psutil
-
-        from gpumagic.devices.inventory import read_inventory
-
-        try:
-            mine = {p.pid for p in psutil.Process().children(recursive=True)}
-            inventory = read_inventory()
-        except Exception:  # noqa: BLE001 - a failed look is skipped
-            return None
-        return sum(
-            p.gpu_memory or 0 for g in inventory.gpus if g.uuid in self.uuids for p in g.processes if p.pid in mine
-        )
 
 
 if __name__ == "__main__":

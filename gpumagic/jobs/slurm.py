@@ -1,4 +1,5 @@
-"""Background jobs on a Slurm cluster, through submitit (``executor="slurm"``, ``%%launch_bg --executor slurm``).
+"""The Slurm executor (``jobs.executors``): background jobs on a cluster, through submitit (``executor="slurm"``,
+``%%launch_bg --executor slurm``).
 
 gpumagic does not schedule anything here: it writes the job's directory as for a local job (sealed payload,
 ``run.json``), hands submitit a small task that names that directory, and reads the directory back. Every
@@ -15,12 +16,15 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpumagic.errors import InvalidArgument
+from gpumagic.jobs import records
+from gpumagic.jobs.executors import Entry, Submission
 from gpumagic.telemetry.run_files import RunFiles
 from gpumagic.units import parse_duration, parse_size
 
@@ -43,6 +47,103 @@ KEYS = (
 QUEUED_STATES = ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED")
 RUNNING_STATES = ("RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING", "RESIZING")
 STATE_CACHE_S = 10.0
+CONTROLLER_GRACE_S = 5.0  # submitit's local controller, between SIGTERM and SIGKILL, whatever grace kill is given
+
+
+class Target(NamedTuple):
+    """Where the jobs go (``cluster()``) and what they ask for there, checked by ``check_resources``."""
+
+    cluster: str
+    gpus: int | str | None
+    options: Mapping[str, Any] | None
+
+
+def check_resources(
+    gpus: int | str | None, min_free: Any, ddp: int | None, options: Mapping[str, Any] | None
+) -> Target:
+    """Where the jobs will be submitted; the Slurm ``options`` themselves are checked by ``submit``.
+
+    Raises:
+        InvalidArgument: ``min_free`` or a device spec (Slurm takes whole GPUs per node), or no Slurm here.
+    """
+    if min_free is not None:
+        raise InvalidArgument("min_free is for this machine's queue; on Slurm ask for whole GPUs (gpus, gres)")
+    if isinstance(gpus, str) and not (gpus.strip().isascii() and gpus.strip().isdigit()):
+        raise InvalidArgument(f"on Slurm, gpus is a number of GPUs per node, got {gpus!r}")
+    where = cluster()
+    check_available(where)
+    return Target(where, gpus, options)
+
+
+def submit(entries: list[Entry], target: Target, submission: Submission) -> list[Path]:
+    """Write the jobs' directories as for local jobs (names all or none) and submit each through submitit.
+
+    Raises:
+        InvalidArgument: a malformed Slurm option, an ``after`` job not on Slurm, or sbatch's refusal.
+    """
+    from gpumagic.jobs.queue import Request
+    from gpumagic.launch.rank import write_spec
+
+    params, ranks = parameters("check", target.options, target.gpus, submission.ddp, target.cluster)
+    if submission.after:
+        params["slurm_additional_parameters"] = {
+            **(params.get("slurm_additional_parameters") or {}),
+            "dependency": "afterok:" + ":".join(_slurm_ids(submission.after, target.cluster)),
+        }
+    use_cuda = uses_gpus(params)
+    backend = submission.backend or ("nccl" if use_cuda else "gloo")
+    written = []
+    with records.names_locked():
+        names = records.take_names([(entry.name, entry.base) for entry in entries])
+        for job_name, entry in zip(names, entries, strict=True):
+            path = records.create(
+                job_name,
+                entry.packed,
+                reserve=False,  # Slurm runs it: no runner of ours records its end
+                ranks=ranks,
+                executor="slurm",
+                slurm_cluster=target.cluster,
+                request=Request(0).to_json(),
+                ddp=ranks if ranks > 1 else None,
+                after=submission.after,
+                backend=submission.backend,
+                timeout_s=submission.timeout_s,
+                params=entry.params,
+                description=submission.description,
+                uid=os.getuid(),
+                cwd=os.getcwd(),
+                runner_pid=None,
+            )
+            spec = {
+                "backend": backend if ranks > 1 or submission.ddp else None,
+                "use_cuda": use_cuda,
+                "timeout_s": submission.timeout_s,
+                "threads_per_rank": int(params.get("cpus_per_task") or 1),
+                "sys_path": [p for p in sys.path if p],
+            }
+            write_spec(RunFiles(path), spec, entry.packed)
+            written.append((job_name, path))
+    for job_name, path in written:
+        try:
+            fields = _submit_directory(path, {**params, "name": job_name}, target.cluster)
+        except Exception as err:  # noqa: BLE001 - sbatch's own refusal (partition, limits) is the user's answer
+            records.update(path, status="failed", reason="", exit=f"submission failed: {err}", ended=time.time())
+            raise InvalidArgument(f"submitting job {job_name} failed: {err}") from None
+        records.update(path, reason=f"submitted as Slurm job {fields['slurm_job_id']}", slurm=params, **fields)
+    return [path for _, path in written]
+
+
+def _slurm_ids(after: list[str], where: str) -> list[str]:
+    """The Slurm job ids of the jobs named in ``after``. Raises InvalidArgument for one that is not on Slurm."""
+    if where == "local":
+        raise InvalidArgument("after= needs a real Slurm cluster (GPUMAGIC_SLURM=local cannot chain jobs)")
+    ids = []
+    for name in after:
+        info = records.read(records.find(name))
+        if not info.get("slurm_job_id") or info.get("slurm_cluster") == "local":
+            raise InvalidArgument(f"job {name} is not a Slurm job; a Slurm job can only run after Slurm jobs")
+        ids.append(info["slurm_job_id"])
+    return ids
 
 
 def cluster() -> str:
@@ -145,7 +246,7 @@ def executor(folder: Path, where: str) -> Any:
         ) from None
 
 
-def submit(path: Path, params: dict[str, Any], where: str) -> dict[str, Any]:
+def _submit_directory(path: Path, params: dict[str, Any], where: str) -> dict[str, Any]:
     """Submit the job in ``path``; the fields ``run.json`` records about it (Slurm job id, folder ...)."""
     from gpumagic.devices.processes import process_start_time
 
@@ -171,7 +272,6 @@ class Task:
     def __call__(self) -> int:
         import submitit
 
-        from gpumagic.jobs import records
         from gpumagic.launch.rank import run_rank
 
         run_dir = Path(self.run_dir)
@@ -192,8 +292,6 @@ class Task:
 
 
 def cluster_of(run_dir: Path) -> str:
-    from gpumagic.jobs import records
-
     return str(records.read(run_dir).get("slurm_cluster", "slurm"))
 
 
@@ -219,7 +317,6 @@ def record_outcome(run_dir: Path, world_size: int, wait_s: float = 60.0) -> None
     (``result.pkl``: rank 0's value, or ``{rank: value}`` with several ranks; ``error.txt``; the status)."""
     import cloudpickle
 
-    from gpumagic.jobs import records
     from gpumagic.launch.failures import LaunchError, root_cause
     from gpumagic.launch.rank import rank_outcomes
     from gpumagic.launch.signing import read_sealed, write_sealed
@@ -276,9 +373,11 @@ def state(info: Mapping[str, Any]) -> str:
     return found
 
 
-def effective_status(info: Mapping[str, Any]) -> str:
+def status(info: Mapping[str, Any]) -> str:
     """A Slurm job's status as gpumagic names them, from run.json and, while it is active there, Slurm."""
     recorded = str(info.get("status", "?"))
+    if recorded not in records.ACTIVE:
+        return recorded
     found = state(info)
     if found in QUEUED_STATES:
         return "queued"
@@ -293,8 +392,10 @@ def effective_status(info: Mapping[str, Any]) -> str:
     return "failed"
 
 
-def why(info: Mapping[str, Any]) -> str:
-    """What Slurm says about an active job, or how it ended without a record."""
+def why(info: Mapping[str, Any], brief: bool = False) -> str:
+    """What Slurm says about an active job, or how it ended (``brief`` changes nothing: it is short)."""
+    if info.get("status") not in records.ACTIVE:
+        return info.get("exit") or info.get("reason") or ""
     found = state(info)
     job = f"Slurm job {info.get('slurm_job_id')}" + (
         " (local stand-in)" if info.get("slurm_cluster") == "local" else ""
@@ -306,6 +407,35 @@ def why(info: Mapping[str, Any]) -> str:
     if found == "UNKNOWN":
         return f"{job}: Slurm cannot tell its state now (sacct)"
     return f"{job} ended ({found}) without recording a result; see {info.get('slurm_folder')}"
+
+
+def outputs(path: Path, info: Mapping[str, Any]) -> list[tuple[int | None, Path]]:
+    """Each rank's own log (rank given when there are several, for the ``[rank N]`` prefix)."""
+    files, ranks = RunFiles(path), int(info.get("ranks") or 1)
+    return [(rank if ranks > 1 else None, files.rank_log(rank)) for rank in range(ranks)]
+
+
+def resources(info: Mapping[str, Any]) -> str:
+    """The allocation's shape, e.g. ``slurm 2×4, 4 GPU/node``."""
+    params = info.get("slurm") or {}
+    shape = f"{params.get('nodes', 1)}×{params.get('tasks_per_node', 1)}"
+    gpus = params.get("gpus_per_node") or params.get("slurm_gres")
+    return f"slurm {shape}" + (f", {gpus} GPU/node" if isinstance(gpus, int) else f", {gpus}" if gpus else "")
+
+
+def kill(path: Path, info: Mapping[str, Any], grace_s: float) -> None:
+    """Cancel the job through Slurm (scancel), or stop submitit's local controller (``CONTROLLER_GRACE_S``);
+    record the kill."""
+    records.request_kill(path)
+    pid = info.get("runner_pid")
+    if info.get("slurm_cluster") == "local":  # submitit's stand-in: a controller process of this machine
+        from gpumagic.jobs.local import stop_process_tree
+
+        stopped = stop_process_tree(pid, CONTROLLER_GRACE_S, group=False)
+        done = f"stopped submitit's local controller (pid {pid})" if stopped else "its controller had ended"
+    else:
+        done = cancel(info)
+    records.record_killed(path, f"killed with %jobs kill: {done}")
 
 
 def cancel(info: Mapping[str, Any]) -> str:

@@ -90,7 +90,7 @@ class Rank:
             self.report(value)
             self.tear_down()
         except BaseException as err:  # noqa: BLE001 - every way a rank ends must be reported
-            return self.report_failure(err)
+            return self.report_failure(name_memory_limit(err))
         finally:
             flush()
         return 0
@@ -117,6 +117,7 @@ class Rank:
         if setup.use_cuda:
             torch.cuda.set_device(0)
             self.device = torch.device("cuda", 0)
+            _cap_memory(torch)
         if setup.backend is not None:  # spawn's code chooses its devices and makes its group itself
             self.phase = "rendezvous"
             join_process_group(
@@ -151,6 +152,39 @@ class Rank:
         """Write how the rank failed (``ranks/rank-R.error.A.json``); the exit code (0 for ``sys.exit(0)``)."""
         setup = self.setup
         return report_failure(setup.files.rank_error(setup.rank, setup.attempt), setup.rank, self.phase, err)
+
+
+MEMORY_LIMIT_VARIABLE = "GPUMAGIC_MEMORY_LIMIT"  # bytes a job's rank may allocate on its GPU (--memory-limit)
+
+
+def _cap_memory(torch: Any) -> None:
+    """Cap this rank's CUDA caching allocator at the job's reservation, when it asked for ``--memory-limit``."""
+    limit = memory_limit()
+    if limit:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), 0)
+
+
+def memory_limit() -> int | None:
+    """The job's ``--memory-limit`` in bytes, from the rank's environment (None: no cap)."""
+    value = os.environ.get(MEMORY_LIMIT_VARIABLE, "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def name_memory_limit(err: BaseException) -> BaseException:
+    """An out-of-memory error of a capped job, its message naming the cap and what to do; others unchanged."""
+    limit = memory_limit()
+    if limit is None or type(err).__name__ != "OutOfMemoryError":
+        return err
+    from gpumagic.units import format_bytes
+
+    cap = format_bytes(limit)
+    first = str(err).split("\n", 1)[0]
+    err.args = (
+        f"the job ran out of its --memory-limit of {cap}, the memory it declared with --min-free {cap} ({first}); "
+        "declare more with --min-free, or lower its batch size",
+    )
+    return err
 
 
 def run_local_rank(local_rank: int, plan: LaunchPlan, outputs: list[Any], listener: Any) -> None:

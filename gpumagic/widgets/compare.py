@@ -149,7 +149,7 @@ def _named(name: str) -> list[Any]:
 
 def read_member(source: Any) -> Member:
     """A job's or run's row material as it is on disk now."""
-    from gpumagic.jobs import records
+    from gpumagic.jobs import executors, records
     from gpumagic.jobs.api import Job
     from gpumagic.telemetry.run_files import RunFiles
     from gpumagic.telemetry.store import RankReader, load_run
@@ -158,7 +158,7 @@ def read_member(source: Any) -> Member:
         from gpumagic.widgets.job_table import job_row
 
         info = source.info
-        status = records.effective_status(info)
+        status = executors.status(info)
         duration = records.elapsed(info)
         name = info.get("name") or source.path.name
         gpus = job_row(source, info, {}).gpus  # as %jobs shows them (Slurm shapes too)

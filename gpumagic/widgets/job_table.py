@@ -39,30 +39,17 @@ def job_row(
     """A job's row, read once from its directory (``info`` and rank 0's ``latest`` metrics if known)."""
     from gpumagic.jobs import records
     from gpumagic.jobs.api import _format_metrics
+    from gpumagic.jobs.executors import executor_of
 
     info = info if info is not None else job.info
-    status = records.effective_status(info)
-    gpus = ",".join(map(str, info.get("gpus") or ())) or ("-" if status in ("queued", "cancelled") else "cpu")
-    if info.get("executor") == "slurm":
-        gpus = _slurm_resources(info)
-    if status == "lost" and info.get("executor") != "slurm":
-        why = f"runner (pid {info.get('runner_pid')}) gone"
-    elif status == "finished":
-        why = ""
-    else:
-        why = records.why(info)
+    runs_on = executor_of(info)
+    status = runs_on.status(info)
+    gpus = runs_on.resources(info) or ("-" if status in ("queued", "cancelled") else "cpu")
+    why = "" if status == "finished" else runs_on.why(info, brief=True)
     shown = ""
     if status not in ("queued", "cancelled"):
         shown = _format_metrics(latest if latest is not None else job.last_metrics())
     return JobRow(info["name"], status, gpus, format_duration(records.elapsed(info)), why, shown)
-
-
-def _slurm_resources(info: dict[str, Any]) -> str:
-    """e.g. ``slurm 2×4, 4 GPU/node``."""
-    params = info.get("slurm") or {}
-    shape = f"{params.get('nodes', 1)}×{params.get('tasks_per_node', 1)}"
-    gpus = params.get("gpus_per_node") or params.get("slurm_gres")
-    return f"slurm {shape}" + (f", {gpus} GPU/node" if isinstance(gpus, int) else f", {gpus}" if gpus else "")
 
 
 class JobTable:

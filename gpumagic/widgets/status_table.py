@@ -6,6 +6,7 @@ import html
 import time
 
 from gpumagic.devices.model import GpuInfo, GpuProcess
+from gpumagic.devices.placement import describe_holders
 from gpumagic.devices.status import GpuStatus
 from gpumagic.units import GIB, format_bytes
 from gpumagic.widgets.plots import load_colour
@@ -78,10 +79,10 @@ def _text_rows(status: GpuStatus, gpu: GpuInfo) -> list[str]:
     util = f"{gpu.utilization:.0f}%" if gpu.utilization is not None else "n/a"
     temp = f"{gpu.temperature:.0f}°C" if gpu.temperature is not None else "n/a"
     power = _power(gpu)
-    lease = status.leases.get(gpu.uuid)
+    holders = describe_holders(status.leases.get(gpu.uuid, ()))
     first = f"{marker}{gpu.nvml_index:>3} {cuda_text:>4}  {gpu.short_name[:18]:<18} {memory:<32} "
     first += f"{util:>5} {temp:>5} {power:>11}  "
-    first += lease.describe() if lease else "free"
+    first += holders
     rows = [first]
     rows += [f"{'':60}  └ {_process(p)}" for p in gpu.processes]
     return rows
@@ -98,7 +99,7 @@ def render_html(status: GpuStatus) -> str:
     rows = []
     for gpu in status.inventory.gpus:
         cuda = status.visibility.cuda_index(gpu.nvml_index)
-        lease = status.leases.get(gpu.uuid)
+        holders = describe_holders(status.leases.get(gpu.uuid, ()))
         # this kernel's GPUs: a tint and a green edge, both visible on light and dark themes
         style = "background:rgba(46,160,67,0.18);box-shadow:inset 4px 0 #2ea043" if cuda is not None else ""
         first = (
@@ -118,7 +119,7 @@ def render_html(status: GpuStatus) -> str:
             f"<td style='{CELL}'>{_html_utilization(gpu.utilization)}</td>"
             f"<td style='{CELL}'>{'n/a' if gpu.temperature is None else f'{gpu.temperature:.0f}°C'}</td>"
             f"<td style='{CELL}'>{esc(_power(gpu))}</td>"
-            f"<td style='{CELL};white-space:normal;max-width:11em'>{esc(lease.describe()) if lease else 'free'}</td>"
+            f"<td style='{CELL};white-space:normal;max-width:11em'>{esc(holders)}</td>"
             f"<td style='{CELL};white-space:normal;min-width:28em'>{processes}</td></tr>"
         )
     header = "".join(

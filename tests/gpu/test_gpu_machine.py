@@ -235,6 +235,37 @@ def test_two_jobs_with_min_free_share_one_gpu():
     print(f"second job started {two['started'] - one['started']:.1f} s after the first")
 
 
+def test_four_jobs_declaring_memory_three_start_together_on_real_memory():
+    """The issue's scenario on a real GPU, scaled to its size: jobs of a fifth of its free memory declaring 30 %
+    of it (three fit, four do not): three start within a second or so, the fourth when one ends."""
+    gpu = max(gpumagic.gpus().gpus, key=lambda g: g.memory_free or 0)
+    gib = max(1, (gpu.memory_free or 0) // 5 >> 30)
+    declared = f"{(gpu.memory_free or 0) * 3 // 10 >> 20}MB"
+    began = time.time()
+    jobs = [
+        gpumagic.submit(hold_on_the_gpu, gib, 8.0, gpus=f"GPU:{gpu.nvml_index}", min_free=declared, name=f"r-{n}")
+        for n in range(4)
+    ]
+    assert [j.wait("5m") for j in jobs] == ["finished"] * 4, "".join(j.logs() for j in jobs)
+    starts = [j.info["started"] - began for j in jobs]
+    shown = ", ".join(f"{t:.1f}" for t in starts)
+    print(f"{gib} GiB jobs declaring {declared} on {gpu.short_name}: started at {shown} s")
+    assert max(starts[:3]) < min(j.info["ended"] for j in jobs[:3]) - began, "the first three ran together"
+    assert jobs[3].info["started"] >= min(j.info["ended"] for j in jobs[:3]), "the fourth waited for one to end"
+
+
+def grow_past(gib: int) -> None:
+    import torch
+
+    torch.empty((gib + 1) << 30, dtype=torch.uint8, device="cuda")
+
+
+def test_memory_limit_fails_a_job_that_outgrows_its_reservation_naming_it():
+    job = gpumagic.submit(grow_past, 1, min_free="1GB", memory_limit=True, name="capped")
+    assert job.wait("3m") == "failed"
+    assert "ran out of its --memory-limit of 1.0 GiB" in job.reason + job.logs(), job.logs()
+
+
 NOTEBOOKS = sorted(Path(__file__).resolve().parents[2].joinpath("notebooks").glob("*.ipynb"))
 
 

@@ -1,0 +1,418 @@
+"""Placement: which GPUs a request may take now, best first, and why each other GPU may not.
+
+One capacity model serves ``%gpu pick`` (and ``%%launch_ddp --gpus auto``, which picks) and the job queue, so a
+reason reads the same everywhere:
+
+- **qualify**: a GPU qualifies unless it is excluded, broken, in MIG mode, promised to an earlier ticket, held
+  for a job that waited past the bound, held whole by someone else, shared by jobs (for a request that does not
+  share), or short of memory or idle time. Its *available* memory is its free memory less what the jobs sharing
+  it reserved and have not allocated yet.
+- **rank**: most available memory, then least busy, then fewest processes, then lowest index.
+- **explain**: every GPU's reason, naming every holder and sharer.
+
+Requests that wait hold a ticket in the lease directory (``leases.create_ticket``). Tickets are served in queue
+order: round-robin between users (each user's first ticket, then each user's second, ...), by arrival within a
+round. A ticket that cannot start does not hold up a later one that can (backfill), until it has waited
+``BACKFILL_BOUND_S``: then the GPUs it would take are held for it, and later tickets backfill around them only.
+
+A job that declares its memory (``--min-free 25GB``) *shares*: it reserves that much on each of its GPUs until
+it ends, and is placed at once where the available memory is enough; a job that declares nothing takes whole
+GPUs, as a kernel does.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpumagic.devices import leases as leasing
+from gpumagic.devices import shared_files
+from gpumagic.devices.model import GpuInfo, Inventory
+from gpumagic.errors import InvalidArgument
+from gpumagic.units import format_bytes, format_duration, parse_duration
+
+BACKFILL_BOUND_VARIABLE = "GPUMAGIC_BACKFILL_BOUND"
+BACKFILL_BOUND_S = 600.0  # how long a ticket may be passed over by later, smaller ones before its GPUs are held
+STALLED_S = 10.0  # another user's ticket that could start this long and did not is no longer waited for
+_startable_since: dict[str, float] = {}  # earlier tickets that could start now, since when (this process's view)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a kernel or job asks for: ``count`` GPUs, or exactly ``uuids``, each with ``min_free`` bytes (or
+    ``min_free_percent``) free and at most ``max_util`` percent busy, none of ``exclude`` (NVML indices).
+
+    ``shares``: a job that declared its memory: it may share a GPU with other such jobs, reserving ``min_free``
+    (the default for a job's request with ``min_free``; a kernel's pick passes False).
+    """
+
+    count: int = 1
+    uuids: tuple[str, ...] = ()
+    min_free: int | None = None
+    shares: bool = None  # type: ignore[assignment]  # None: a job's default, set below
+    min_free_percent: float | None = None
+    max_util: float | None = None
+    exclude: frozenset[int] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        if self.shares is None:
+            object.__setattr__(self, "shares", self.min_free is not None)
+
+    @property
+    def wants(self) -> int:
+        return len(self.uuids) if self.uuids else self.count
+
+    def describe(self) -> str:
+        """``2 GPUs with 20 GiB free``."""
+        text = f"{self.wants} GPU{'s' if self.wants != 1 else ''}"
+        needs = []
+        if self.min_free is not None:
+            needs.append(f"{format_bytes(self.min_free)} {'reserved' if self.shares else 'free'}")
+        if self.min_free_percent is not None:
+            needs.append(f"{self.min_free_percent:g}% free")
+        if self.max_util is not None:
+            needs.append(f"≤{self.max_util:g}% busy")
+        return text + (f" with {', '.join(needs)}" if needs else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "count": self.count,
+            "uuids": list(self.uuids),
+            "min_free": self.min_free,
+            "shares": self.shares,
+            "min_free_percent": self.min_free_percent,
+            "max_util": self.max_util,
+            "exclude": sorted(self.exclude),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Request:
+        min_free = data.get("min_free")
+        return cls(
+            int(data.get("count", 1)),
+            tuple(data.get("uuids") or ()),
+            min_free,
+            bool(data.get("shares", min_free is not None)),
+            data.get("min_free_percent"),
+            data.get("max_util"),
+            frozenset(data.get("exclude") or ()),
+        )
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A place in the queue: a job's (``kind`` "job") or a waiting kernel's ("pick"), as its file says."""
+
+    file: leasing.TicketFile
+    request: Request
+
+    @property
+    def name(self) -> str:
+        return str(self.file.data.get("name", "?"))[:80]
+
+    @property
+    def kind(self) -> str:
+        return self.file.kind
+
+    @property
+    def uid(self) -> int:
+        return self.file.uid
+
+    @property
+    def made_ns(self) -> int:
+        return self.file.made_ns
+
+    @property
+    def round(self) -> int:
+        return int(self.file.data.get("round", 0))
+
+    @property
+    def path(self) -> Any:
+        return self.file.path
+
+    @property
+    def label(self) -> str:
+        """How reasons name it: ``job A1``, ``bob's job B``, ``bob's kernel pid 12 (in %gpu pick --wait)``."""
+        owner = "" if self.uid == os.getuid() else f"{shared_files.owner_name(self.uid)}'s "
+        if self.kind == "pick":
+            return f"{owner}kernel {self.name} (in %gpu pick --wait)"
+        return f"{owner}job {self.name}"
+
+    @classmethod
+    def create(
+        cls, name: str, request: Request, submitted: float, key: str, provisional: bool = False, kind: str = "job"
+    ) -> Ticket:
+        """A new ticket for ``key`` (a job's run id, or ``pick-<pid>``). A job's kernel writes a ``provisional``
+        one at submission so the queue order is the submission order; the job's runner then takes it over
+        (locks it), or writes its own if there is none."""
+        if kind == "job" and not provisional:
+            claimed = leasing.claim_ticket(key)
+            if claimed is not None:
+                return cls(claimed, request)
+        record = {"kind": kind, "name": name, "request": request.to_json(), "submitted_ns": int(submitted * 1e9)}
+        record.update(uid=os.getuid(), round=leasing.waiting_of_this_user())
+        return cls(leasing.create_ticket(key, record, lock=not provisional), request)
+
+    @classmethod
+    def of(cls, file: leasing.TicketFile) -> Ticket:
+        return cls(file, Request.from_json(file.data["request"]))
+
+    def remove(self) -> None:
+        self.file.remove()
+
+
+def queue_order(tickets: Iterable[Ticket]) -> list[Ticket]:
+    """Round-robin between users, each round by arrival (when the lease directory saw the ticket made).
+
+    A ticket's round is how many tickets its user had waiting when it was made (its ``round`` field: 0, 1, 2
+    ... for a sweep), never less than its place among its user's tickets still waiting; each user's tickets
+    stay in arrival order. So a user who queued 40 jobs has one served per turn, as every other user does."""
+    by_arrival = sorted(tickets, key=lambda t: (t.made_ns, t.uid, t.path.name))
+    last: dict[int, int] = {}
+    rounds = []
+    for ticket in by_arrival:
+        turn = max(ticket.round, last.get(ticket.uid, -1) + 1)
+        rounds.append((turn, ticket))
+        last[ticket.uid] = turn
+    return [ticket for _, ticket in sorted(rounds, key=lambda pair: pair[0])]  # stable: arrival within a round
+
+
+def backfill_bound() -> float:
+    """Seconds a ticket may be passed over before its GPUs are held for it (``GPUMAGIC_BACKFILL_BOUND``)."""
+    value = os.environ.get(BACKFILL_BOUND_VARIABLE)
+    if not value:
+        return BACKFILL_BOUND_S
+    try:
+        return parse_duration(value)
+    except InvalidArgument as err:
+        raise InvalidArgument(f"{BACKFILL_BOUND_VARIABLE}: {err}") from None
+
+
+@dataclass
+class Slot:
+    """A GPU as placement sees it, updated as earlier tickets take it in this round."""
+
+    gpu: GpuInfo
+    leases: tuple[leasing.Lease, ...]
+    unallocated: int  # bytes the jobs sharing it reserved and have not allocated yet
+    promised_to: str | None = None  # an earlier ticket takes it whole in this round
+    joined_by: list[tuple[str, int]] = field(default_factory=list)  # earlier sharing tickets: (label, reserve)
+    held_for: str | None = None  # a ticket that waited past the bound
+
+    @property
+    def available(self) -> int:
+        """Free memory less the sharers' unallocated reservations and those of earlier tickets placed here."""
+        return (self.gpu.memory_free or 0) - self.unallocated - sum(r for _, r in self.joined_by)
+
+    def qualify(self, request: Request, own: bool) -> str | None:
+        """Why ``request`` may not take this GPU (None: it may); ``own``: this process's leases do not count."""
+        gpu = self.gpu
+        if gpu.nvml_index in request.exclude:
+            return "excluded"
+        if not gpu.healthy:
+            return gpu.problem
+        if gpu.mig_enabled:
+            return "MIG mode is on (gpumagic chooses whole GPUs)"
+        if self.promised_to is not None:
+            return f"goes to {self.promised_to}, ahead in the queue"
+        if self.held_for is not None:
+            return f"held for {self.held_for}, waiting longer than {format_duration(backfill_bound())}"
+        others = [lease for lease in self.leases if not (own and lease.mine)]
+        whole = [lease for lease in others if not lease.shared]
+        if whole:
+            return "; ".join(lease.describe() for lease in whole)
+        if (others or self.joined_by) and not request.shares:
+            return "shared by jobs: " + describe_sharers(others, self.joined_by)
+        reasons = []
+        free = self.available
+        if request.min_free is not None and free < request.min_free:
+            pending = self.unallocated + sum(r for _, r in self.joined_by)
+            after = f" after {format_bytes(pending)} reserved and not yet allocated" if pending else ""
+            reasons.append(f"{format_bytes(max(free, 0))} free{after} < {format_bytes(request.min_free)} needed")
+            if others or self.joined_by:
+                reasons[-1] += " (shared by " + describe_sharers(others, self.joined_by) + ")"
+        if request.min_free_percent is not None and gpu.memory_total:
+            percent = 100 * max(free, 0) / gpu.memory_total
+            if percent < request.min_free_percent:
+                reasons.append(f"{percent:.0f}% free < {request.min_free_percent:g}% needed")
+        if request.max_util is not None and (gpu.utilization or 0) > request.max_util:
+            reasons.append(f"{gpu.utilization:.0f}% busy > {request.max_util:g}% allowed")
+        return "; ".join(reasons) or None
+
+    def take(self, request: Request, label: str) -> None:
+        if request.shares:
+            self.joined_by.append((label, request.min_free or 0))
+        else:
+            self.promised_to = label
+
+
+def describe_sharers(leases: Sequence[leasing.Lease], queued: Sequence[tuple[str, int]] = ()) -> str:
+    """Every sharer of a GPU with what it reserved: ``bob (pid 12, job A1) 25 GB, job A2 25 GB``."""
+    parts = [lease.holder() + (f" {format_bytes(lease.reserve)}" if lease.reserve else "") for lease in leases]
+    parts += [f"{label} {format_bytes(reserve)} (placed ahead in the queue)" for label, reserve in queued]
+    return ", ".join(parts)
+
+
+def describe_holders(leases: Sequence[leasing.Lease]) -> str:
+    """Who holds a GPU, in words, every holder named (``%gpu status``); "free" if nobody."""
+    if not leases:
+        return "free"
+    if all(lease.shared for lease in leases):
+        since = min(lease.since for lease in leases)
+        when = time.strftime("%H:%M", time.localtime(since)) if since else "?"
+        return f"shared by jobs since {when}: {describe_sharers(leases)}"
+    return "; ".join(lease.describe() for lease in leases)
+
+
+def slots(inventory: Inventory, view: leasing.LeaseView) -> list[Slot]:
+    """Every GPU of ``inventory`` as a slot, with its leases and its sharers' unallocated reservations."""
+    parents = _Parents()
+    result = []
+    for gpu in inventory.gpus:
+        held = view.on(gpu.uuid)
+        unallocated = 0
+        for lease in held:
+            if lease.shared and lease.reserve:
+                used = sum(p.gpu_memory or 0 for p in gpu.processes if parents.descends(p.pid, lease.pid))
+                unallocated += max(0, lease.reserve - used)
+        result.append(Slot(gpu, held, unallocated))
+    return result
+
+
+def rank(candidates: Iterable[Slot]) -> list[Slot]:
+    """Best first: most available memory, then least busy, then fewest processes, then lowest index."""
+    return sorted(
+        candidates, key=lambda s: (-s.available, s.gpu.utilization or 0, len(s.gpu.processes), s.gpu.nvml_index)
+    )
+
+
+def choose(request: Request, all_slots: list[Slot], own: bool = False) -> tuple[list[Slot], dict[int, str]]:
+    """The slots ``request`` qualifies for, best first, and why each other slot does not."""
+    candidates = all_slots
+    if request.uuids:
+        by_uuid = {s.gpu.uuid: s for s in all_slots}
+        candidates = [by_uuid[u] for u in request.uuids if u in by_uuid]
+    good, reasons = [], {}
+    for slot in candidates:
+        why = slot.qualify(request, own)
+        if why is None:
+            good.append(slot)
+        else:
+            reasons[slot.gpu.nvml_index] = why
+    return rank(good), reasons
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What a request gets now: ``gpus`` (all it wants, or none), the GPUs that ``qualify``, and ``reasons``
+    (NVML index -> why not) for the others."""
+
+    request: Request
+    gpus: tuple[GpuInfo, ...]
+    qualify: tuple[GpuInfo, ...]
+    reasons: dict[int, str]
+    total: int
+
+    def explain(self) -> str:
+        """Why it waits, GPU by GPU: ``waiting for 1 GPU with 25 GB reserved — GPU 0: ...; GPU 1: ...``."""
+        return f"waiting for {self.request.describe()} — {explain(self.reasons, self.total)}"
+
+
+def explain(reasons: dict[int, str], total: int) -> str:
+    """Every GPU's reason, one clause each, in index order."""
+    if not reasons:
+        return f"this machine has {total} GPU{'s' if total != 1 else ''}"
+    return "; ".join(f"GPU {index}: {why}" for index, why in sorted(reasons.items()))
+
+
+def place(
+    request: Request,
+    inventory: Inventory,
+    view: leasing.LeaseView,
+    mine: Ticket | None = None,
+    keep_own: bool = True,
+) -> Placement:
+    """What ``request`` may take now. Earlier tickets in queue order are placed first on a copy of the GPUs'
+    state, so it never takes what an earlier one can use now; with no ``mine`` it comes after every ticket.
+    ``keep_own``: GPUs this process holds qualify (a kernel picking again); a job's placement passes False.
+    Call under ``pick_lock()``, with ``view`` read there."""
+    state = slots(inventory, view)
+    ordered = queue_order(Ticket.of(f) for f in view.tickets if mine is None or f.key != mine.file.key)
+    if mine is not None:
+        ordered = queue_order([*ordered, mine])
+        ordered = ordered[: ordered.index(mine)]
+    _serve_earlier(ordered, state)
+    good, reasons = choose(request, state, own=keep_own)
+    chosen = good[: request.wants] if len(good) >= request.wants else []
+    if request.uuids and len({s.gpu.uuid for s in state} & set(request.uuids)) < len(request.uuids):
+        chosen = []
+    return Placement(request, tuple(s.gpu for s in chosen), tuple(s.gpu for s in good), reasons, len(inventory.gpus))
+
+
+def _serve_earlier(earlier: list[Ticket], state: list[Slot]) -> None:
+    """Let each earlier ticket take (on ``state``) what it would take now; hold GPUs for one past the bound."""
+    now = time.monotonic()
+    bound_ns = backfill_bound() * 1e9
+    for ticket in earlier:
+        key = ticket.path.name
+        good, _ = choose(ticket.request, state)
+        if len(good) < ticket.request.wants:
+            _startable_since.pop(key, None)
+            if time.time_ns() - ticket.made_ns > bound_ns:
+                _hold_for(ticket, state)
+            continue
+        since = _startable_since.setdefault(key, now)
+        if ticket.uid != os.getuid() and now - since > STALLED_S:  # a runner or waiter looks 4 times a second
+            shared_files.note_ignored(key, f"its holder could start {STALLED_S:.0f}s ago and did not take its GPUs")
+            continue
+        for slot in good[: ticket.request.wants]:
+            slot.take(ticket.request, ticket.label)
+    keep = {t.path.name for t in earlier}
+    for key in [k for k in _startable_since if k not in keep]:
+        del _startable_since[key]
+
+
+def _hold_for(ticket: Ticket, state: list[Slot]) -> None:
+    """Hold for ``ticket`` the GPUs it could have once their holders end: those it would qualify for if
+    nobody held them, fewest holders first. Later tickets may not take them."""
+    request = ticket.request
+    free_of_holders = [
+        Slot(s.gpu, (), 0)
+        for s in state
+        if s.held_for is None and s.promised_to is None and (not request.uuids or s.gpu.uuid in request.uuids)
+    ]
+    good, _ = choose(Request(request.count, request.uuids, None, False, None, None, request.exclude), free_of_holders)
+    if len(good) < request.wants:
+        return
+    by_uuid = {s.gpu.uuid: s for s in state}
+    targets = sorted(good, key=lambda s: (len(by_uuid[s.gpu.uuid].leases), s.gpu.nvml_index))[: request.wants]
+    for slot in targets:
+        by_uuid[slot.gpu.uuid].held_for = ticket.label
+
+
+class _Parents:
+    """Which process descends from which, read from ``/proc`` once per placement."""
+
+    def __init__(self) -> None:
+        self._parent: dict[int, int] = {}
+
+    def parent(self, pid: int) -> int:
+        if pid not in self._parent:
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as handle:
+                    self._parent[pid] = int(handle.read().rpartition(b")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                self._parent[pid] = 0
+        return self._parent[pid]
+
+    def descends(self, pid: int, ancestor: int) -> bool:
+        for _ in range(16):
+            if pid == ancestor:
+                return True
+            if pid <= 1:
+                return False
+            pid = self.parent(pid)
+        return False

@@ -1,0 +1,88 @@
+"""Where a background job runs. An executor is a module of ``gpumagic.jobs`` with the functions of ``Executor``:
+``local`` (this machine's queue) and ``slurm`` (a cluster, through submitit). A job's ``run.json`` names its
+executor (none: ``local``); ``executor_of`` finds it, so nothing else compares executor names."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol, cast
+
+from gpumagic.errors import InvalidArgument
+
+NAMES = ("local", "slurm")
+
+
+class Entry(NamedTuple):
+    """One job of a submission: its name (None: made unique from ``base``), shipped code and sweep point."""
+
+    name: str | None
+    base: str
+    packed: bytes
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What every executor's jobs are given, checked once for all of them (``api``)."""
+
+    ddp: int | None
+    backend: str | None
+    timeout_s: float
+    after: list[str]
+    description: str
+    memory_limit: bool = False  # cap each process at its reservation (local jobs with min_free)
+
+
+class Executor(Protocol):
+    """The functions an executor module defines (``info``: a job's ``run.json``)."""
+
+    def check_resources(self, gpus: int | str | None, min_free: Any, ddp: int | None, options: Any) -> Any:
+        """What the jobs ask of this executor, checked before anything is written; ``submit`` takes it.
+
+        Raises:
+            InvalidArgument: an option this executor cannot honour.
+        """
+
+    def submit(self, entries: list[Entry], resources: Any, submission: Submission) -> list[Path]:
+        """Take every job's name (all or none), write their directories and start them."""
+
+    def status(self, info: Mapping[str, Any]) -> str:
+        """queued, running, finished, failed, killed, cancelled or lost, as this executor sees the job now."""
+
+    def why(self, info: Mapping[str, Any], brief: bool = False) -> str:
+        """Why it waits, or why it ended; ``brief``: a few words, for a table cell."""
+
+    def outputs(self, path: Path, info: Mapping[str, Any]) -> list[tuple[int | None, Path]]:
+        """Its log files, each with its rank when there are several (for the ``[rank N]`` prefix)."""
+
+    def kill(self, path: Path, info: Mapping[str, Any], grace_s: float) -> None:
+        """Stop the active job (SIGTERM, then SIGKILL after ``grace_s``) and record that it was killed."""
+
+    def resources(self, info: Mapping[str, Any]) -> str:
+        """What it runs on, in a few words (``"0,2"``, ``"slurm 2×4, 4 GPU/node"``); empty for none."""
+
+
+def named(name: str) -> Executor:
+    """The executor called ``name``. Raises InvalidArgument for an unknown one."""
+    if name not in NAMES:
+        raise InvalidArgument(f"executor must be one of {', '.join(NAMES)}, got {name!r}")
+    return cast(Executor, importlib.import_module(f"gpumagic.jobs.{name}"))
+
+
+def executor_of(info: Mapping[str, Any]) -> Executor:
+    """The executor that runs the job ``info`` describes."""
+    name = info.get("executor") or "local"
+    return named(name if name in NAMES else "local")
+
+
+def status(info: Mapping[str, Any]) -> str:
+    """The job's status, as its executor sees it now (``lost``: it should be alive but is gone)."""
+    return executor_of(info).status(info)
+
+
+def why(info: Mapping[str, Any], brief: bool = False) -> str:
+    """Why the job waits (queued), or why it ended, as its executor tells."""
+    return executor_of(info).why(info, brief)

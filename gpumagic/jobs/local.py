@@ -1,0 +1,243 @@
+"""The local executor: jobs queued on this machine until their GPUs are free, each carried by a detached
+runner (``jobs.runner``) that records its end. Killing a job ends its runner's whole process tree."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from gpumagic.devices.model import Inventory
+from gpumagic.errors import InvalidArgument
+from gpumagic.jobs import records
+from gpumagic.jobs.executors import Entry, Submission
+from gpumagic.jobs.queue import Request, Ticket, remove_tickets
+from gpumagic.telemetry.run_files import RunFiles
+from gpumagic.units import format_bytes, parse_size
+
+MAX_GPUS = 64
+RUNNER_PID_WAIT_S = 10.0  # a job killed a moment after its submission: its runner has not written its pid yet
+
+
+def check_resources(
+    gpus: int | str | None, min_free: str | int | None, ddp: int | None, options: Mapping[str, Any] | None
+) -> tuple[Request, Inventory | None]:
+    """What the jobs ask of the queue, checked against this machine's GPUs (read for it, and returned).
+
+    Raises:
+        InvalidArgument: Slurm ``options``, a malformed request, or more than this machine has.
+    """
+    if options is not None:
+        raise InvalidArgument("slurm options need executor='slurm' (--executor slurm)")
+    return _request(gpus, min_free, ddp)
+
+
+def submit(entries: list[Entry], resources: tuple[Request, Inventory | None], submission: Submission) -> list[Path]:
+    """Take every name (all or none), write the jobs with their tickets and start their runners."""
+    request, inventory = resources
+    if request.wants:
+        from gpumagic.devices.leases import lease_dir
+
+        lease_dir()  # an unusable lease directory is refused before any job is written
+    paths: list[Path] = []
+    tickets: list[Ticket] = []
+    with records.names_locked():
+        names = records.take_names([(entry.name, entry.base) for entry in entries])
+        try:
+            for job_name, entry in zip(names, entries, strict=True):
+                paths.append(
+                    records.create(
+                        job_name,
+                        entry.packed,
+                        ranks=submission.ddp or 1,
+                        request=request.to_json(),
+                        ddp=submission.ddp,
+                        after=submission.after,
+                        backend=submission.backend,
+                        timeout_s=submission.timeout_s,
+                        params=entry.params,
+                        description=submission.description,
+                        memory_limit=submission.memory_limit,
+                        uid=os.getuid(),
+                        sys_path=[p for p in sys.path if p],
+                        cwd=os.getcwd(),
+                    )
+                )
+                if request.wants and not submission.after:  # its place in the queue is its submission, from now
+                    info = records.read(paths[-1])
+                    tickets.append(
+                        Ticket.create(job_name, request, info["submitted"], paths[-1].name, provisional=True)
+                    )
+        except BaseException:  # all or none: a sweep that cannot be written whole leaves nothing half made
+            import shutil
+
+            for ticket in tickets:
+                ticket.remove()
+            for path in paths:
+                shutil.rmtree(path, ignore_errors=True)
+            raise
+    _say_who_waits(paths, tickets, inventory)
+    for path in paths:
+        _start_runner(path)
+    return paths
+
+
+def status(info: Mapping[str, Any]) -> str:
+    """The recorded status, or ``lost`` when the job should be alive but its runner is gone."""
+    recorded = str(info.get("status", "?"))
+    if recorded in records.ACTIVE and not runner_alive(info):
+        return "lost"
+    return recorded
+
+
+def why(info: Mapping[str, Any], brief: bool = False) -> str:
+    """Why the job waits (queued), or why it ended."""
+    if status(info) == "lost":
+        pid = info.get("runner_pid")
+        return f"runner (pid {pid}) gone" if brief else f"its runner (pid {pid}) is gone without recording an end"
+    return info.get("exit") or info.get("reason") or ""
+
+
+def outputs(path: Path, info: Mapping[str, Any]) -> list[tuple[int | None, Path]]:
+    """``output.log``: the runner writes every rank's output there, prefixed."""
+    return [(None, RunFiles(path).output)]
+
+
+def resources(info: Mapping[str, Any]) -> str:
+    """The NVML indices of its GPUs (``"0,2"``); empty while it waits, or for a CPU job."""
+    return ",".join(map(str, info.get("gpus") or ()))
+
+
+def kill(path: Path, info: Mapping[str, Any], grace_s: float) -> None:
+    """End the job's runner and everything it started, give back its place in the queue, record the kill."""
+    deadline = time.monotonic() + RUNNER_PID_WAIT_S
+    while info.get("runner_pid") is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        info = records.read(path)
+    records.request_kill(path)
+    stop_process_tree(info.get("runner_pid"), grace_s)
+    remove_tickets(path.name)
+    records.record_killed(path, f"killed with %jobs kill (SIGKILL: still running {grace_s:g}s after SIGTERM)")
+
+
+def runner_alive(info: Mapping[str, Any]) -> bool:
+    """True while the job's runner runs (a young job whose runner has not written its pid yet counts)."""
+    from gpumagic.devices.processes import is_same_process
+
+    pid = info.get("runner_pid")
+    if pid is None:
+        return time.time() - float(info.get("submitted", 0)) < 30
+    return is_same_process(int(pid), info.get("runner_start"))
+
+
+def stop_process_tree(pid: int | None, grace_s: float, *, group: bool = True) -> bool:
+    """End ``pid`` and every process it started (a job's ranks each lead their own process group, ended too)
+    with the one SIGTERM-then-SIGKILL ladder; with ``group``, also the group ``pid`` leads, which may outlive
+    it (a runner leads its own session and group). Returns whether ``pid`` was still running."""
+    from gpumagic.devices.processes import end_processes
+
+    tree = _process_tree(pid) if pid else []
+    pids = [p.pid for p in tree]
+    end_processes(pids, groups=[pid, *pids] if group and pid else pids, grace_s=grace_s)
+    return bool(tree)
+
+
+def _process_tree(pid: int) -> list[Any]:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _start_runner(path: Path) -> None:
+    """Start the job's runner, detached (it forks again and leaves its parent, which exits at once)."""
+    from gpumagic.launch.plan import command_environment
+    from gpumagic.telemetry.private import open_private
+    from gpumagic.telemetry.store import runs_root
+
+    env = command_environment()
+    env["GPUMAGIC_RUNS_DIR"] = str(runs_root())
+    with open_private(RunFiles(path).runner_log) as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gpumagic.jobs.runner", str(path)],
+            cwd=os.getcwd(),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            close_fds=True,
+        )
+    process.wait(timeout=60)
+
+
+def _say_who_waits(paths: list[Path], tickets: list[Ticket], inventory: Inventory | None) -> None:
+    """Record at once why a new job will wait (its runner says so too, a moment later), so a ``%jobs`` run
+    right after the submission already tells."""
+    from gpumagic.devices import leases
+    from gpumagic.jobs.queue import place
+
+    if not tickets or inventory is None:
+        return
+    try:
+        with leases.pick_lock(exclusive=False):
+            for ticket in tickets:
+                chosen, reason = place(ticket, inventory, leases.book())
+                if not chosen:
+                    path = next(p for p in paths if p.name in ticket.path.name)
+                    records.update(path, reason=reason)
+    except leases.LeaseBusy:  # the runners will say why they wait
+        return
+
+
+def _request(gpus: int | str | None, min_free: str | int | None, ddp: int | None) -> tuple[Request, Inventory | None]:
+    from gpumagic.devices.inventory import read_inventory
+    from gpumagic.devices.spec import parse_spec, resolve
+
+    if gpus is None:
+        gpus = ddp or 1
+    if isinstance(gpus, str) and gpus.strip().isascii() and gpus.strip().isdigit():
+        gpus = int(gpus.strip())
+    if isinstance(gpus, bool) or not isinstance(gpus, (int, str)):
+        raise InvalidArgument(f"gpus is a number of GPUs or a device spec like 'GPU:1', got {gpus!r}")
+    if isinstance(gpus, int) and not 0 <= gpus <= MAX_GPUS:
+        raise InvalidArgument(f"gpus must be from 0 to {MAX_GPUS}, got {gpus}")
+    free = parse_size(min_free) if min_free is not None else None
+    if free is not None and free <= 0:
+        raise InvalidArgument("min_free must be more than 0 bytes")
+    spec = parse_spec(gpus) if isinstance(gpus, str) else None
+    if gpus == 0 or (spec is not None and spec.none):
+        if free is not None:
+            raise InvalidArgument("min_free needs GPUs; leave it out for a CPU job (gpus=0)")
+        return Request(0), None
+    inventory = read_inventory()
+    if not inventory.gpus:
+        why = f" ({inventory.problem})" if inventory.problem else ""
+        raise InvalidArgument(
+            f"this machine has no GPU{why}; submit with gpus=0 (--gpus 0) to run on the CPU, "
+            "or set GPUMAGIC_SIMULATE=4xA100-80GB to try the queue with simulated GPUs"
+        )
+    if spec is not None:
+        uuids = tuple(g.uuid for g in resolve(spec, inventory))
+        wants = len(uuids)
+        request = Request(wants, uuids, free)
+    else:
+        wants = int(gpus)
+        if wants > len(inventory.gpus):
+            raise InvalidArgument(f"the job asks for {wants} GPUs; this machine has {len(inventory.gpus)}")
+        request = Request(wants, (), free)
+    if free is not None:
+        biggest = max((g.memory_total or 0) for g in inventory.gpus)
+        if free > biggest:
+            raise InvalidArgument(
+                f"min_free {format_bytes(free)} is more than any GPU here has ({format_bytes(biggest)})"
+            )
+    if ddp is not None and wants % ddp:
+        raise InvalidArgument(f"{wants} GPUs cannot be split evenly among {ddp} ranks; ask for a multiple of {ddp}")
+    return request, inventory

@@ -146,7 +146,7 @@ def hold(seconds):
 
 if __name__ == "__main__":
     began = time.time()
-    jobs = [gpumagic.submit(hold, 6.0, min_free="1.25GB", name=f"share{n}") for n in range(4)]
+    jobs = [gpumagic.submit(hold, float(sys.argv[1]), min_free="1.25GB", name=f"share{n}") for n in range(4)]
     for job in jobs:
         job.wait("5m")
     print(json.dumps({"starts": [job.info["started"] - began for job in jobs],
@@ -213,11 +213,12 @@ def _run_script(code: str, env: dict[str, str], *args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def sharing(baseline: str | None) -> None:
+def sharing(hold_s: float, baseline: str | None) -> None:
     print("\nsharing: 4 jobs of ~1 GiB declaring 1.25 GiB on one 4 GiB simulated GPU (the issue's 4 x 20 GiB")
-    print("declaring 25 GB on 80 GB, at 1/20); seconds from submission to each job's start, and its end:")
+    print(f"declaring 25 GB on 80 GB, at 1/20), each held {hold_s:g} s; seconds from submission to each job's start,")
+    print("and its end:")
     for label, env in _packages(baseline):
-        result = _run_script(SHARING, env)
+        result = _run_script(SHARING, env, str(hold_s))
         starts = " ".join(f"{t:5.1f}" for t in result["starts"])
         ends = " ".join(f"{t:5.1f}" for t in result["ends"])
         print(f"  {label:28} starts {starts}   ends {ends}   {'/'.join(set(result['status']))}")
@@ -238,10 +239,11 @@ def main() -> None:
     parser.add_argument("--watch-seconds", type=float, default=20.0, help="kernel CPU measure; 0 skips it")
     parser.add_argument("--baseline", metavar="REV", help="sharing and fairness also with gpumagic at this revision")
     parser.add_argument("--fair-seconds", type=float, default=60.0, help="length of the fairness scenario")
+    parser.add_argument("--hold-seconds", type=float, default=6.0, help="how long each sharing job holds its memory")
     parser.add_argument("--only", choices=["sharing", "fairness"], help="run only this scenario")
     options = parser.parse_args()
     if options.only == "sharing":
-        sharing(options.baseline)
+        sharing(options.hold_seconds, options.baseline)
         return
     if options.only == "fairness":
         fairness(options.fair_seconds, options.baseline)
@@ -253,7 +255,7 @@ def main() -> None:
     waiting_to_code(options.repeats)
     if options.watch_seconds > 0:
         watch_cost(options.watch_seconds)
-    sharing(options.baseline)
+    sharing(options.hold_seconds, options.baseline)
     fairness(options.fair_seconds, options.baseline)
 
 

@@ -245,7 +245,9 @@ OPTIONS = st.tuples(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(  # derandomized: the same 150 lines every run, so the count of valid ones below cannot dip by chance
+    max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(st.lists(OPTIONS, max_size=4), st.sampled_from(["x = 1", "offset + 1", "!ls", "def f(:", "%time 1"]))
 def test_random_launch_bg_arguments_submit_or_raise_usage_error(shell, blocker, monkeypatch, options, cell):
     import shlex

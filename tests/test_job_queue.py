@@ -9,7 +9,7 @@ import time
 import pytest
 
 import gpumagic
-from gpumagic.devices import leases
+from gpumagic.devices import leases, placement
 from gpumagic.devices.inventory import read_inventory
 from gpumagic.devices.processes import current_user
 from gpumagic.jobs.queue import Request, Ticket, place, take, waiting_tickets
@@ -207,16 +207,37 @@ def test_a_ticket_of_ours_that_someone_else_locked_holds_no_place(monkeypatch):
 def test_a_large_job_passed_over_longer_than_the_bound_has_its_gpus_held(simulated, monkeypatch):
     """Backfill lets small jobs pass a large one that cannot start, until it has waited the bound; then the
     GPUs it would take are held for it, so the small ones stop taking them as they come free."""
-    monkeypatch.setenv("GPUMAGIC_BACKFILL_BOUND", "1s")
     gpumagic.use("GPU:0")  # a kernel holds one GPU: the large job, wanting all four, cannot start
     ticket("large", Request(4), 0)
     small = Ticket.create("small", Request(1), time.time(), key="run-small")
     chosen, reason = place(small, read_inventory(), leases.book())
-    assert len(chosen) == 1, reason  # backfilled: the large job has not waited the bound yet
-    time.sleep(1.1)
+    assert len(chosen) == 1, reason  # backfilled: the large job has not waited the 10 minutes
+    monkeypatch.setenv("GPUMAGIC_BACKFILL_BOUND", "0s")  # ... now it has
     chosen, reason = place(small, read_inventory(), leases.book())
     assert chosen == []
-    assert "GPU 1: held for job large, waiting longer than 1s" in reason and "GPU 3: held for job large" in reason
+    assert "GPU 1: held for job large, waiting longer than 0s" in reason and "GPU 3: held for job large" in reason
+    assert "GPU 0: leased by this kernel" in reason
+    picked = gpumagic.pick(1)  # this kernel keeps the GPU it holds, held for the large job or not
+    assert picked.indices == (0,)
+
+
+def test_nothing_is_held_for_a_job_no_gpu_here_could_ever_take(monkeypatch):
+    """Held GPUs are ones the job could use once free: a 40 GiB job holds A100s, never a 16 GiB T4, and a job
+    asking more memory than any GPU has free at best holds nothing."""
+    monkeypatch.setenv("GPUMAGIC_SIMULATE", "2xT4-16GB,2xA100-80GB")
+    monkeypatch.setenv("GPUMAGIC_BACKFILL_BOUND", "0s")
+    gpumagic.use("GPU:2")
+    ticket("big", Request(2, (), 40 * GIB), 0)  # two GPUs of 40 GiB: only the A100s, one leased
+    small = Ticket.create("small", Request(1), time.time(), key="run-small")
+
+    def placed():
+        return placement.place(small.request, read_inventory(), leases.read_view(leases.book()), small, False)
+
+    assert [g.nvml_index for g in placed().gpus] == [0]  # a T4 is free to take
+    assert placed().reasons[3] == "held for job big, waiting longer than 0s" and 1 not in placed().reasons
+    leases.remove_tickets("run-big")
+    ticket("impossible", Request(1, (), 90 * GIB), 1)
+    assert not any("held" in why for why in placed().reasons.values())
 
 
 def test_the_bound_is_read_from_the_environment_and_checked(monkeypatch):
@@ -245,6 +266,10 @@ def test_queue_order_is_round_robin_between_users_and_arrival_within_a_round(tmp
     assert [t.name for t in queue_order([*carol, bob, *alice])] == ["a1", "b5", "c6", "a2", "c7", "a3", "a4"]
     # a1 has started: a2 keeps its turn, behind Bob's and Carol's first
     assert [t.name for t in queue_order([*carol, bob, *alice[1:]])] == ["b5", "c6", "a2", "c7", "a3", "a4"]
+    # a newcomer joins the round being served: Alice's backlog is not passed by every later job
+    backlog = [made(1001, at, f"a{at}", turn) for turn, at in ((37, 1), (38, 2), (39, 3))]
+    late = [made(1002, at, f"b{at}", turn) for turn, at in ((37, 10), (38, 11), (39, 12))]  # as next_round writes
+    assert [t.name for t in queue_order([*late, *backlog])] == ["a1", "b10", "a2", "b11", "a3", "b12"]
     # a forged round 0 on every ticket gets no more than one ticket per turn
     forged = [made(1004, at, f"m{at}", 0) for at in (0, 8, 9)]
     assert [t.name for t in queue_order([*forged, bob])][:3] == ["m0", "b5", "m8"]
@@ -283,8 +308,8 @@ def test_kernels_waiting_in_pick_are_served_in_arrival_order_and_a_re_pick_queue
                 time.sleep(0.02)
         assert [t.name for t in waiting_tickets()] == ["slow", "eager"]
         gpumagic.release()
-        with pytest.raises(gpumagic.NotEnoughGpusError, match=r"goes to kernel slow \(in %gpu pick --wait\)"):
-            gpumagic.pick(1)  # this kernel picks again at once: behind both waiters
+        with pytest.raises(gpumagic.NotEnoughGpusError, match=r"goes to kernel slow \(in %gpu pick --wait\)|, slow\)"):
+            gpumagic.pick(1)  # this kernel picks again at once: behind both waiters (or slow has it already)
         slow, eager = started
         assert slow.stdout.readline().startswith("got")  # the first waiter, though it looks every 1.5 s
         assert [t.name for t in waiting_tickets()] == ["eager"]
@@ -370,3 +395,83 @@ def test_memory_limit_reaches_the_jobs_processes_and_needs_a_declared_size(simul
     capped = gpumagic.submit(limit, min_free="2GB", memory_limit=True, name="capped")
     free = gpumagic.submit(limit, min_free="2GB", name="uncapped")
     assert capped.result("60s") == str(2 * GIB) and free.result("60s") is None
+
+
+def test_a_waiting_kernel_that_dies_leaves_no_place_in_the_queue(monkeypatch):
+    monkeypatch.setenv("GPUMAGIC_SIMULATE", "1xA100-80GB")
+    gpumagic.pick(1)
+    waiter = subprocess.Popen(
+        [sys.executable, "-c", WAITER, "0.05", "doomed"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert waiter.stdout.readline().strip() == "waiting"
+        deadline = time.monotonic() + 10
+        while not waiting_tickets() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert [t.name for t in waiting_tickets()] == ["doomed"]
+    finally:
+        waiter.kill()
+        waiter.wait()
+    assert waiting_tickets() == []  # at once: not after the 30 s a job's runner has to take its ticket over
+    gpumagic.release()
+    assert gpumagic.pick(1).indices == (0,)
+
+
+def test_a_newcomers_round_is_the_round_being_served():
+    from gpumagic.devices.leases import LeaseView, TicketFile
+    from gpumagic.devices.placement import next_round
+
+    def made(uid, at, turn):
+        data = {"kind": "job", "name": f"t{at}", "request": Request(1).to_json(), "submitted_ns": at, "round": turn}
+        return TicketFile(leases.lease_dir() / f"queue.{uid}.t{at}.ab.json", uid, at, data)
+
+    assert next_round(LeaseView({}, ())) == 0
+    backlog = tuple(made(os.getuid() + 1, at, turn) for at, turn in ((1, 37), (2, 38)))
+    assert next_round(LeaseView({}, backlog)) == 37
+    assert next_round(LeaseView({}, (*backlog, made(os.getuid(), 3, 37)))) == 38
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("kind", "root"), ("round", -1), ("round", 1.5), ("name", "evil\x1b[2J"), ("name", "x" * 121), ("exclude", [-1])],
+)
+def test_tickets_with_malformed_fields_are_untrusted(field, value):
+    from gpumagic.devices.leases import _checked_ticket
+    from gpumagic.devices.shared_files import Untrusted
+
+    good = {"kind": "pick", "name": "nb.ipynb", "request": Request(1).to_json(), "submitted_ns": 1, "round": 3}
+    assert _checked_ticket(good)["round"] == 3
+    bad = {**good, "request": {**good["request"]}}
+    if field == "exclude":
+        bad["request"]["exclude"] = value
+    else:
+        bad[field] = value
+    with pytest.raises(Untrusted, match="malformed"):
+        _checked_ticket(bad)
+
+
+def test_a_user_whose_ticket_stalls_is_passed_over_whatever_its_tickets_are_called(monkeypatch):
+    """Another user's ticket that could start and is not taken up holds nobody up for long, and making new
+    tickets (new names) does not start the count again: that user's tickets count once it takes a lease."""
+    from gpumagic.devices.leases import Lease, LeaseView, TicketFile
+
+    monkeypatch.setenv("GPUMAGIC_SIMULATE", "1xA100-80GB")
+    monkeypatch.setattr(placement, "STALLED_S", 0.05)
+    inventory = read_inventory()
+    stranger = os.getuid() + 4242
+
+    def forged(name):
+        data = {"kind": "pick", "name": name, "request": Request(1).to_json(), "submitted_ns": 1, "round": 0}
+        return TicketFile(leases.lease_dir() / f"queue.{stranger}.{name}.ab.json", stranger, 1, data)
+
+    def place_with(*tickets, holding=()):
+        view = LeaseView({inventory[0].uuid: holding}, tickets)
+        return placement.place(Request(1, shares=False), inventory, view)
+
+    assert not place_with(forged("f1")).gpus  # it could start: it goes first
+    time.sleep(0.1)
+    assert place_with(forged("f1")).gpus  # ... and did not: passed over
+    assert place_with(forged("f2")).gpus  # a new name changes nothing
+    lease = Lease(inventory[0].uuid + "-other", "mallory", 999999, time.time(), uid=stranger)
+    view = LeaseView({lease.uuid: (lease,)}, (forged("f3"),))
+    assert not placement.place(Request(1, shares=False), inventory, view).gpus  # it took a lease: counts again

@@ -92,8 +92,14 @@ def test_code_is_lint_clean_and_formatted():
         ),
         (
             "jobs.py",
-            ["--repeats", "1", "--watch-seconds", "2"],
-            ["job's first line runs after", "ratio gpumagic / sleep 5", "while %jobs watch follows them"],
+            ["--repeats", "1", "--watch-seconds", "2", "--hold-seconds", "1", "--fair-seconds", "3"],
+            [
+                "job's first line runs after",
+                "ratio gpumagic / sleep 5",
+                "while %jobs watch follows them",
+                "  this checkout                starts",
+                "  this checkout                picks",
+            ],
         ),
     ],
 )

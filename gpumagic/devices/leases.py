@@ -647,12 +647,6 @@ def claim_ticket(key: str) -> TicketFile | None:
     return None
 
 
-def waiting_of_this_user() -> int:
-    """How many tickets of this user are in the lease directory now (a new ticket's round)."""
-    prefix = f"queue.{os.getuid()}."
-    return sum(1 for name in _listdir(lease_dir()) if name.startswith(prefix) and TICKET_NAME.match(name))
-
-
 def remove_tickets(key: str) -> None:
     """Take ``key``'s tickets out of the queue (a killed job's, even one its runner never took over)."""
     directory = lease_dir()
@@ -666,17 +660,18 @@ def remove_tickets(key: str) -> None:
 def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> list[TicketFile]:
     """The tickets that count: locked by their holder (for another user's, by a process of that user: a
     gpumagic job runner for a job's ticket, per ``/proc/locks``), or not locked yet but made less than
-    ``provisional_s`` ago while the runner starts (``OTHERS_PROVISIONAL_S`` for other users' tickets). This
-    user's dead tickets are removed; other users' suspicious ones are noted as ignored."""
+    ``provisional_s`` ago while the runner starts (``OTHERS_PROVISIONAL_S`` for other users' tickets; never
+    for a waiting kernel's, which it locks as it makes it). This user's dead tickets are removed; other users'
+    suspicious ones are noted as ignored."""
     found = []
     holders = shared_files.flock_holders()
     now = time.time_ns()
+    doubtful = []  # locked by the wrong process: looked at again once, together, 20 ms later
     for name in names:
         match = TICKET_NAME.match(name)
         if match is None:
             continue
         uid = int(match.group(1))
-        mine = uid == os.getuid()
         path = directory / name
         read = _read_shared(path, uid)
         if read is None:
@@ -684,33 +679,51 @@ def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> li
         raw, info, locked = read
         try:
             data = _checked_ticket(raw)
-            pids = holders.get((info.st_dev, info.st_ino), [])
-            if locked and not pids:  # locked since /proc/locks was read: read it again
-                holders = shared_files.flock_holders()
-                pids = holders.get((info.st_dev, info.st_ino), [])
-            runner = data["kind"] == "job"
-            if (locked or pids) and not _held_by(pids, uid, runner) and not _holder_later(info, uid, runner):
-                if mine:  # someone else locked our ticket (before our runner could): it is no place of ours
-                    with contextlib.suppress(OSError):
-                        path.unlink()
-                    continue
-                raise Untrusted(
-                    "locked by a process that is not that user's gpumagic job runner"
-                    if runner
-                    else "locked by a process of another user"
-                )
         except Untrusted as why:
             shared_files.note_ignored(name, str(why))
             continue
-        window = provisional_s if mine else min(provisional_s, OTHERS_PROVISIONAL_S)
-        if not locked and not pids and now - info.st_ctime_ns > window * 1e9:  # its runner is gone or never came
-            if mine:
-                with contextlib.suppress(OSError):
-                    path.unlink()
+        pids = holders.get((info.st_dev, info.st_ino), [])
+        if locked and not pids:  # locked since /proc/locks was read: read it again
+            holders = shared_files.flock_holders()
+            pids = holders.get((info.st_dev, info.st_ino), [])
+        ticket = TicketFile(path, uid, info.st_ctime_ns, data)
+        if (locked or pids) and not _held_by(pids, uid, ticket.kind == "job"):
+            doubtful.append((ticket, info))  # another process's probe (``is_locked``) holds a lock for microseconds
             continue
-        shared_files.trusted(name)
-        found.append(TicketFile(path, uid, info.st_ctime_ns, data))
+        if _counts(ticket, bool(locked or pids), now, provisional_s):
+            found.append(ticket)
+    if doubtful:  # what a hostile process holds, it still holds
+        time.sleep(0.02)
+        holders = shared_files.flock_holders()
+        for ticket, info in doubtful:
+            pids = holders.get((info.st_dev, info.st_ino), [])
+            if not pids or _held_by(pids, ticket.uid, ticket.kind == "job"):
+                if _counts(ticket, bool(pids), now, provisional_s):
+                    found.append(ticket)
+            elif ticket.uid == os.getuid():  # someone else locked our ticket (before our runner could): no place
+                with contextlib.suppress(OSError):
+                    ticket.path.unlink()
+            else:
+                job = ticket.kind == "job"
+                why = "locked by a process that is not that user's gpumagic job runner" if job else None
+                shared_files.note_ignored(ticket.path.name, why or "locked by a process of another user")
     return found
+
+
+def _counts(ticket: TicketFile, held: bool, now: int, provisional_s: float) -> bool:
+    """Whether a ticket that passed the checks counts: held, or made within its window (removed if ours and
+    not); it is then trusted."""
+    mine = ticket.uid == os.getuid()
+    window = provisional_s if mine else min(provisional_s, OTHERS_PROVISIONAL_S)
+    if ticket.kind == "pick":  # a waiting kernel locks its ticket as it makes it: unlocked, it is gone
+        window = 0.0
+    if not held and now - ticket.made_ns > window * 1e9:  # its runner is gone or never came
+        if mine:
+            with contextlib.suppress(OSError):
+                ticket.path.unlink()
+        return False
+    shared_files.trusted(ticket.path.name)
+    return True
 
 
 def _checked_ticket(data: dict) -> dict:
@@ -721,8 +734,8 @@ def _checked_ticket(data: dict) -> dict:
         Untrusted: a field is missing, of the wrong type or out of range (Infinity, nested lists...).
     """
     request, name, submitted = data.get("request"), data.get("name"), data.get("submitted_ns", 0)
-    if not isinstance(request, dict) or not isinstance(name, str):
-        raise Untrusted("a ticket with malformed fields")
+    if not isinstance(request, dict) or not isinstance(name, str) or not name.isprintable() or len(name) > 120:
+        raise Untrusted("a ticket with malformed fields")  # its name is shown to others: one plain line
     count, uuids, min_free = request.get("count", 1), request.get("uuids") or [], request.get("min_free")
     kind, shares, turn = data.get("kind", "job"), request.get("shares", min_free is not None), data.get("round", 0)
     percent, util, exclude = request.get("min_free_percent"), request.get("max_util"), request.get("exclude") or []
@@ -753,14 +766,6 @@ def _checked_ticket(data: dict) -> dict:
     request = {"count": count, "uuids": uuids, "min_free": min_free, "shares": shares}
     request.update(min_free_percent=percent, max_util=util, exclude=exclude)
     return {"kind": kind, "name": name, "request": request, "submitted_ns": submitted, "round": turn}
-
-
-def _holder_later(info: os.stat_result, uid: int, runner: bool) -> bool:
-    """A second look, 20 ms later: whether the ticket is unlocked or held as it should be now. Another
-    process's probe (``is_locked``) holds a lock for microseconds; what a hostile process holds, it still holds."""
-    time.sleep(0.02)
-    pids = shared_files.flock_holders().get((info.st_dev, info.st_ino), [])
-    return not pids or _held_by(pids, uid, runner)
 
 
 def _held_by(pids: list[int], uid: int, runner: bool) -> bool:

@@ -11,9 +11,10 @@ reason reads the same everywhere:
 - **explain**: every GPU's reason, naming every holder and sharer.
 
 Requests that wait hold a ticket in the lease directory (``leases.create_ticket``). Tickets are served in queue
-order: round-robin between users (each user's first ticket, then each user's second, ...), by arrival within a
-round. A ticket that cannot start does not hold up a later one that can (backfill), until it has waited
-``BACKFILL_BOUND_S``: then the GPUs it would take are held for it, and later tickets backfill around them only.
+order (``queue_order``): round-robin between users, by arrival within a round. A ticket that cannot start does
+not hold up a later one that can (backfill), until a job's ticket has waited ``BACKFILL_BOUND_S``: then the
+GPUs it could use are held for it, and later tickets backfill around them only. Another user whose ticket could
+start and is not taken up within ``STALLED_S`` is passed over (tickets are files anyone can write).
 
 A job that declares its memory (``--min-free 25GB``) *shares*: it reserves that much on each of its GPUs until
 it ends, and is placed at once where the available memory is enough; a job that declares nothing takes whole
@@ -22,10 +23,12 @@ GPUs, as a kernel does.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gpumagic.devices import leases as leasing
@@ -37,7 +40,9 @@ from gpumagic.units import format_bytes, format_duration, parse_duration
 BACKFILL_BOUND_VARIABLE = "GPUMAGIC_BACKFILL_BOUND"
 BACKFILL_BOUND_S = 600.0  # how long a ticket may be passed over by later, smaller ones before its GPUs are held
 STALLED_S = 10.0  # another user's ticket that could start this long and did not is no longer waited for
+UNSEEN_GRACE_S = 30.0  # a sharer none of whose processes can be seen on its GPU is taken to have allocated then
 _startable_since: dict[str, float] = {}  # earlier tickets that could start now, since when (this process's view)
+_stalled_users: dict[int, frozenset[int]] = {}  # uid -> the lease holders it had when one of its tickets stalled
 
 
 @dataclass(frozen=True)
@@ -130,7 +135,11 @@ class Ticket:
         return int(self.file.data.get("round", 0))
 
     @property
-    def path(self) -> Any:
+    def submitted_ns(self) -> int:
+        return int(self.file.data.get("submitted_ns", 0))
+
+    @property
+    def path(self) -> Path:
         return self.file.path
 
     @property
@@ -153,7 +162,7 @@ class Ticket:
             if claimed is not None:
                 return cls(claimed, request)
         record = {"kind": kind, "name": name, "request": request.to_json(), "submitted_ns": int(submitted * 1e9)}
-        record.update(uid=os.getuid(), round=leasing.waiting_of_this_user())
+        record.update(uid=os.getuid(), round=next_round(leasing.read_view(leasing.book())))
         return cls(leasing.create_ticket(key, record, lock=not provisional), request)
 
     @classmethod
@@ -167,10 +176,11 @@ class Ticket:
 def queue_order(tickets: Iterable[Ticket]) -> list[Ticket]:
     """Round-robin between users, each round by arrival (when the lease directory saw the ticket made).
 
-    A ticket's round is how many tickets its user had waiting when it was made (its ``round`` field: 0, 1, 2
-    ... for a sweep), never less than its place among its user's tickets still waiting; each user's tickets
-    stay in arrival order. So a user who queued 40 jobs has one served per turn, as every other user does."""
-    by_arrival = sorted(tickets, key=lambda t: (t.made_ns, t.uid, t.path.name))
+    A ticket's round (its ``round`` field) is the round of the first waiting ticket when it was made, plus how
+    many tickets its user then had waiting: a sweep's jobs take successive rounds, and a newcomer's first job
+    joins the round being served. Each user's tickets stay in arrival order, one per round. So a user with 40
+    queued jobs has one served per turn, as every other user does."""
+    by_arrival = sorted(tickets, key=lambda t: (t.made_ns, t.uid, t.round, t.submitted_ns, t.path.name))
     last: dict[int, int] = {}
     rounds = []
     for ticket in by_arrival:
@@ -178,6 +188,14 @@ def queue_order(tickets: Iterable[Ticket]) -> list[Ticket]:
         rounds.append((turn, ticket))
         last[ticket.uid] = turn
     return [ticket for _, ticket in sorted(rounds, key=lambda pair: pair[0])]  # stable: arrival within a round
+
+
+def next_round(view: leasing.LeaseView) -> int:
+    """The round of a ticket this user makes now: the oldest waiting ticket's, plus this user's waiting ones."""
+    waiting = queue_order(Ticket.of(f) for f in view.tickets)
+    if not waiting:
+        return 0
+    return waiting[0].round + sum(1 for ticket in waiting if ticket.uid == os.getuid())
 
 
 def backfill_bound() -> float:
@@ -216,14 +234,15 @@ class Slot:
             return gpu.problem
         if gpu.mig_enabled:
             return "MIG mode is on (gpumagic chooses whole GPUs)"
-        if self.promised_to is not None:
-            return f"goes to {self.promised_to}, ahead in the queue"
-        if self.held_for is not None:
-            return f"held for {self.held_for}, waiting longer than {format_duration(backfill_bound())}"
         others = [lease for lease in self.leases if not (own and lease.mine)]
         whole = [lease for lease in others if not lease.shared]
         if whole:
             return "; ".join(lease.describe() for lease in whole)
+        kept = own and len(others) < len(self.leases)  # this kernel holds it already: it keeps it
+        if self.promised_to is not None and not kept:
+            return f"goes to {self.promised_to}, ahead in the queue"
+        if self.held_for is not None and not kept:
+            return f"held for {self.held_for}, waiting longer than {format_duration(backfill_bound())}"
         if (others or self.joined_by) and not request.shares:
             return "shared by jobs: " + describe_sharers(others, self.joined_by)
         reasons = []
@@ -270,14 +289,18 @@ def describe_holders(leases: Sequence[leasing.Lease]) -> str:
 def slots(inventory: Inventory, view: leasing.LeaseView) -> list[Slot]:
     """Every GPU of ``inventory`` as a slot, with its leases and its sharers' unallocated reservations."""
     parents = _Parents()
+    now = time.time()
     result = []
     for gpu in inventory.gpus:
         held = view.on(gpu.uuid)
         unallocated = 0
         for lease in held:
             if lease.shared and lease.reserve:
-                used = sum(p.gpu_memory or 0 for p in gpu.processes if parents.descends(p.pid, lease.pid))
-                unallocated += max(0, lease.reserve - used)
+                own = [p for p in gpu.processes if parents.descends(p.pid, lease.pid)]
+                if own and all(p.gpu_memory is not None for p in own):
+                    unallocated += max(0, lease.reserve - sum(p.gpu_memory or 0 for p in own))
+                elif now - lease.since < UNSEEN_GRACE_S:  # not started yet, or its processes cannot be told apart
+                    unallocated += lease.reserve  # (another container's pids, a hidden /proc, no per-process memory)
         result.append(Slot(gpu, held, unallocated))
     return result
 
@@ -340,11 +363,11 @@ def place(
     ``keep_own``: GPUs this process holds qualify (a kernel picking again); a job's placement passes False.
     Call under ``pick_lock()``, with ``view`` read there."""
     state = slots(inventory, view)
-    ordered = queue_order(Ticket.of(f) for f in view.tickets if mine is None or f.key != mine.file.key)
+    ordered = queue_order(Ticket.of(f) for f in view.tickets if mine is None or not _same_holder(f, mine.file))
     if mine is not None:
         ordered = queue_order([*ordered, mine])
         ordered = ordered[: ordered.index(mine)]
-    _serve_earlier(ordered, state)
+    _serve_earlier(ordered, state, view)
     good, reasons = choose(request, state, own=keep_own)
     chosen = good[: request.wants] if len(good) >= request.wants else []
     if request.uuids and len({s.gpu.uuid for s in state} & set(request.uuids)) < len(request.uuids):
@@ -352,20 +375,35 @@ def place(
     return Placement(request, tuple(s.gpu for s in chosen), tuple(s.gpu for s in good), reasons, len(inventory.gpus))
 
 
-def _serve_earlier(earlier: list[Ticket], state: list[Slot]) -> None:
-    """Let each earlier ticket take (on ``state``) what it would take now; hold GPUs for one past the bound."""
+def _same_holder(file: leasing.TicketFile, mine: leasing.TicketFile) -> bool:
+    return file.uid == mine.uid and file.key == mine.key
+
+
+def _serve_earlier(earlier: list[Ticket], state: list[Slot], view: leasing.LeaseView) -> None:
+    """Let each earlier ticket take (on ``state``) what it would take now; hold GPUs for a job past the bound.
+
+    Another user whose ticket could start for ``STALLED_S`` and did not take its GPUs is passed over, all its
+    tickets (whatever their names), until it takes a new lease: a ticket nobody serves holds nobody up."""
     now = time.monotonic()
     bound_ns = backfill_bound() * 1e9
+    holders = _holders_by_user(view)
+    for uid in [u for u, seen in _stalled_users.items() if holders.get(u, frozenset()) - seen]:
+        del _stalled_users[uid]  # it took a lease since: its tickets count again
     for ticket in earlier:
         key = ticket.path.name
+        stranger = ticket.uid != os.getuid()
+        if stranger and ticket.uid in _stalled_users:
+            shared_files.note_ignored(key, "a ticket of a user whose ticket could start and did not take its GPUs")
+            continue
         good, _ = choose(ticket.request, state)
         if len(good) < ticket.request.wants:
             _startable_since.pop(key, None)
-            if time.time_ns() - ticket.made_ns > bound_ns:
+            if ticket.kind == "job" and time.time_ns() - ticket.made_ns > bound_ns:
                 _hold_for(ticket, state)
             continue
         since = _startable_since.setdefault(key, now)
-        if ticket.uid != os.getuid() and now - since > STALLED_S:  # a runner or waiter looks 4 times a second
+        if stranger and now - since > STALLED_S:  # a runner or waiter looks 4 times a second
+            _stalled_users[ticket.uid] = holders.get(ticket.uid, frozenset())
             shared_files.note_ignored(key, f"its holder could start {STALLED_S:.0f}s ago and did not take its GPUs")
             continue
         for slot in good[: ticket.request.wants]:
@@ -375,16 +413,27 @@ def _serve_earlier(earlier: list[Ticket], state: list[Slot]) -> None:
         del _startable_since[key]
 
 
+def _holders_by_user(view: leasing.LeaseView) -> dict[int, frozenset[int]]:
+    """uid -> the processes of that user holding leases now."""
+    holders: dict[int, set[int]] = {}
+    for held in view.leases.values():
+        for lease in held:
+            holders.setdefault(lease.uid, set()).add(lease.pid)
+    return {uid: frozenset(pids) for uid, pids in holders.items()}
+
+
 def _hold_for(ticket: Ticket, state: list[Slot]) -> None:
-    """Hold for ``ticket`` the GPUs it could have once their holders end: those it would qualify for if
-    nobody held them, fewest holders first. Later tickets may not take them."""
+    """Hold for ``ticket`` the GPUs it could have once their holders end: those it would qualify for if nobody
+    held them and their memory were all free (its memory need kept, business ignored), fewest holders first.
+    Later tickets may not take them. Nothing is held for a request no set of GPUs here could ever meet."""
     request = ticket.request
-    free_of_holders = [
-        Slot(s.gpu, (), 0)
+    empty = [
+        Slot(dataclasses.replace(s.gpu, memory_free=s.gpu.memory_total, memory_used=0), (), 0)
         for s in state
         if s.held_for is None and s.promised_to is None and (not request.uuids or s.gpu.uuid in request.uuids)
     ]
-    good, _ = choose(Request(request.count, request.uuids, None, False, None, None, request.exclude), free_of_holders)
+    needs = dataclasses.replace(request, max_util=None)
+    good, _ = choose(needs, empty)
     if len(good) < request.wants:
         return
     by_uuid = {s.gpu.uuid: s for s in state}

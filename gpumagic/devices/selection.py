@@ -99,11 +99,13 @@ def pick(
     try:
         while True:
             try:
-                with leasing.pick_lock():
-                    view = leasing.read_view(leasing.book())
-                    placed = place(request, inventory, view, ticket)
-                    if placed.gpus and _lease(placed.gpus):
-                        return _select(inventory, list(placed.gpus), _why_picked(placed, request))
+                with leasing.pick_lock(exclusive=False):  # most looks of a waiting kernel find nothing to take
+                    placed = place(request, inventory, leasing.read_view(leasing.book()), ticket)
+                if placed.gpus:
+                    with leasing.pick_lock():
+                        placed = place(request, inventory, leasing.read_view(leasing.book()), ticket)
+                        if placed.gpus and _lease(placed.gpus):
+                            return _select(inventory, list(placed.gpus), _why_picked(placed, request))
             except leasing.LeaseBusy as busy:
                 if time.monotonic() >= deadline:
                     raise

@@ -374,11 +374,15 @@ class LeaseBook:
 
     def as_lease(self, uuid: str) -> Lease:
         """This process's lease on ``uuid`` as a record would show it."""
-        pid = os.getpid()
-        label = self.label or os.environ.get("JPY_SESSION_NAME") or None
         since = self.since(uuid) or time.time()
         host = socket.gethostname()
-        return Lease(uuid, current_user(), pid, since, host, label, True, self.shares(uuid), uid=os.getuid())
+        return Lease(
+            uuid, current_user(), os.getpid(), since, host, self.holder_name(), True, self.shares(uuid), uid=os.getuid()
+        )
+
+    def holder_name(self) -> str | None:
+        """What the records call the holder: its label, or the notebook's name."""
+        return self.label or os.environ.get("JPY_SESSION_NAME") or None
 
     def shares(self, uuid: str) -> bool:
         """True if this process holds ``uuid`` as a shared lease (a sharing job's)."""
@@ -430,7 +434,7 @@ class LeaseBook:
             "process_start": process_start_time(pid),
             "since": since,
             "host": socket.gethostname(),
-            "notebook": self.label or os.environ.get("JPY_SESSION_NAME") or None,
+            "notebook": self.holder_name(),
             "shared": shared,
             "reserve": reserve,
         }

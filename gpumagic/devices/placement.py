@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from typing import Any
 from gpumagic.devices import leases as leasing
 from gpumagic.devices import shared_files
 from gpumagic.devices.model import GpuInfo, Inventory
+from gpumagic.devices.processes import parent_pid
 from gpumagic.errors import InvalidArgument
 from gpumagic.units import format_bytes, format_duration, parse_duration
 
@@ -375,6 +376,32 @@ def place(
     return Placement(request, tuple(s.gpu for s in chosen), tuple(s.gpu for s in good), reasons, len(inventory.gpus))
 
 
+def place_and_take(
+    request: Request,
+    inventory: Inventory,
+    take: Callable[[tuple[GpuInfo, ...]], bool],
+    mine: Ticket | None = None,
+    keep_own: bool = True,
+    wait_s: float | None = None,
+) -> Placement:
+    """``place`` under the shared pick lock (most looks of a waiter find nothing to take), and only when
+    something can be placed, again under the exclusive one, where ``take`` leases it. The placement returned
+    has ``gpus`` only if they were taken.
+
+    Raises:
+        LeaseBusy: the pick lock stayed taken for ``wait_s``.
+    """
+    with leasing.pick_lock(exclusive=False, wait_s=wait_s):
+        placed = place(request, inventory, leasing.read_view(leasing.book()), mine, keep_own)
+    if not placed.gpus:
+        return placed
+    with leasing.pick_lock(wait_s=wait_s):
+        placed = place(request, inventory, leasing.read_view(leasing.book()), mine, keep_own)
+        if placed.gpus and take(placed.gpus):
+            return placed
+    return dataclasses.replace(placed, gpus=())
+
+
 def _same_holder(file: leasing.TicketFile, mine: leasing.TicketFile) -> bool:
     return file.uid == mine.uid and file.key == mine.key
 
@@ -450,11 +477,7 @@ class _Parents:
 
     def parent(self, pid: int) -> int:
         if pid not in self._parent:
-            try:
-                with open(f"/proc/{pid}/stat", "rb") as handle:
-                    self._parent[pid] = int(handle.read().rpartition(b")")[2].split()[1])
-            except (OSError, ValueError, IndexError):
-                self._parent[pid] = 0
+            self._parent[pid] = parent_pid(pid) or 0
         return self._parent[pid]
 
     def descends(self, pid: int, ancestor: int) -> bool:

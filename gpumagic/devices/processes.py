@@ -129,6 +129,23 @@ def kill_own_process(pid: int, gpu_pids: set[int], timeout: float = 5.0) -> Kill
     return KillReport(pid, command, used, time.monotonic() - start)
 
 
+def read_stat(pid: int) -> tuple[bytes, list[bytes]] | None:
+    """``/proc/PID/stat`` split where its command ends: (``PID (command)``, fields 3 on of proc(5): state,
+    parent pid, ...), so a command holding spaces or parentheses cannot shift them; None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            head, _, rest = handle.read().rpartition(b")")
+    except OSError:
+        return None
+    return head, rest.split()
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of ``pid`` (0 for the first process), None if it is gone or unreadable."""
+    stat = read_stat(pid)
+    return int(stat[1][1]) if stat and len(stat[1]) > 1 else None
+
+
 def is_running(pid: int) -> bool:
     """True while ``pid`` runs; a zombie (dead, not yet reaped by its parent) counts as gone."""
     try:

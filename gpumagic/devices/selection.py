@@ -17,7 +17,7 @@ from gpumagic.devices import visibility
 from gpumagic.devices.cuda_state import cuda_initialized
 from gpumagic.devices.inventory import read_inventory, require_gpus
 from gpumagic.devices.model import GpuInfo, Inventory
-from gpumagic.devices.placement import Placement, Request, Ticket, describe_holders, explain, place
+from gpumagic.devices.placement import Placement, Request, Ticket, describe_holders, explain, place_and_take
 from gpumagic.devices.spec import SpecError, parse_spec, resolve
 from gpumagic.errors import GpuLeasedError, InvalidArgument, NotEnoughGpusError
 from gpumagic.units import GIB, format_duration, parse_duration, parse_percent, parse_size_or_percent
@@ -99,13 +99,9 @@ def pick(
     try:
         while True:
             try:
-                with leasing.pick_lock(exclusive=False):  # most looks of a waiting kernel find nothing to take
-                    placed = place(request, inventory, leasing.read_view(leasing.book()), ticket)
+                placed = place_and_take(request, inventory, _lease, ticket)
                 if placed.gpus:
-                    with leasing.pick_lock():
-                        placed = place(request, inventory, leasing.read_view(leasing.book()), ticket)
-                        if placed.gpus and _lease(placed.gpus):
-                            return _select(inventory, list(placed.gpus), _why_picked(placed, request))
+                    return _select(inventory, list(placed.gpus), _why_picked(placed, request))
             except leasing.LeaseBusy as busy:
                 if time.monotonic() >= deadline:
                     raise
@@ -117,7 +113,7 @@ def pick(
                 note = f" after waiting {format_duration(timeout)}" if timeout else ""
                 raise NotEnoughGpusError(n, tuple(g.nvml_index for g in placed.qualify), placed.reasons, note)
             if ticket is None:
-                label = leasing.book().label or os.environ.get("JPY_SESSION_NAME") or f"pid {os.getpid()}"
+                label = leasing.book().holder_name() or f"pid {os.getpid()}"
                 ticket = Ticket.create(label[:80], request, time.time(), f"pick-{os.getpid()}", kind="pick")
             if on_wait is not None:
                 on_wait(

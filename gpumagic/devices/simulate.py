@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumagic.devices.model import GpuInfo, GpuProcess, Inventory
+from gpumagic.devices.processes import read_stat
 from gpumagic.errors import InvalidArgument
 from gpumagic.units import GIB, parse_percent, parse_size
 
@@ -330,13 +331,10 @@ def _identity(pid: int) -> tuple[str, ...] | None:
     """What tells ``pid``'s current program apart from an earlier one of the same PID, or from the same process
     before it called ``exec``: its start time, command name and the address of its environment (all from
     ``/proc/PID/stat``; the address reads 0 for processes this user may not inspect). None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            line = handle.read().decode(errors="replace")
-    except OSError:
+    stat = read_stat(pid)
+    if stat is None:
         return None
-    command, _, rest = line.rpartition(")")
-    fields = rest.split()
+    command, fields = stat[0].decode(errors="replace"), [f.decode() for f in stat[1]]
     if len(fields) < 49:  # before Linux 3.5: no environment address
         return (command, *fields[19:20])
     return (command, fields[19], fields[47], fields[48])  # fields 2, 22, 50 and 51 of proc(5)

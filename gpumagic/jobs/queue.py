@@ -73,13 +73,12 @@ def wait_for_gpus(
         while True:
             inventory = read_inventory()
             try:
-                with leasing.pick_lock(exclusive=False, wait_s=poll_s * 4):  # most looks find nothing to take
-                    chosen, reason = place(ticket, inventory, book)
-                if chosen:
-                    with leasing.pick_lock(wait_s=poll_s * 4):
-                        chosen, reason = place(ticket, inventory, book)
-                        if chosen and take(chosen, request, book):
-                            return sorted(chosen, key=lambda g: g.nvml_index)
+                placed = placement.place_and_take(
+                    request, inventory, lambda gpus: take(list(gpus), request, book), ticket, False, poll_s * 4
+                )
+                if placed.gpus:
+                    return sorted(placed.gpus, key=lambda g: g.nvml_index)
+                reason = placed.explain()
             except leasing.LeaseBusy as busy:  # a waiting job stays queued, however long that lasts
                 reason = f"waiting for the GPU lease directory: {busy.holder} keeps its pick lock"
             if reason and reason != last:

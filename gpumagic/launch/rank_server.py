@@ -153,18 +153,9 @@ def _end_children(server_pid: int) -> None:
 
 
 def _children_of(parent: int) -> list[int]:
-    children = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as handle:
-                fields = handle.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == parent:
-            children.append(int(entry))
-    return children
+    from gpumagic.devices.processes import parent_pid
+
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and parent_pid(int(entry)) == parent]
 
 
 if os.environ.get(SERVER_VARIABLE) == str(os.getppid()):  # imported by the forkserver the kernel is starting

@@ -231,3 +231,15 @@ def test_a_refused_elastic_launch_takes_no_gpu(shell, simulated, taken_port):
     message = refused(shell, "launch_ddp", "-n 1 --gpus 0 --nnodes 1 --runs-dir /proc/1", "1")
     assert "/proc/1" in message
     assert len(leases.book().held()) == 1
+
+
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ("start --gpus-per-rank 5", "one rank with 5 GPUs needs 5 but 4 are available to this kernel"),
+        ("start --gpus all --gpus-per-rank 5", "too few for 1 rank(s) × 5 GPU(s)"),
+    ],
+)
+def test_a_group_wider_than_the_gpus_is_refused_in_one_line_leaving_no_run(shell, simulated, line, says):
+    """Issue #24: more GPUs per rank than exist was an IndexError traceback and a failed run left behind."""
+    assert says in refused(shell, "ddp", line)

@@ -279,3 +279,26 @@ def test_processes_started_by_ranks_end_with_a_killed_kernel(start_kernel, tmp_p
     assert seen[0] == "lost", seen
     assert "lost with its kernel" in seen[1], seen
     assert seen[2] == "False", "the payload sent to the ranks outlived the run"
+
+
+def test_rank_server_reports_go_with_their_kernel(tmp_path, monkeypatch):
+    """Issue #24: a report file per rank server start stayed in the temp directory (70 after a day)."""
+    import tempfile
+
+    from gpumagic.launch import rank_server
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    stale = tmp_path / f"{rank_server.REPORT_PREFIX}{ended.pid}-x1"
+    unnamed = tmp_path / f"{rank_server.REPORT_PREFIX}abcd1234"  # made before the pid was in the name
+    live = tmp_path / f"{rank_server.REPORT_PREFIX}{os.getpid()}-x2"
+    for path in (stale, unnamed, live):
+        path.write_text("torch")
+    assert sorted(rank_server.remove_stale_reports()) == sorted([stale.name, unnamed.name])
+    assert live.exists()
+    kernel = "import gpumagic; gpumagic.launch_ddp(lambda: 1, 1, gpus='none', write=lambda text: None)"
+    out = subprocess.run([sys.executable, "-c", kernel], env={**os.environ}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(rank_server.REPORT_PREFIX)] == [live.name]

@@ -333,3 +333,28 @@ def test_queued_jobs_of_two_users_are_served_round_robin(server):
     starts = {**alice.json(STARTS, timeout=150, **one_gpu), **bob.json(STARTS, timeout=150, **one_gpu)}
     assert {status for status, _ in starts.values()} == {"finished"}
     assert sorted(starts, key=lambda name: starts[name][1]) == ["a1", "b1", "a2", "a3"]
+
+
+def test_another_users_notebook_name_reaches_nobody_raw(server):
+    """Issue #24: a lease's ``notebook`` field was printed as written: ANSI escapes and newlines reached the cell."""
+    alice, bob, leases, uuids = server
+    evil = "\x1b[2J\x1b[31mroot needs your password\nsecond line\r"
+    bobs = bob.session(JPY_SESSION_NAME=evil)
+    try:
+        bobs.value("import gpumagic; gpumagic.use('0'); result = True")
+        seen = alice.json(
+            """
+            import gpumagic, json
+            out = {"status": repr(gpumagic.status())}
+            try:
+                gpumagic.use("0")
+            except gpumagic.GpumagicError as err:
+                out["refused"] = str(err)
+            print(json.dumps(out))
+            """
+        )
+    finally:
+        bobs.close()
+    assert "refused" in seen, seen
+    assert "\\x1b[2J\\x1b[31mroot needs your password\\nsecond line\\r" in seen["refused"], seen["refused"]
+    assert "\x1b" not in seen["refused"] and "\n" not in seen["refused"] and "\x1b" not in seen["status"]

@@ -44,17 +44,37 @@ def trusted(name: str) -> None:
             _ignored.pop(name, None)
 
 
-def forget_ignored(names: set[str]) -> None:
-    """Drop the notes of files that are gone (keep those still in ``names``)."""
+UNKNOWN = "not a file gpumagic writes"
+_unknown: set[str] = set()  # names of that kind, kept apart: a directory may hold 40,000 of them
+
+
+def note_unknown(names: set[str], present: set[str]) -> None:
+    """The names gpumagic does not write, as last listed (``present``: every name listed; notes of files that
+    are gone are dropped)."""
+    global _unknown
     with _ignored_lock:
-        for name in [n for n in _ignored if n not in names]:
+        for name in [n for n in _ignored if n not in present]:
             del _ignored[name]
+        _unknown = names
 
 
-def ignored() -> dict[str, str]:
-    """File name -> why it was ignored, for the files of the lease directory seen in its last reading."""
+def ignored(limit: int | None = None) -> tuple[dict[str, str], int]:
+    """File name -> why it was ignored, for the files of the lease directory seen in its last reading (at most
+    ``limit`` of the unknown names, the first by name), and how many more were left out."""
+    import heapq
+
     with _ignored_lock:
-        return dict(_ignored)
+        found, unknown = dict(_ignored), _unknown
+    shown = unknown if limit is None or len(unknown) <= limit else heapq.nsmallest(limit, unknown)
+    found.update(dict.fromkeys(shown, UNKNOWN))
+    return found, len(unknown) - len(shown)
+
+
+def one_line(value: object, limit: int) -> str:
+    """Text from another user's file as gpumagic shows it: control characters (ANSI escapes, newlines) written
+    as escapes, so none reaches a cell or a terminal, and at most ``limit`` characters."""
+    text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(value))
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def owner_name(uid: int) -> str:

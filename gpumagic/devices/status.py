@@ -21,6 +21,7 @@ class GpuStatus:
     too_late: str | None
     lease_problem: str | None = None
     ignored: dict[str, str] = field(default_factory=dict)  # lease directory file -> why gpumagic ignored it
+    ignored_more: int = 0  # ignored files not in ``ignored`` (junk names beyond the first few)
 
 
 def gather_status() -> GpuStatus:
@@ -29,11 +30,12 @@ def gather_status() -> GpuStatus:
     held: dict[str, tuple[leasing.Lease, ...]] = {}
     problem = None
     ignored: dict[str, str] = {}
+    more = 0
     if inventory.gpus:
         try:
             with leasing.pick_lock(exclusive=False):
                 held = leasing.read_view(leasing.book()).leases
-                ignored = shared_files.ignored()
+                ignored, more = shared_files.ignored(limit=5)
         except LeaseDirectoryError as err:
             problem = str(err)
-    return GpuStatus(inventory, held, current_visibility(inventory), cuda_initialized(), problem, ignored)
+    return GpuStatus(inventory, held, current_visibility(inventory), cuda_initialized(), problem, ignored, more)

@@ -227,15 +227,15 @@ class _Runner:
         rank_gpus = assign_gpus(uuids, nprocs, len(uuids) // nprocs) if uuids else tuple(() for _ in range(nprocs))
         use_cuda = bool(uuids) and not any(g.simulated for g in gpus)
         backend = (spec.get("backend") or ("nccl" if use_cuda else "gloo")) if ddp else None
-        listener, port = local.loopback_listener(None, keep=ddp is not None)
         files = self.files
         make_launch_directories(files)
+        listener = local.store_listener(files)
         plan = LaunchPlan.on_this_machine(  # a CPU job's ranks see no GPU: the plan hides them
             self.run_dir,
             rank_gpus,
             backend=backend,
             use_cuda=use_cuda,
-            master_port=port,
+            master_port=local.loopback_port(None),
             timeout_s=float(spec.get("timeout_s") or 1800.0),
         )
         reserve = spec["request"].get("min_free")

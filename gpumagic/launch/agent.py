@@ -7,12 +7,14 @@ the whole group when a rank fails (up to the run's ``max_restarts``), and record
 ``agents/<node>.events.jsonl`` of the run directory.
 
 Rendezvous stores listen only on the address they are named by: the rendezvous endpoint (served by the
-notebook's node, on the socket the kernel bound) and each round's rank-0 address.
+notebook's node, on the socket the kernel bound) and each round's rank-0 address; both are gpumagic's own
+stores (``secure_store``), which only agents and ranks holding the user's key can use.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import ipaddress
 import json
 import os
@@ -159,28 +161,39 @@ def _set_environment(spec: dict[str, Any], host: str) -> None:
 
 
 def _rendezvous_store(host: str, port: int, hosting: bool, listen_fd: int | None, timeout_s: float) -> Any:
-    import datetime
+    """The rendezvous store (``secure_store``): served here when this node hosts it, else reached at the
+    endpoint; either way only agents and ranks holding the user's key get in."""
+    from gpumagic.launch import secure_store
 
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=timeout_s)
+    address = f"tcp:[{host}]:{port}" if ":" in host else f"tcp:{host}:{port}"
     if not hosting:
         try:
-            client = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=CONNECT_TIMEOUT_S))
-            client.set_timeout(timeout)
-            return client
-        except Exception as err:  # noqa: BLE001 - torch raises several kinds
+            client = secure_store.connect(address, CONNECT_TIMEOUT_S)
+        except secure_store.StoreRefused as err:
+            raise AgentError(
+                f"{err}: it is not your notebook's rendezvous (another user's, or a stale endpoint)"
+            ) from None
+        except (TimeoutError, OSError) as err:
             raise AgentError(
                 f"cannot reach the rendezvous at {host}:{port} ({err}); is the notebook's launch still running, and "
                 "can this node reach that address?"
             ) from None
-    if listen_fd is None:
+        client.set_timeout(datetime.timedelta(seconds=timeout_s))
+        return client
+    if listen_fd is not None:
+        listener = socket.socket(fileno=listen_fd)
+    else:
         try:
-            listener = socket.create_server((host, port), backlog=256)
+            listener = secure_store.listen(address)
         except OSError as err:
             raise AgentError(f"cannot listen on {host}:{port} ({err.strerror}); name an address of this node") from None
-        listen_fd = listener.detach()
-    return dist.TCPStore(host, port, None, True, timeout, multi_tenant=True, master_listen_fd=listen_fd)
+    server, client = secure_store.serve_and_connect(listener, address, CONNECT_TIMEOUT_S)
+    _SERVED.append(server)  # for the agent's life
+    client.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return client
+
+
+_SERVED: list[Any] = []
 
 
 def _rendezvous_handler(

@@ -12,7 +12,7 @@ from typing import Any
 
 from gpumagic.errors import InvalidArgument
 from gpumagic.launch.failures import LaunchInterrupted
-from gpumagic.launch.local import loopback_listener
+from gpumagic.launch.local import loopback_port, store_listener
 from gpumagic.launch.output import OUTPUT_MODES, RankOutput, progress_lines
 from gpumagic.launch.plan import LaunchPlan, assign_gpus, check_backend, check_timeout, threads_per_rank
 from gpumagic.launch.rank import make_launch_directories, remove_launch_directories
@@ -255,17 +255,17 @@ def _launch(
         from gpumagic.launch.elastic import launch_elastic, prepare_elastic
 
         rendezvous = prepare_elastic(nnodes, rdzv_endpoint, node_rank, rdzv_id, max_restarts, runs_dir)
-    # a taken --port is refused before any GPU is leased; the listener is rank 0's from here on
-    listener, chosen_port = (None, 0) if elastic else loopback_listener(port, keep=process_group)
-    run_dir = None
+    chosen_port = 0 if elastic else loopback_port(port)  # a taken --port is refused before any GPU is leased
+    run_dir = listener = None
     try:
         if not elastic:  # a full disk or an unsafe runs directory is refused before any GPU is leased, too
             run_dir = store.new_run("ddp", ranks=0)
             files = RunFiles(run_dir)
             make_launch_directories(files)
+            listener = store_listener(files)  # rank 0's from here on
         available, simulated = _rank_gpus(gpus, nprocs, gpus_per_rank)
         if nprocs is None:
-            nprocs = len(available) // gpus_per_rank if available else DEFAULT_CPU_RANKS
+            nprocs = default_nprocs(available, gpus_per_rank)
         _check_nprocs(nprocs)
         if not process_group and gpus is None:  # as under mp.spawn, every process sees the kernel's GPUs
             rank_gpus = tuple(tuple(available) for _ in range(nprocs))
@@ -385,6 +385,22 @@ def _check_enough(spec: str, nprocs: int | None, per_rank: int) -> None:
             f"--gpus {spec} names {named} GPU(s), too few for {nprocs or 1} rank(s) × {per_rank} GPU(s) = {needed}; "
             "name more, lower -n or --gpus-per-rank, or run the ranks on the CPU with --gpus none"
         )
+
+
+def default_nprocs(available: list[str], gpus_per_rank: int) -> int:
+    """How many ranks run when none is asked for: one per ``gpus_per_rank`` GPUs, or 2 CPU ranks without GPUs.
+
+    Raises:
+        InvalidArgument: fewer GPUs than one rank needs.
+    """
+    if not available:
+        return DEFAULT_CPU_RANKS
+    if len(available) < gpus_per_rank:
+        raise InvalidArgument(
+            f"one rank with {gpus_per_rank} GPUs needs {gpus_per_rank} but {len(available)} are available to this "
+            f"kernel; lower --gpus-per-rank to at most {len(available)}, or pick more GPUs with %gpu pick"
+        )
+    return len(available) // gpus_per_rank
 
 
 def _check_nprocs(nprocs: object) -> None:

@@ -118,7 +118,6 @@ class GroupRank:
         self.collective: tuple[str, float] | None = None
         self.collectives = 0  # collectives called so far: peers that differ are out of step
         self.group_sockets: dict[int, int] = {}  # fd -> inode of the process group's connections
-        self.store_port = 0
         self.broken = False
         self.to_wrap: dict[str, dict[str, Any]] = {}  # kept DDP models a fresh rank got as modules
 
@@ -246,24 +245,25 @@ class GroupRank:
 
     # --- the process group -----------------------------------------------------------------------------
 
-    def do_join(self, addr: str, port: int | None) -> int:
-        """Join a fresh process group (rank 0 serves its store on a free port and reports it first)."""
+    def do_join(self, ident: int, address: str | None) -> str:
+        """Join a fresh process group. Rank 0 serves its store (``secure_store``) on a new Unix socket in the
+        run's private launch directory and reports the address first; the others are given it."""
         import torch.distributed as dist
+
+        from gpumagic.launch import secure_store
 
         if dist.is_initialized():  # the old group could not be left: joining would reuse it
             raise RuntimeError("this rank is still in its old process group; %ddp restart starts a fresh group")
         before = set(_socket_inodes().values())
         listener = None
-        if port is None:
-            listener = socket.create_server((addr, 0), backlog=256)
-            port = listener.getsockname()[1]
-            self.send(("port", -1, port))  # persistent.PORT
-        self.store_port = port
-        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+        if address is None:
+            address = f"unix:{self.setup.files.launch / f'store-{ident}.sock'}"
+            listener = secure_store.listen(address)
+            self.send(("store", -1, address))  # persistent.STORE
+        os.environ[secure_store.VARIABLE] = address
         join_process_group(
             self.setup.backend or "gloo",
-            addr,
-            port,
+            address,
             self.setup.rank,
             self.setup.world_size,
             self.setup.timeout_s,
@@ -272,7 +272,7 @@ class GroupRank:
         self.group_sockets = {fd: inode for fd, inode in _socket_inodes().items() if inode not in before}
         self.broken = False
         self.collectives = 0  # counted from this group's start, the same on every rank
-        return port
+        return address
 
     def do_leave(self) -> None:
         """Leave the process group (broken first, so that no peer waits on this rank)."""
@@ -282,7 +282,9 @@ class GroupRank:
             return
         if not self.broken:
             self.break_group()
-        from gpumagic.launch.rank import _ENDED_PROCESS_GROUPS
+        from gpumagic.launch.rank import _ENDED_PROCESS_GROUPS, close_served_stores
+
+        close_served_stores()
 
         kept = len(_ENDED_PROCESS_GROUPS)
         try:
@@ -317,9 +319,7 @@ class GroupRank:
                 if connection.family in (socket.AF_INET, socket.AF_INET6) and not connection.getsockopt(
                     socket.SOL_SOCKET, socket.SO_ACCEPTCONN
                 ):
-                    ports = (connection.getsockname()[1], connection.getpeername()[1])
-                    if self.store_port not in ports:  # the store's own connections stay: it is dropped whole
-                        connection.shutdown(socket.SHUT_RDWR)
+                    connection.shutdown(socket.SHUT_RDWR)  # the store's connections are Unix sockets: they stay
             except OSError:
                 pass
             finally:
@@ -415,8 +415,9 @@ class GroupRank:
     def do_export(self) -> tuple[bytes, list[str]]:
         """The state registered with ``gpumagic.keep``, pickled together (DDP models as their modules), and
         the names it could not include."""
-        import cloudpickle
         from torch.nn.parallel import DistributedDataParallel
+
+        from gpumagic.launch.shipping import dumps
 
         state: dict[str, Any] = {}
         wrapped: dict[str, dict[str, Any]] = {}
@@ -435,7 +436,7 @@ class GroupRank:
             for n, v in self.namespace.items()
             if isinstance(v, types.ModuleType) and not _hidden(n) and n not in self.provided
         }
-        return cloudpickle.dumps((state, wrapped, list(_kept), modules)), missing
+        return dumps((state, wrapped, list(_kept), modules)), missing
 
     def do_import(self, packed: bytes) -> list[str]:
         """Take the state another rank exported (tensors land on this rank's own device); the names set."""
@@ -511,10 +512,11 @@ def _dumps_to_cpu(value: Any) -> bytes:
     tensor copied to the CPU, so the kernel can load it without a GPU."""
     import io
 
-    import cloudpickle
     import torch
 
-    class ToCpu(cloudpickle.Pickler):
+    from gpumagic.launch.shipping import pickler_class
+
+    class ToCpu(pickler_class()):
         def reducer_override(self, obj: Any) -> Any:
             if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
                 copy = obj.detach().to("cpu")

@@ -75,9 +75,9 @@ def run_local(
     return {o.rank: read_result(files, o.rank) for o in outcomes}
 
 
-def loopback_listener(port: int | None, keep: bool) -> tuple[Any, int]:
-    """A listening socket on 127.0.0.1 (``keep``: handed to rank 0, so nobody can take the port meanwhile),
-    or just a free port number for code that makes its own process group.
+def loopback_port(port: int | None) -> int:
+    """A port number for ``MASTER_PORT`` (``port`` if free on 127.0.0.1, else any free one), which only code that
+    reads it uses: gpumagic's own groups meet on the run's store (``store_listener``), never on a TCP port.
 
     Raises:
         InvalidArgument: ``port`` is taken.
@@ -86,21 +86,24 @@ def loopback_listener(port: int | None, keep: bool) -> tuple[Any, int]:
 
     from gpumagic.errors import InvalidArgument
 
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        listener.bind(("127.0.0.1", port or 0))
-    except OSError as err:
-        listener.close()
-        raise InvalidArgument(
-            f"port {port} is taken on 127.0.0.1 ({err.strerror}); leave out --port to use a free one"
-        ) from None
-    chosen = listener.getsockname()[1]
-    if not keep:
-        listener.close()
-        return None, chosen
-    listener.listen(256)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port or 0))
+        except OSError as err:
+            raise InvalidArgument(
+                f"port {port} is taken on 127.0.0.1 ({err.strerror}); leave out --port to use a free one"
+            ) from None
+        return probe.getsockname()[1]
+
+
+def store_listener(files: RunFiles) -> Any:
+    """The listening Unix socket of a local launch's store, in the run's private launch directory (made first):
+    handed to rank 0, which serves the store on it (``secure_store``); no other user can connect to it."""
+    from gpumagic.launch.secure_store import listen
+
+    listener = listen(f"unix:{files.store_socket}")
     listener.set_inheritable(False)
-    return listener, chosen
+    return listener
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import os
 import select
+import shutil
 import signal
 import sys
 import threading
@@ -37,7 +38,9 @@ from gpumagic.errors import GpumagicError, InvalidArgument
 from gpumagic.launch.failures import LaunchError, RankOutcome, root_cause
 from gpumagic.launch.output import OUTPUT_MODES, RankOutput
 from gpumagic.launch.plan import LaunchPlan, assign_gpus, check_backend, check_timeout
-from gpumagic.launch.shipping import CellPayload, FunctionPayload, ShippingError, pack, ship_cell, ship_function
+from gpumagic.launch.rank import make_launch_directories, remove_launch_directories
+from gpumagic.launch.shipping import CellPayload, FunctionPayload, ShippingError, dumps, pack, ship_cell, ship_function
+from gpumagic.telemetry.run_files import RunFiles
 
 DEFAULT_GRACE_S = 5.0
 START_TIMEOUT_S = 120.0
@@ -184,21 +187,23 @@ class RankGroup:
     # --- life --------------------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        from gpumagic.launch.ddp import DEFAULT_CPU_RANKS, _rank_gpus
+        from gpumagic.launch.ddp import _rank_gpus, default_nprocs
         from gpumagic.launch.rank_server import forkserver_context
         from gpumagic.telemetry import store
 
         gpus, per_rank = self.options["gpus"], self.options["gpus_per_rank"]
-        self.run_dir = store.new_run("ddp-group", ranks=0)
+        run_dir = store.new_run("ddp-group", ranks=0)
         try:
+            make_launch_directories(RunFiles(run_dir))  # the stores' sockets: private to the user
             available, simulated = _rank_gpus(gpus, self.requested, per_rank)
             nprocs = self.requested
             if nprocs is None:
-                nprocs = len(available) // per_rank if available else DEFAULT_CPU_RANKS
+                nprocs = default_nprocs(available, per_rank)
             self.rank_gpus = assign_gpus(available, nprocs, per_rank)
         except BaseException:
-            store.finish_run(self.run_dir, "failed")
+            shutil.rmtree(run_dir, ignore_errors=True)  # a refused start leaves nothing behind
             raise
+        self.run_dir = run_dir
         from gpumagic.devices.spec import parse_spec
 
         self.leased = gpus is not None and (gpus == "auto" or not parse_spec(gpus).none) and bool(available)
@@ -259,18 +264,17 @@ class RankGroup:
             raise GroupError(f"rank {rank} could not start: {message[2]['type']}: {message[2]['message']}")
 
     def _form(self) -> None:
-        """Form a fresh process group: rank 0 serves a new store on a free port, the others join it."""
-        addr = self.plan.master_addr
+        """Form a fresh process group: rank 0 serves a new store (``secure_store``), the others join it."""
         first, rest = self.members[0], self.members[1:]
-        self._mailbox.pop((0, PORT), None)  # a port from a rendezvous that was cut short
+        self._mailbox.pop((0, STORE), None)  # an address from a rendezvous that was cut short
         ident = self._next()
-        first.send(("join", ident, addr, None))
-        port_reply = self._wait(PORT, [first], time.monotonic() + START_TIMEOUT_S, kinds=("port", "failed"), also=ident)
-        if port_reply[0][0] == "failed":
-            raise GroupError(f"rank 0 could not serve the rendezvous: {port_reply[0][2]['message']}")
-        port = port_reply[0][2]
+        first.send(("join", ident, ident, None))
+        reply = self._wait(STORE, [first], time.monotonic() + START_TIMEOUT_S, kinds=("store", "failed"), also=ident)
+        if reply[0][0] == "failed":
+            raise GroupError(f"rank 0 could not serve the rendezvous: {reply[0][2]['message']}")
+        address = reply[0][2]
         for member in rest:
-            member.send(("join", ident, addr, port))
+            member.send(("join", ident, ident, address))
         replies = self._wait(ident, self.members, time.monotonic() + START_TIMEOUT_S)
         failed = sorted(r for r, m in replies.items() if m[0] != "done")
         if failed:
@@ -302,6 +306,7 @@ class RankGroup:
             with contextlib.suppress(GpumagicError, OSError):
                 selection.release()
         if getattr(self, "run_dir", None) is not None:
+            remove_launch_directories(RunFiles(self.run_dir))
             store.finish_run(self.run_dir, status)
 
     def __enter__(self) -> RankGroup:
@@ -373,10 +378,8 @@ class RankGroup:
     def push(self, **values: Any) -> None:
         """Set names on every rank (``push(lr=1e-3, batch=b)``); pushed names are the ranks' own from then on."""
         self._check_open()
-        import cloudpickle
-
         try:
-            packed = cloudpickle.dumps(values)
+            packed = dumps(values)
         except Exception:
             pack(FunctionPayload(dict, kwargs=values))
             raise
@@ -930,7 +933,7 @@ class RankGroup:
 
 _REPLIES = ("done", "failed", "interrupted")
 READY = 0  # the request number of a rank's "ready"
-PORT = -1  # and of rank 0's rendezvous port
+STORE = -1  # and of the address of rank 0's store
 
 
 def _collectives(reply: tuple) -> int | None:
@@ -990,10 +993,8 @@ def _whole_messages() -> Any:
 
 def _digest(name: str, value: Any) -> str:
     """A digest of the value as it would travel: equal digests, the ranks have it already."""
-    import cloudpickle
-
     try:
-        data = cloudpickle.dumps(value)
+        data = dumps(value)
     except Exception:  # noqa: BLE001 - pack() names the culprit
         pack(CellPayload("", "", {name: value}))
         raise ShippingError(f"cannot send {name!r} to the ranks") from None

@@ -16,7 +16,15 @@ MAX_TIMEOUT_S = 7 * 86400.0  # torch overflows (1e9 days) or hangs (1e5 days) on
 
 
 # the kernel's own variables, which a process it starts must not inherit
-KERNEL_ONLY = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPUMAGIC_RUN_DIR", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+KERNEL_ONLY = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "GPUMAGIC_RUN_DIR",
+    "GPUMAGIC_STORE",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+)
 
 
 def launch_environment() -> dict[str, str]:
@@ -58,6 +66,7 @@ class LaunchPlan:
     launcher_pid: int
     base_env: dict[str, str] = field(default_factory=dict)
     master_addr: str = "127.0.0.1"
+    store_address: str = ""  # the group's store (secure_store); MASTER_PORT is only for code that reads it
     node_rank: int = 0
     nnodes: int = 1
 
@@ -72,10 +81,14 @@ class LaunchPlan:
         master_port: int,
         timeout_s: float,
     ) -> LaunchPlan:
-        """The plan of a launch whose ranks all run here, started by this process, now."""
+        """The plan of a launch whose ranks all run here, started by this process, now: their store is a Unix
+        socket in the run's private launch directory (``RunFiles.store_socket``)."""
+        from gpumagic.telemetry.run_files import RunFiles
+
         nprocs = len(rank_gpus)
         return cls(
             run_dir=str(run_dir),
+            store_address=f"unix:{RunFiles(run_dir).store_socket}",
             nprocs=nprocs,
             master_port=master_port,
             backend=backend,
@@ -114,6 +127,8 @@ class LaunchPlan:
                 RUN_DIR_VARIABLE: self.run_dir,
             }
         )
+        if self.store_address:
+            env["GPUMAGIC_STORE"] = self.store_address  # secure_store.VARIABLE
         if self.nnodes == 1:  # keep gloo/NCCL bootstrap sockets on loopback for single-node runs
             env["GLOO_SOCKET_IFNAME"] = "lo"
             env["NCCL_SOCKET_IFNAME"] = "lo"

@@ -43,9 +43,8 @@ class RankSetup:
     rank: int
     local_rank: int
     world_size: int
-    backend: str | None  # None: no process group (spawn's code makes its own)
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0
+    backend: str | None  # None: no process group (spawn's code makes its own, on the same store)
+    store_address: str = ""  # the group's store (secure_store): unix:PATH on one machine, tcp:HOST:PORT across
     timeout_s: float = DEFAULT_TIMEOUT_S
     use_cuda: bool = False
     threads: int = 1
@@ -62,8 +61,7 @@ def plan_setup(plan: LaunchPlan, local_rank: int, listener: Any = None) -> RankS
         local_rank=local_rank,
         world_size=plan.world_size,
         backend=plan.backend,
-        master_addr=plan.master_addr,
-        master_port=plan.master_port,
+        store_address=plan.store_address,
         timeout_s=plan.timeout_s,
         use_cuda=plan.use_cuda,
         threads=plan.threads_per_rank,
@@ -108,6 +106,8 @@ class Rank:
         _seed_from_environment()
         if setup.backend is not None:  # before the code is loaded: it may hold torch's function already
             _accept_the_users_own_set_up(setup.backend, setup.world_size, setup.rank)
+        elif setup.store_address:
+            _serve_the_users_own_group(setup)
         from gpumagic.launch.signing import read_sealed
 
         path = setup.files.payload
@@ -122,8 +122,7 @@ class Rank:
             self.phase = "rendezvous"
             join_process_group(
                 setup.backend,
-                setup.master_addr,
-                setup.master_port,
+                setup.store_address,
                 setup.rank,
                 setup.world_size,
                 setup.timeout_s,
@@ -238,8 +237,7 @@ def run_rank(run_dir: Path) -> int:
             local_rank=local_rank,
             world_size=int(os.environ["WORLD_SIZE"]),
             backend=spec.get("backend") or None,
-            master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(os.environ.get("MASTER_PORT", "0")),
+            store_address=environment_store_address(),
             timeout_s=float(spec.get("timeout_s", DEFAULT_TIMEOUT_S)),
             use_cuda=use_cuda,
             threads=int(spec.get("threads_per_rank") or 1),
@@ -422,19 +420,58 @@ def rank_namespace(rank: int, local_rank: int, world_size: int, device: Any) -> 
     }
 
 
+def environment_store_address() -> str:
+    """The store of a rank started with torchrun's variables: ``GPUMAGIC_STORE``, else MASTER_ADDR:MASTER_PORT."""
+    from gpumagic.launch.secure_store import VARIABLE
+
+    address = os.environ.get(VARIABLE)
+    if address:
+        return address
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "0")
+    return f"tcp:[{host}]:{port}" if ":" in host else f"tcp:{host}:{port}"
+
+
+_STORE_SERVERS: list[Any] = []  # the stores this rank serves: alive while the rank runs (or until left)
+
+
+def group_store(
+    address: str, rank: int, timeout_s: float, listener: Any = None, served_prefix: str | None = None
+) -> Any:
+    """The process group's store at ``address`` (``secure_store``: only the user's own processes get in). Rank 0
+    serves it: on ``listener`` (a socket bound already by the launcher) when given, else on a socket it binds to
+    ``address`` itself, never on every interface. ``served_prefix``: an elastic agent serves the store already;
+    every rank is a client under that prefix."""
+    import torch.distributed as dist
+
+    from gpumagic.launch import secure_store
+
+    if served_prefix is not None:
+        return dist.PrefixStore(served_prefix, secure_store.connect(address, timeout_s))
+    if rank != 0:
+        return secure_store.connect(address, timeout_s)
+    if listener is None:
+        listener = secure_store.listen(address)
+    server, store = secure_store.serve_and_connect(listener, address, timeout_s)
+    _STORE_SERVERS.append(server)
+    return store
+
+
+def close_served_stores() -> None:
+    """Stop serving the stores of groups this rank left (a persistent group's rank, before a re-form)."""
+    while _STORE_SERVERS:
+        _STORE_SERVERS.pop().close()
+
+
 def join_process_group(
     backend: str,
-    addr: str,
-    port: int,
+    store_address: str,
     rank: int,
     world_size: int,
     timeout_s: float,
     listener: Any = None,
     served_prefix: str | None = None,
 ) -> None:
-    """Join the process group through a TCPStore at ``addr:port``. Rank 0 serves it: on ``listener`` (a socket
-    bound already) when given, else on a socket it binds to ``addr`` itself, never on every interface.
-    ``served_prefix``: an elastic agent serves the store already; every rank is a client under that prefix.
+    """Join the process group through its store (``group_store``).
 
     With gloo every rank then waits at a barrier, so that none finishes and exits while a peer is still
     connecting to it (``Gloo connectFullMesh failed ... Connection closed by peer``).
@@ -444,18 +481,51 @@ def join_process_group(
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    if served_prefix is not None:
-        client = dist.TCPStore(addr, port, world_size, False, timeout=timeout)
-        store = dist.PrefixStore(served_prefix, client)
-    elif rank == 0:
-        if listener is None:
-            listener = socket.create_server((addr, port), backlog=256)
-        store = dist.TCPStore(addr, port, world_size, True, timeout=timeout, master_listen_fd=listener.detach())
-    else:
-        store = dist.TCPStore(addr, port, world_size, False, timeout=timeout)
+    store = group_store(store_address, rank, timeout_s, listener, served_prefix)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     if backend == "gloo" and world_size > 1:
         dist.barrier()
+
+
+def _serve_the_users_own_group(setup: RankSetup) -> None:
+    """Code that makes its own group (``spawn``) the torchrun way (``init_process_group(backend)``, env://) gets
+    it on the launch's own store, which only the user's processes can reach, not on a TCPStore that answers
+    anyone at MASTER_PORT. A group made again after ``destroy_process_group`` meets under a fresh prefix."""
+    import inspect
+
+    import torch.distributed as dist
+
+    made = [0]
+    listener = [setup.listener]
+
+    def wrap(original: Any) -> Any:
+        signature = inspect.signature(original)
+
+        def init_process_group(*args: Any, **kwargs: Any) -> None:
+            asked = signature.bind_partial(*args, **kwargs).arguments
+            if asked.get("store") is not None or asked.get("init_method") not in (None, "env://"):
+                return original(*args, **kwargs)  # the user's own rendezvous: theirs to secure
+            rank = int(asked["rank"]) if asked.get("rank") not in (None, -1) else setup.rank
+            world = int(asked["world_size"]) if asked.get("world_size") not in (None, -1) else setup.world_size
+            timeout = asked.get("timeout")
+            timeout_s = timeout.total_seconds() if timeout is not None else setup.timeout_s
+            if made[0] == 0:
+                store = group_store(setup.store_address, rank, timeout_s, listener[0])
+                listener[0] = None
+                _USERS_STORE[:] = [store]
+            else:
+                store = _USERS_STORE[0] if rank == 0 else group_store(setup.store_address, rank, timeout_s)
+            made[0] += 1
+            asked.pop("init_method", None)
+            asked.update(store=dist.PrefixStore(f"gpumagic-init-{made[0]}", store), rank=rank, world_size=world)
+            return original(**asked)
+
+        return init_process_group
+
+    _replace_in_torch_distributed("init_process_group", wrap)
+
+
+_USERS_STORE: list[Any] = []
 
 
 def leave_process_group() -> None:
@@ -597,7 +667,9 @@ def _by_value_when_needed(self: Any, obj: Any) -> Any:
         return NotImplemented  # importable: pickled by reference as usual
     import cloudpickle
 
-    return cloudpickle.loads, (cloudpickle.dumps(obj),)
+    from gpumagic.launch.shipping import dumps
+
+    return cloudpickle.loads, (dumps(obj),)
 
 
 def _seed_from_environment() -> None:

@@ -103,7 +103,8 @@ def _ensure_server(wanted: list[str]) -> None:
     if _report is not None:
         with contextlib.suppress(OSError):
             os.unlink(_report)
-    handle, _report = tempfile.mkstemp(prefix="gpumagic-rank-server-")  # 0600, this user's
+    remove_stale_reports()
+    handle, _report = tempfile.mkstemp(prefix=f"{REPORT_PREFIX}{os.getpid()}-")  # 0600, this user's
     os.close(handle)
     os.environ.update({SERVER_VARIABLE: str(os.getpid()), REPORT_VARIABLE: _report})
     try:
@@ -113,6 +114,41 @@ def _ensure_server(wanted: list[str]) -> None:
         os.environ.pop(REPORT_VARIABLE, None)
     _preloaded = frozenset(wanted)
     _server_pid = server._forkserver_pid
+
+
+REPORT_PREFIX = "gpumagic-rank-server-"  # then the kernel's pid: the server removes it when it ends
+
+
+def remove_stale_reports() -> list[str]:
+    """Remove this user's rank server reports in the temp directory whose kernel is gone (a server killed
+    with SIGKILL cannot remove its own; before the pid was in the name, none was removed); the names removed."""
+    import tempfile
+
+    removed = []
+    directory = tempfile.gettempdir()
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            if not entry.name.startswith(REPORT_PREFIX):
+                continue
+            pid = entry.name[len(REPORT_PREFIX) :].split("-", 1)[0]
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                    continue
+                if pid.isdigit() and _alive(int(pid)):
+                    continue
+                os.unlink(entry.path)
+                removed.append(entry.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _server_has() -> frozenset[str]:
@@ -139,12 +175,15 @@ def _become_rank_server() -> None:
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     warnings.filterwarnings("ignore", message="forkserver: waitpid returned unexpected pid")  # adopted ones
-    atexit.register(_end_children, os.getpid())
+    atexit.register(_end_children, os.getpid(), report)
 
 
-def _end_children(server_pid: int) -> None:
+def _end_children(server_pid: int, report: str = "") -> None:
     if os.getpid() != server_pid:  # a rank forked from the server inherits the registration
         return
+    if report:
+        with contextlib.suppress(OSError):
+            os.unlink(report)
     for pid in _children_of(server_pid):
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)  # a rank leads its group: what it started is in it

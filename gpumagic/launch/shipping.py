@@ -139,20 +139,51 @@ def ship_function(fn: Callable[..., Any], args: tuple, kwargs: dict, rank_first:
     return FunctionPayload(fn, tuple(args), dict(kwargs), rank_first, notebook_sources([fn]))
 
 
+def dumps(value: Any) -> bytes:
+    """``cloudpickle.dumps(value)``, keeping the file name of every function's code: cloudpickle 3.1.3 writes
+    ``<dynamic-code>`` there, which would cut a rank's traceback off from the notebook cell's lines."""
+    import io
+
+    buffer = io.BytesIO()
+    pickler_class()(buffer).dump(value)
+    return buffer.getvalue()
+
+
+_PICKLER: type | None = None
+
+
+def pickler_class() -> type:
+    """cloudpickle's Pickler, made on first use to keep code objects' file names (``dumps``)."""
+    global _PICKLER
+    if _PICKLER is None:
+        import collections
+
+        import cloudpickle
+
+        original = cloudpickle.Pickler.dispatch_table[types.CodeType]
+
+        def reduce_code(code: types.CodeType) -> Any:
+            constructor, args = original(code)[:2]
+            args = tuple(code.co_filename if a == "<dynamic-code>" and isinstance(a, str) else a for a in args)
+            return constructor, args
+
+        table = collections.ChainMap({types.CodeType: reduce_code}, cloudpickle.Pickler.dispatch_table)
+        _PICKLER = type("Pickler", (cloudpickle.Pickler,), {"dispatch_table": table})
+    return _PICKLER
+
+
 def pack(payload: CellPayload | FunctionPayload) -> bytes:
     """The payload as the ranks receive it, pickled once (names that share objects keep sharing them).
 
     Raises:
         ShippingError: it cannot be pickled; the message names the variable or argument that cannot travel.
     """
-    import cloudpickle
-
     try:
-        return cloudpickle.dumps(payload)
+        return dumps(payload)
     except Exception as err:  # noqa: BLE001 - pickling fails with many exception types
         for name, value in payload.parts().items():  # only now pickle each part alone, to name the culprit
             try:
-                cloudpickle.dumps(value)
+                dumps(value)
             except Exception as part_err:  # noqa: BLE001
                 raise ShippingError(
                     f"cannot send {name!r} (a {type(value).__name__}) to the ranks: {type(part_err).__name__}: "

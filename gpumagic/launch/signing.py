@@ -67,6 +67,11 @@ def _key() -> bytes:
         return key
 
 
+def derived_key(purpose: bytes) -> bytes:
+    """A key for ``purpose`` (a store's handshake, ...), derived from this user's key so that none is reused."""
+    return hmac.new(_key(), b"gpumagic key for " + purpose, hashlib.sha256).digest()
+
+
 def seal(data: bytes) -> bytes:
     """``data`` with its seal in front."""
     return HEADER + hmac.new(_key(), data, hashlib.sha256).digest() + data

@@ -7,6 +7,7 @@ A run directory is a launch's, a background job's or a kernel's own (``telemetry
     launch/spec.json            how the ranks run: backend, timeout, CUDA, world (sealed JSON)
     launch/payload.pkl          the code every rank runs (sealed)
     launch/stop                 written by the notebook: every node's agent stops its ranks
+    launch/store.sock           the ranks' rendezvous store on one machine (rank 0 serves it)
     ranks/rank-R.log            rank R's stdout and stderr (elastic and Slurm ranks; local ranks use pipes)
     ranks/rank-R.json           rank R's latest start: attempt, pid, host, time
     ranks/rank-R.result.pkl     rank R's value (sealed)
@@ -65,6 +66,10 @@ class RunFiles:
     @property
     def payload(self) -> Path:
         return self.launch / "payload.pkl"
+
+    @property
+    def store_socket(self) -> Path:
+        return self.launch / "store.sock"
 
     @property
     def stop(self) -> Path:

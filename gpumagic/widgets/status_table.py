@@ -48,9 +48,12 @@ def notes(status: GpuStatus) -> list[str]:
     if status.lease_problem:
         result.append(f"⚠ leases unavailable: {status.lease_problem}")
     if status.ignored:
+        from gpumagic.devices.shared_files import one_line
+
         shown = sorted(status.ignored.items())
-        listed = "; ".join(f"{name} ({why})" for name, why in shown[:5])
-        more = f"; and {len(shown) - 5} more" if len(shown) > 5 else ""
+        listed = "; ".join(f"{one_line(name, 60)} ({why})" for name, why in shown[:5])
+        left = len(shown) - 5 + status.ignored_more
+        more = f"; and {left} more" if left > 0 else ""
         result.append(f"⚠ ignored in the lease directory: {listed}{more}")
     return result
 

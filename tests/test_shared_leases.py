@@ -337,7 +337,7 @@ def test_queued_jobs_of_two_users_are_served_round_robin(server):
 
 def test_another_users_notebook_name_reaches_nobody_raw(server):
     """Issue #24: a lease's ``notebook`` field was printed as written: ANSI escapes and newlines reached the cell."""
-    alice, bob, leases, uuids = server
+    alice, bob, _, _ = server
     evil = "\x1b[2J\x1b[31mroot needs your password\nsecond line\r"
     bobs = bob.session(JPY_SESSION_NAME=evil)
     try:

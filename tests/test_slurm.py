@@ -4,8 +4,10 @@ Slurm path builds the sbatch script through submitit itself, against stand-ins f
 
 from __future__ import annotations
 
+import os
 import stat
 import time
+from pathlib import Path
 
 import pytest
 from IPython.core.error import UsageError
@@ -201,3 +203,25 @@ def test_bad_launch_bg_slurm_lines_are_one_line_errors(shell, line, local_slurm)
         shell.run_cell_magic("launch_bg", line, "1")
     assert "\n" not in str(caught.value)
     assert gpumagic.list_jobs() == []
+
+
+REFUSING_SBATCH = """#!/bin/sh
+echo "sbatch: error: invalid partition specified: nope" >&2
+echo "sbatch: error: Batch job submission failed: Invalid partition name specified" >&2
+exit 1
+"""
+
+
+def test_a_refused_slurm_submission_is_one_line_and_leaves_nothing(shell, slurm_commands, capsys):
+    """Issue #24: sbatch's refusal printed its raw lines and left the job's payload on disk."""
+    (slurm_commands / "bin" / "sbatch").write_text(REFUSING_SBATCH)
+    with pytest.raises(UsageError) as caught:
+        shell.run_cell_magic("launch_bg", "--executor slurm --partition nope --gpus 0 --name P", "1")
+    message = str(caught.value)
+    assert "\n" not in message and len(message) < 400, message
+    assert "Invalid partition name specified" in message and "invalid partition specified: nope" in message
+    assert gpumagic.list_jobs() == []
+    runs = Path(os.environ["GPUMAGIC_RUNS_DIR"])
+    assert not runs.exists() or [p for p in runs.iterdir() if not p.name.startswith(".")] == []
+    printed = capsys.readouterr()
+    assert "sbatch" not in printed.out + printed.err

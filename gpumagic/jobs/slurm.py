@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import sys
 import time
 from collections.abc import Mapping
@@ -123,14 +124,25 @@ def submit(entries: list[Entry], target: Target, submission: Submission) -> list
             }
             write_spec(RunFiles(path), spec, entry.packed)
             written.append((job_name, path))
-    for job_name, path in written:
+    for done, (job_name, path) in enumerate(written):
         try:
             fields = _submit_directory(path, {**params, "name": job_name}, target.cluster)
         except Exception as err:  # noqa: BLE001 - sbatch's own refusal (partition, limits) is the user's answer
-            records.update(path, status="failed", reason="", exit=f"submission failed: {err}", ended=time.time())
-            raise InvalidArgument(f"submitting job {job_name} failed: {err}") from None
+            for _, unsent in written[done:]:  # nothing of a job Slurm never took stays on disk
+                shutil.rmtree(unsent, ignore_errors=True)
+            before = f" (submitted before it: {', '.join(n for n, _ in written[:done])})" if done else ""
+            raise InvalidArgument(f"submitting job {job_name} failed: {_refusal(err)}{before}") from None
         records.update(path, reason=f"submitted as Slurm job {fields['slurm_job_id']}", slurm=params, **fields)
     return [path for _, path in written]
+
+
+def _refusal(err: BaseException) -> str:
+    """sbatch's refusal on one line: its ``error:`` lines without the ``sbatch: error:`` prefixes."""
+    from gpumagic.devices.shared_files import one_line
+
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    errors = [line.split("error:", 1)[1].strip() for line in lines if "error:" in line] or lines
+    return one_line("; ".join(errors), 300)
 
 
 def _slurm_ids(after: list[str], where: str) -> list[str]:
@@ -254,7 +266,13 @@ def _submit_directory(path: Path, params: dict[str, Any], where: str) -> dict[st
     folder.mkdir(mode=0o700, exist_ok=True)
     chosen = executor(folder, where)
     chosen.update_parameters(**params)
-    job = chosen.submit(Task(str(path)))
+    import contextlib
+    import io
+
+    # submitit copies sbatch's own output to sys.stdout/stderr (the cell); its refusal reaches the user as one
+    # line (_refusal) and its "Submitted batch job N" as the job's record instead
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        job = chosen.submit(Task(str(path)))
     fields: dict[str, Any] = {"slurm_job_id": str(job.job_id), "slurm_folder": str(folder), "slurm_cluster": where}
     if where == "local":  # the local "job" is a controller process of this machine: follow it by pid
         pid = int(job.job_id)

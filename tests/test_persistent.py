@@ -281,7 +281,9 @@ def test_a_hundred_cells_leak_no_descriptors_threads_widgets_or_memory(group):
         group.ok("%%ddp\nx += 1\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(x)")
     after = (kernel_process.num_fds(), kernel_process.num_threads(), group.ok(counts).stdout)
     grown = (kernel_process.memory_info().rss - memory_before) / 2**20
-    assert after == before
+    # no growth; fewer descriptors is no leak (1 run in 3, before issue #24 too, the last test's leftovers close
+    # during these cells: 80 -> 77)
+    assert after[0] <= before[0] and after[1:] == before[1:], (before, after)
     assert grown < 10, f"the kernel grew {grown:.1f} MiB over 100 cells"
     assert group.ok("%%ddp -o x_now\nx").stdout == "" and "{0: 101, 1: 101}" in group.ok("print(x_now)").stdout
 

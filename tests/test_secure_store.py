@@ -95,6 +95,8 @@ def test_the_socket_is_private_and_a_wrong_key_learns_nothing(served):
         secure_store.connect(address, 1, key=b"m" * 32)
     assert server.refused == 1
     assert secure_store.connect(address, 5, key=KEY).get("secret") == b"alice's"
+    server.close()
+    assert not os.path.exists(path)  # a %ddp group's re-forms leave no socket files behind
 
 
 def test_a_stranger_on_the_tcp_port_gets_nothing_and_the_group_goes_on():

@@ -174,11 +174,15 @@ class StoreServer:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop serving: the listener and every connection are closed."""
+        """Stop serving: the listener and every connection are closed, a Unix socket's file removed."""
         self._closed = True
         with contextlib.suppress(OSError):
             self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
+        family, where = parse_address(self.address)
+        if family == socket.AF_UNIX:
+            with contextlib.suppress(OSError):
+                os.unlink(where)
         for connection in list(self._connections):
             with contextlib.suppress(OSError):
                 connection.shutdown(socket.SHUT_RDWR)

@@ -165,7 +165,7 @@ def _rendezvous_store(host: str, port: int, hosting: bool, listen_fd: int | None
     endpoint; either way only agents and ranks holding the user's key get in."""
     from gpumagic.launch import secure_store
 
-    address = f"tcp:[{host}]:{port}" if ":" in host else f"tcp:{host}:{port}"
+    address = secure_store.tcp_address(host, port)
     if not hosting:
         try:
             client = secure_store.connect(address, CONNECT_TIMEOUT_S)

@@ -422,13 +422,11 @@ def rank_namespace(rank: int, local_rank: int, world_size: int, device: Any) -> 
 
 def environment_store_address() -> str:
     """The store of a rank started with torchrun's variables: ``GPUMAGIC_STORE``, else MASTER_ADDR:MASTER_PORT."""
-    from gpumagic.launch.secure_store import VARIABLE
+    from gpumagic.launch.secure_store import VARIABLE, tcp_address
 
-    address = os.environ.get(VARIABLE)
-    if address:
-        return address
-    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "0")
-    return f"tcp:[{host}]:{port}" if ":" in host else f"tcp:{host}:{port}"
+    return os.environ.get(VARIABLE) or tcp_address(
+        os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "0")
+    )
 
 
 _STORE_SERVERS: list[Any] = []  # the stores this rank serves: alive while the rank runs (or until left)

@@ -71,6 +71,11 @@ def parse_address(address: str) -> tuple[int, Any]:
     raise ValueError(f"a store address is unix:PATH or tcp:HOST:PORT, got {address!r}")
 
 
+def tcp_address(host: str, port: int | str) -> str:
+    """``tcp:HOST:PORT`` (``tcp:[V6]:PORT`` for an IPv6 host)."""
+    return f"tcp:[{host}]:{port}" if ":" in host else f"tcp:{host}:{port}"
+
+
 def listen(address: str) -> socket.socket:
     """A listening socket at ``address`` (a Unix socket's path is replaced if a dead one lies there)."""
     family, where = parse_address(address)
@@ -92,8 +97,7 @@ def listener_address(listener: socket.socket) -> str:
     where = listener.getsockname()
     if listener.family == socket.AF_UNIX:
         return f"unix:{where}"
-    host, port = where[:2]
-    return f"tcp:[{host}]:{port}" if ":" in host else f"tcp:{host}:{port}"
+    return tcp_address(*where[:2])
 
 
 @contextlib.contextmanager

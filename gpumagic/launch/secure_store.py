@@ -210,8 +210,10 @@ class StoreServer:
     def _serve(self, connection: socket.socket) -> None:
         self._connections.add(connection)
         try:
-            proven = self._handshake(connection)
-            self._pending.release()
+            try:
+                proven = self._handshake(connection)
+            finally:
+                self._pending.release()  # whatever happened: a slot is never lost
             if not proven:
                 self.refused += 1
                 return

@@ -124,6 +124,8 @@ def remove_stale_reports() -> list[str]:
     with SIGKILL cannot remove its own; before the pid was in the name, none was removed); the names removed."""
     import tempfile
 
+    from gpumagic.devices.processes import is_running
+
     removed = []
     directory = tempfile.gettempdir()
     with contextlib.suppress(OSError), os.scandir(directory) as entries:
@@ -134,21 +136,11 @@ def remove_stale_reports() -> list[str]:
             with contextlib.suppress(OSError):
                 if entry.stat(follow_symlinks=False).st_uid != os.getuid():
                     continue
-                if pid.isdigit() and _alive(int(pid)):
+                if pid.isdigit() and is_running(int(pid)):
                     continue
                 os.unlink(entry.path)
                 removed.append(entry.name)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _server_has() -> frozenset[str]:

@@ -27,7 +27,7 @@ from gpumagic.errors import (
 if TYPE_CHECKING:
     from gpumagic.devices.model import Inventory
     from gpumagic.devices.processes import KillReport
-    from gpumagic.devices.selection import Selection
+    from gpumagic.devices.selection import PickOutlook, Selection
     from gpumagic.devices.visibility import Visibility
     from gpumagic.jobs.api import Job, JobFailed
     from gpumagic.launch.failures import LaunchError, LaunchInterrupted
@@ -76,6 +76,7 @@ __all__ = [
     "sweep",
     "use",
     "visible_gpus",
+    "why",
 ]
 
 
@@ -143,6 +144,17 @@ def pick(n: int = 1, **options: Any) -> Selection:
     from gpumagic.devices.selection import pick as _pick
 
     return _pick(n, **options)
+
+
+def why(n: int = 1, **options: Any) -> PickOutlook:
+    """What ``pick(n, ...)`` would get now and why: every GPU's reason, the queue in the order it is served
+    (what each ticket does), and what is ignored or passed over in the lease directory. Takes nothing.
+
+    Options as ``pick``'s: ``min_free``, ``max_util``, ``exclude``.
+    """
+    from gpumagic.devices.selection import why as _why
+
+    return _why(n, **options)
 
 
 def use(spec: object, *, force: bool = False) -> Selection:

@@ -59,6 +59,16 @@ def _parsers() -> dict[str, _Parser]:
     pick.add_argument("--max-util", metavar="PCT", help="highest utilization allowed, percent")
     pick.add_argument("--exclude", metavar="IDS", help="GPUs never to pick: 0,1 or any device spec")
     pick.add_argument("--wait", metavar="DURATION", help="keep trying this long (30s, 10m, 2h) until enough qualify")
+    why = _Parser(
+        "%gpu why",
+        "What %gpu pick N would get now and why: every GPU's reason, the machine's queue in the order it is\n"
+        "served (what each waiting job or kernel does), and what gpumagic ignores or passes over in the lease\n"
+        "directory. Takes nothing. Example: %gpu why 2 --min-free 20GB",
+    )
+    why.add_argument("n", nargs="?", default="1", help="how many GPUs (default 1)")
+    why.add_argument("--min-free", metavar="SIZE", help="free memory each needs: 20GB, 512MB, 50%%")
+    why.add_argument("--max-util", metavar="PCT", help="highest utilization allowed, percent")
+    why.add_argument("--exclude", metavar="IDS", help="GPUs never to pick: 0,1 or any device spec")
     use = _Parser(
         "%gpu use",
         "Use exactly the GPUs SPEC names, leasing them. SPEC: 0,2 | GPU:1 | ['GPU:0','GPU:1'] | GPU:* | all |\n"
@@ -93,6 +103,7 @@ def _parsers() -> dict[str, _Parser]:
     return {
         "status": status,
         "pick": pick,
+        "why": why,
         "use": use,
         "release": release,
         "seed": seed,
@@ -107,6 +118,7 @@ _OVERVIEW = (
     "%gpu [SUBCOMMAND] [OPTIONS] — see, pick and use GPUs.\n\n"
     "  %gpu                        table of GPUs, processes, leases (same as %gpu status)\n"
     "  %gpu pick [N] [--min-free SIZE] [--max-util PCT] [--exclude IDS] [--wait DURATION]\n"
+    "  %gpu why [N] [--min-free SIZE] [--max-util PCT] [--exclude IDS]   why a pick would (not) get GPUs; the queue\n"
     "  %gpu use SPEC [--force]     0,2 | GPU:1 | ['GPU:0','GPU:1'] | GPU:* | A100 | GPU-5e0f | none\n"
     "  %gpu release                give back this kernel's GPUs\n"
     "  %gpu seed N [--deterministic]\n"
@@ -217,6 +229,14 @@ def _pick(args: argparse.Namespace) -> Any:
         waiting.close()
 
 
+def _why(args: argparse.Namespace) -> Any:
+    try:
+        n = int(args.n)
+    except ValueError:
+        raise UsageError(f"%gpu why: N must be a whole number of GPUs, got {args.n!r}") from None
+    return gpumagic.why(n, min_free=args.min_free, max_util=args.max_util, exclude=args.exclude)
+
+
 def _use(args: argparse.Namespace) -> Any:
     if not args.spec:
         raise UsageError("%gpu use: name the GPUs, e.g. %gpu use 0,2 (see %gpu use --help)")
@@ -308,6 +328,7 @@ _HANDLERS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "status": _status,
     "watch": _watch,
     "pick": _pick,
+    "why": _why,
     "use": _use,
     "release": _release,
     "seed": _seed,

@@ -433,45 +433,221 @@ def test_a_newcomers_round_is_the_round_being_served():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("kind", "root"), ("round", -1), ("round", 1.5), ("name", "evil\x1b[2J"), ("name", "x" * 121), ("exclude", [-1])],
+    [
+        ("kind", "root"),
+        ("round", -1),
+        ("round", 1.5),
+        ("round", (1 << 20) + 1),
+        ("name", "evil\x1b[2J"),
+        ("name", "x" * 121),
+        ("exclude", [-1]),
+        ("pid", -1),
+        ("pid", "1"),
+        ("process_start", float("inf")),
+    ],
 )
 def test_tickets_with_malformed_fields_are_untrusted(field, value):
-    from gpumagic.devices.leases import _checked_ticket
     from gpumagic.devices.shared_files import Untrusted
+    from gpumagic.devices.ticket_checks import checked_ticket
 
     good = {"kind": "pick", "name": "nb.ipynb", "request": Request(1).to_json(), "submitted_ns": 1, "round": 3}
-    assert _checked_ticket(good)["round"] == 3
+    assert checked_ticket({**good, "pid": 12, "process_start": 1.5}) == {**good, "pid": 12, "process_start": 1.5}
     bad = {**good, "request": {**good["request"]}}
     if field == "exclude":
         bad["request"]["exclude"] = value
     else:
         bad[field] = value
     with pytest.raises(Untrusted, match="malformed"):
-        _checked_ticket(bad)
+        checked_ticket(bad)
 
 
-def test_a_user_whose_ticket_stalls_is_passed_over_whatever_its_tickets_are_called(monkeypatch):
-    """Another user's ticket that could start and is not taken up holds nobody up for long, and making new
-    tickets (new names) does not start the count again: that user's tickets count once it takes a lease."""
-    from gpumagic.devices.leases import Lease, LeaseView, TicketFile
+def test_a_ticket_submitted_after_it_was_made_is_untrusted():
+    from gpumagic.devices.shared_files import Untrusted
+    from gpumagic.devices.ticket_checks import checked_ticket
+
+    made = time.time_ns()
+    ticket = {"kind": "job", "name": "j", "request": Request(1).to_json(), "submitted_ns": made - 10**9}
+    assert checked_ticket(ticket, made)["submitted_ns"] == made - 10**9
+    with pytest.raises(Untrusted, match="submitted after it was made"):
+        checked_ticket({**ticket, "submitted_ns": made + 60 * 10**9}, made)
+
+
+def _ticket_file(uid, at, name, turn, kind="job", request=None):
+    from gpumagic.devices.leases import TicketFile
+
+    data = {"kind": kind, "name": name, "request": (request or Request(1)).to_json(), "submitted_ns": at}
+    data["round"] = turn
+    return TicketFile(leases.lease_dir() / f"queue.{uid}.{name}.ab.json", uid, at, data)
+
+
+def test_a_round_no_queue_reaches_is_not_inherited():
+    """Issue #24: a ticket round of 2^20 made everyone's next ticket 2^20 + 1, out of range, so theirs were
+    ignored. A frame beyond half the limit starts again from 0, and no round written passes the limit."""
+    from gpumagic.devices.leases import LeaseView
+    from gpumagic.devices.placement import next_round
+    from gpumagic.devices.ticket_checks import ROUND_LIMIT
+
+    bob = os.getuid() + 7
+    poison = _ticket_file(bob, 1, "p", ROUND_LIMIT)
+    assert next_round(LeaseView({}, (poison,))) == 0
+    high = _ticket_file(bob, 1, "h", ROUND_LIMIT // 2)  # inherited: there is room left for a long queue
+    mine = tuple(_ticket_file(os.getuid(), 2 + k, f"m{k}", ROUND_LIMIT) for k in range(3))
+    assert next_round(LeaseView({}, (high,))) == ROUND_LIMIT // 2
+    assert next_round(LeaseView({}, (high, *mine))) <= ROUND_LIMIT
+
+
+def _place_behind(inventory, tickets, holding=(), name="mine", request=None):
+    """A waiter's look: this user's ticket (for ``request``, one GPU by default) behind ``tickets``."""
+    from gpumagic.devices.leases import LeaseView
+
+    request = request or Request(1, shares=False)
+    mine = Ticket.of(_ticket_file(os.getuid(), time.time_ns(), name, 1 << 19, "pick", request))
+    view = LeaseView(dict(holding), (*tickets, mine.file))
+    return placement.place(request, inventory, view, mine)
+
+
+def test_another_users_tickets_that_could_start_hold_a_waiter_up_for_the_budget_in_all(monkeypatch):
+    """Issue #24: another user's tickets that could start and were not taken kept a waiting pick from 4 free
+    GPUs: renamed every few seconds, or with a lease taken now and then, they were never passed over. The time
+    they hold a waiter up is counted per user, whatever the tickets are called and whatever leases that user
+    takes, and once it reaches the budget that user's tickets are passed over."""
+    from gpumagic.devices import hold_ups
+    from gpumagic.devices.leases import Lease
 
     monkeypatch.setenv("GPUMAGIC_SIMULATE", "1xA100-80GB")
-    monkeypatch.setattr(placement, "STALLED_S", 0.05)
+    monkeypatch.setattr(hold_ups, "_hold_ups", hold_ups.HoldUps(budget_s=0.3))
     inventory = read_inventory()
-    stranger = os.getuid() + 4242
+    bob = os.getuid() + 4242
+    placed = _place_behind(inventory, [_ticket_file(bob, 1, "f1", 0, "pick")])
+    assert not placed.gpus and "goes to" in placed.reasons[0]  # it could start: it goes first
+    for k in range(2, 40):  # a new ticket name, and a new lease of Bob's on another GPU, at every look
+        lease = Lease(f"GPU-other-{k}", "bob", 10_000 + k, time.time(), uid=bob)
+        placed = _place_behind(inventory, [_ticket_file(bob, k, f"f{k}", 0, "pick")], {lease.uuid: (lease,)})
+        if placed.gpus:
+            break
+        assert "could start and are not taken up: passed over in" in placed.explain()
+        time.sleep(0.02)
+    assert placed.gpus, "never passed over"
+    assert 0.25 < hold_ups.hold_ups()._accounts[bob].seconds < 0.5
+    again = _place_behind(inventory, [_ticket_file(bob, 99, "f99", 0, "pick")], name="second-wait")
+    assert again.gpus and "passing over" in again.explain()  # this process's next wait too
 
-    def forged(name):
-        data = {"kind": "pick", "name": name, "request": Request(1).to_json(), "submitted_ns": 1, "round": 0}
-        return TicketFile(leases.lease_dir() / f"queue.{stranger}.{name}.ab.json", stranger, 1, data)
 
-    def place_with(*tickets, holding=()):
-        view = LeaseView({inventory[0].uuid: holding}, tickets)
-        return placement.place(Request(1, shares=False), inventory, view)
+def test_a_ticket_that_holds_nobody_up_is_not_counted(monkeypatch):
+    """Only time a waiter could have taken GPUs but for another user's tickets is counted: with a free GPU left
+    for it, or wanting two GPUs where only one is free whatever the tickets do, nothing is."""
+    from gpumagic.devices import hold_ups
+    from gpumagic.devices.leases import Lease
 
-    assert not place_with(forged("f1")).gpus  # it could start: it goes first
-    time.sleep(0.1)
-    assert place_with(forged("f1")).gpus  # ... and did not: passed over
-    assert place_with(forged("f2")).gpus  # a new name changes nothing
-    lease = Lease(inventory[0].uuid + "-other", "mallory", 999999, time.time(), uid=stranger)
-    view = LeaseView({lease.uuid: (lease,)}, (forged("f3"),))
-    assert not placement.place(Request(1, shares=False), inventory, view).gpus  # it took a lease: counts again
+    monkeypatch.setenv("GPUMAGIC_SIMULATE", "2xA100-80GB")
+    inventory = read_inventory()
+    bob = os.getuid() + 4242
+    carol = Lease(inventory[1].uuid, "carol", 4321, time.time(), uid=bob + 1)
+    for _ in range(3):
+        placed = _place_behind(inventory, [_ticket_file(bob, 1, "f", 0, "pick")])
+        assert placed.gpus  # two free GPUs: one for Bob's ticket, one for this waiter
+        two = Request(2, shares=False)
+        placed = _place_behind(inventory, [_ticket_file(bob, 1, "f", 0, "pick")], {carol.uuid: (carol,)}, request=two)
+        assert not placed.gpus and placed.holding_up == ()  # GPU 1 is Carol's: two GPUs were never to be had
+        time.sleep(0.05)
+    assert bob not in hold_ups.hold_ups()._accounts
+
+
+def test_the_hold_up_count_is_earned_back_and_a_passed_over_user_counts_again_at_half_the_budget():
+    from gpumagic.devices.hold_ups import RECOVERY_PER_S, HoldUps
+
+    counts = HoldUps(budget_s=10)
+    counts.charge(7, 6.0, now=0.0)
+    assert not counts.passed_over(7, now=0.0) and counts.left(7, now=0.0) == pytest.approx(4.0)
+    assert counts.left(7, now=60.0) == pytest.approx(4.0 + 60 * RECOVERY_PER_S)
+    counts.charge(7, 4.0, now=0.0)
+    assert counts.passed_over(7, now=0.0) and counts.left(7, now=0.0) == 0
+    assert counts.passed_over(7, now=(5 - 0.1) / RECOVERY_PER_S)
+    assert not counts.passed_over(7, now=(5 + 0.1) / RECOVERY_PER_S)
+    assert not counts.passed_over(8, now=0.0)
+    assert counts.since_last_look("w", now=1.0) == 0.0 and counts.since_last_look("w", now=1.25) == 0.25
+    assert counts.since_last_look("w", now=100.0) == 5.0  # a look after a long pause charges at most 5 s
+
+
+def test_another_users_job_past_the_bound_holds_gpus_only_while_other_users_hold_them(monkeypatch):
+    """Issue #24: a forged job ticket past the backfill bound that asked for what no free GPU has (all their
+    memory) held 3 of 4 free GPUs for ever. Another user's job now holds GPUs only while leases or processes
+    of other users than its own stand in its way: not on free GPUs, not behind its own user's leases."""
+    from gpumagic.devices.leases import Lease
+
+    monkeypatch.setenv("GPUMAGIC_SIMULATE", "4xA100-80GB")
+    monkeypatch.setenv("GPUMAGIC_BACKFILL_BOUND", "0s")
+    inventory = read_inventory()
+    bob = os.getuid() + 4242
+    everything = Request(3, (), inventory[0].memory_total)
+    forged = _ticket_file(bob, 1, "big", 0, "job", everything)
+    assert not [why for why in _place_behind(inventory, [forged]).reasons.values() if "held for" in why]
+    four = _ticket_file(bob, 1, "four", 0, "job", Request(4))
+    own = Lease(inventory[0].uuid, "bob", 4321, time.time(), uid=bob)  # only Bob's own lease blocks it
+    assert _place_behind(inventory, [four], {own.uuid: (own,)}).gpus
+    theirs = dataclasses_replace(own, user="carol", uid=bob + 1)  # a lease of someone else's: it ends one day
+    placed = _place_behind(inventory, [four], {own.uuid: (theirs,)})
+    assert not placed.gpus and sorted(placed.reasons) == [0, 1, 2, 3]
+    assert all("held for" in placed.reasons[i] for i in (1, 2, 3)), placed.reasons
+
+
+def dataclasses_replace(value, **changes):
+    import dataclasses
+
+    return dataclasses.replace(value, **changes)
+
+
+HOLDER = """
+import fcntl, sys, time
+fd = open(sys.argv[1], "rb")
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_tickets_holder_is_checked_against_what_the_ticket_says(tmp_path):
+    """A waiting kernel's ticket counts only while held by the process it names, started before the ticket was
+    made; a job's only while held by a job runner that started while its place held. ``/proc/locks`` and
+    ``/proc`` say who holds it and since when: nothing the ticket's writer can set."""
+    from gpumagic.devices.processes import process_start_time
+    from gpumagic.devices.ticket_checks import Holders
+
+    def holder_problem(path, uid, data, made, pids, window):
+        return Holders(window).problem(path, uid, data, made, pids)
+
+    path = tmp_path / "queue.0.pick-1.ab.json"
+    path.write_text("{}")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdout=subprocess.PIPE, text=True)
+    runner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "gpumagic.jobs.runner"])
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        started = process_start_time(holder.pid)
+        made = int((started + 5) * 1e9)
+        uid, pid = os.getuid(), holder.pid
+        pick = {"kind": "pick", "pid": pid, "process_start": started}
+        named = tmp_path / f"queue.{uid}.pick-{pid}.ab.json"
+        assert holder_problem(named, uid, pick, made, [pid], 30) is None
+        assert holder_problem(named, uid + 1, pick, made, [pid], 30) == "locked by a process of another user"
+        early = int((started - 60) * 1e9)
+        assert "started after the ticket was made" in holder_problem(named, uid, pick, early, [pid], 30)
+        reused = {**pick, "process_start": started - 3600}
+        assert "pid was reused" in holder_problem(named, uid, reused, made, [pid], 30)
+        other = tmp_path / f"queue.{uid}.pick-{pid + 1}.ab.json"
+        assert holder_problem(other, uid, {"kind": "pick"}, made, [pid], 30) == (
+            "held by another process than the kernel it names"
+        )
+        assert "names no process, or two" in holder_problem(other, uid, pick, made, [pid], 30)
+        job = {"kind": "job"}
+        assert "not that user's gpumagic job runner" in holder_problem(path, uid, job, made, [pid], 30)
+        deadline = time.monotonic() + 10
+        while process_start_time(runner.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        runner_start = process_start_time(runner.pid)
+        assert holder_problem(path, uid, job, int(runner_start * 1e9), [runner.pid], 30) is None
+        lapsed = int((runner_start - 100) * 1e9)
+        assert "started after the ticket's place had lapsed" in holder_problem(path, uid, job, lapsed, [runner.pid], 30)
+    finally:
+        for process in (holder, runner):
+            process.kill()
+            process.wait()

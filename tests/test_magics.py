@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -81,6 +82,10 @@ def test_variables_expand_in_the_line(shell, simulated):
         ("watch --interval 10ms", "at least 50ms"),
         ("watch --history x", "invalid int"),
         ("watch --history 1", "from 2 to 100000"),
+        ("why two", "N must be a whole number"),
+        ("why 0", "from 1 to 64"),
+        ("why --min-free lots", "is not a size"),
+        ("why --wait 1m", "unrecognized arguments"),
     ],
 )
 def test_bad_input_is_a_one_line_usage_error(shell, simulated, line, message):
@@ -95,6 +100,23 @@ def test_help_everywhere(shell):
     assert "the process id" in gpu(shell, "kill --help") and "0 to 2**32-1" in gpu(shell, "seed -h")  # required
     doc = shell.find_line_magic("gpu").__doc__
     assert "--deterministic" in doc and "--wait DURATION" in doc  # %gpu? shows every subcommand
+
+
+def test_why_says_what_a_pick_would_get_and_the_queue_and_takes_nothing(shell, simulated):
+    from gpumagic.devices import leases
+    from gpumagic.devices.placement import Request, Ticket
+
+    assert repr(gpu(shell, "why")).startswith("A pick of 1 GPU now gets GPU 0 [simulated]\nQueue: nobody waits")
+    gpu(shell, "use 0,1")
+    Ticket.create("big", Request(3), time.time(), "run-big")
+    outlook = repr(gpu(shell, "why 2 --min-free 20GB"))
+    assert outlook.startswith("A pick of 2 GPUs with 20.0 GiB free now gets GPU 0, 1"), outlook  # this kernel's
+    assert "1. job big: 3 GPUs, waiting 0s; waits — GPU 0: leased by this kernel since" in outlook, outlook
+    gpu(shell, "release")
+    outlook = repr(gpu(shell, "why 2"))
+    assert "gets none (1 of 4 qualify) — GPU 0: goes to job big, ahead in the queue" in outlook, outlook
+    assert "1. job big: 3 GPUs, waiting 0s; could start now, on GPU 0, 1, 2" in outlook, outlook
+    assert leases.book().held() == () and "why" in gpu(shell, "help")
 
 
 def test_no_gpus_says_why_and_what_to_do(shell, no_gpu_machine):
@@ -136,7 +158,7 @@ def test_kill_refuses_simulated_processes_of_others(shell, tmp_path, monkeypatch
         gpu(shell, "kill 4242")
 
 
-SUBCOMMANDS = ["", "status", "pick", "use", "release", "seed", "kill", "help", "bogus"]
+SUBCOMMANDS = ["", "status", "pick", "why", "use", "release", "seed", "kill", "help", "bogus"]
 WORDS = st.one_of(
     st.sampled_from(
         [

@@ -113,3 +113,18 @@ def test_benchmark_runs_and_prints_its_table(script, arguments, expected):
     assert result.returncode == 0, result.stderr
     for line in expected:
         assert line in result.stdout
+
+
+def test_the_ticket_benchmark_runs_and_prints_its_table():
+    import os
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0:
+        pytest.skip("benchmarks/tickets.py makes two real users (useradd): needs root, as CI runs")
+    arguments = ["--only", "reading", "--tickets", "20"]
+    result = subprocess.run(
+        [sys.executable, "benchmarks/tickets.py", *arguments], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "  this checkout                %gpu status" in result.stdout, result.stdout

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from tests import ticket_attacks
 from tests.two_users import shared_directory
 
 SIMULATE = "4xA100-80GB"
@@ -358,3 +359,69 @@ def test_another_users_notebook_name_reaches_nobody_raw(server):
     assert "refused" in seen, seen
     assert "\\x1b[2J\\x1b[31mroot needs your password\\nsecond line\\r" in seen["refused"], seen["refused"]
     assert "\x1b" not in seen["refused"] and "\n" not in seen["refused"] and "\x1b" not in seen["status"]
+
+
+@pytest.fixture
+def loaded_server(two_users, shared_tmp):
+    """Alice and Bob sharing a lease directory and a simulated server of 4 A100s, each with 1 GiB used by a
+    process of Bob's."""
+    alice, bob = two_users
+    leases = shared_directory(shared_tmp / "leases")
+    server = ticket_attacks.server_file(shared_tmp, bob.name)
+    for user in (alice, bob):
+        user.base_env.update(GPUMAGIC_SIMULATE=str(server), GPUMAGIC_LEASE_DIR=str(leases))
+    return alice, bob
+
+
+@pytest.mark.parametrize("attack", ticket_attacks.ATTACKS)
+def test_a_waiting_pick_gets_a_free_gpu_whatever_another_user_writes_in_the_queue(loaded_server, attack):
+    """Issue #24, part 2: Bob's forged tickets kept Alice's ``pick(1, wait="60s")`` from 4 free GPUs until it
+    failed (``rotate``: a round of 2^20 then round-0 tickets made anew; ``fake-runner``: a job past the bound
+    holding every GPU), or delayed it (``old-ticket``). Each attack, timed by benchmarks/tickets.py: Alice gets
+    a GPU well within her 30 s, and what was passed over or ignored is named."""
+    alice, bob = loaded_server
+    answer = ticket_attacks.run(attack, alice, bob, wait="30s")
+    assert answer["got"] is not None, answer
+    print(f"{attack}: Alice got GPU {answer['got']} after {answer['seconds']:.1f} s")
+    if attack == "old-ticket" and answer["seconds"] > 5:  # unless she slipped in while Bob held his lease
+        assert any("passed over in" in m for m in answer["messages"]), answer["messages"]
+        assert answer["passed_over"] == [bob.name], answer
+        assert f"passing over {bob.name}'s queue tickets" in answer["why"], answer["why"]
+    if attack == "fake-runner":
+        assert not any("held for" in m for m in answer["messages"]), answer["messages"]
+        assert f"{bob.name}'s job bob" in answer["why"] and "waits —" in answer["why"], answer["why"]
+
+
+FORGED_AND_HOLDING = """
+import fcntl, json, os, sys, time
+import gpumagic
+gpumagic.use("GPU:*")  # every GPU, for a few seconds
+d, uid = os.environ["GPUMAGIC_LEASE_DIR"], os.getuid()
+path = f"{d}/queue.{uid}.pick-1.abc.json"  # a waiting kernel's ticket, naming a process that is not its holder
+fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, json.dumps({"kind": "pick", "name": "b", "request": {"count": 1}, "submitted_ns": 1}).encode())
+os.fchmod(fd, 0o644)
+print("ready", flush=True)
+time.sleep(float(sys.argv[1]))
+gpumagic.release()
+time.sleep(60)
+"""
+
+
+def test_a_ticket_that_fails_the_checks_is_named_in_the_waiting_line_and_in_gpu_why(server):
+    """Issue #24: a ticket of another user that fails a check is ignored, and said so where a waiting user
+    looks: the waiting line, ``%gpu why`` and ``%gpu status``."""
+    alice, bob, _, _ = server
+    forger = bob.popen([bob.python, "-c", FORGED_AND_HOLDING, "3"])
+    try:
+        assert forger.stdout.readline().strip() == b"ready"
+        answer = alice.json(ticket_attacks.WAITING_PICK, timeout=60, WAIT="30s")
+    finally:
+        forger.kill()
+        forger.wait()
+    assert answer["got"] is not None, answer
+    assert any(f"ignoring {bob.name}'s tickets that fail the checks" in m for m in answer["messages"]), answer
+    name = f"queue.{bob.uid}.pick-1.abc.json"
+    assert answer["ignored"][name] == "held by another process than the kernel it names", answer["ignored"]
+    assert f"{name} (held by another process than the kernel it names)" in answer["why"], answer["why"]

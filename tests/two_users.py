@@ -218,26 +218,30 @@ def _remove(user: UnixUser) -> None:
     subprocess.run(["userdel", "-r", "-f", user.name], capture_output=True)
 
 
-@pytest.fixture
-def two_users(tmp_path):
-    """(alice, bob): two real users, removed after the test. ``alice.base_env`` holds the shared settings."""
+@contextlib.contextmanager
+def created_users(package_path: list[str] | None = None):
+    """(alice, bob): two real users running Python with ``package_path`` (this checkout, the fakes and the
+    test environment's packages by default), removed on exit. Raises ``Unavailable`` with the reason where
+    that cannot be done here."""
     why = _why_not()
     if why:
-        pytest.skip(why)
+        raise Unavailable(why)
     users = []
     try:
         for prefix in ("gma", "gmb"):
             users.append(_create(prefix))
         env = {
             "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "PYTHONPATH": os.pathsep.join(_package_path()),
+            "PYTHONPATH": os.pathsep.join(package_path or _package_path()),
             "PYTHONDONTWRITEBYTECODE": "1",
             "MPLBACKEND": "Agg",
             "OMP_NUM_THREADS": "1",
         }
         python = _python_for(users[0].name, env)
         if python is None:
-            pytest.skip(f"other users cannot run this checkout's Python and packages ({', '.join(_package_path())})")
+            raise Unavailable(
+                f"other users cannot run this checkout's Python and packages ({', '.join(_package_path())})"
+            )
         for user in users:
             user.python = python
             user.base_env = dict(env)
@@ -245,6 +249,20 @@ def two_users(tmp_path):
     finally:
         for user in users:
             _remove(user)
+
+
+class Unavailable(Exception):
+    """Two real users cannot be made here; the message says why."""
+
+
+@pytest.fixture
+def two_users(tmp_path):
+    """(alice, bob): two real users, removed after the test. ``alice.base_env`` holds the shared settings."""
+    try:
+        with created_users() as users:
+            yield users
+    except Unavailable as why:
+        pytest.skip(str(why))
 
 
 @pytest.fixture

@@ -50,7 +50,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpumagic.devices import shared_files
+from gpumagic.devices import shared_files, ticket_checks
 from gpumagic.devices.processes import current_user, is_same_process, process_start_time
 from gpumagic.devices.shared_files import Untrusted
 from gpumagic.errors import LeaseDirectoryError
@@ -58,7 +58,6 @@ from gpumagic.units import format_bytes
 
 DEFAULT_LEASE_DIR = "/tmp/gpumagic-leases"
 LEASE_DIR_VARIABLE = "GPUMAGIC_LEASE_DIR"
-RUNNER = "gpumagic.jobs.runner"  # the module a job's runner runs (python -m)
 PROVISIONAL_S = 30.0  # how long a queue ticket counts before its job's runner locks it
 OTHERS_PROVISIONAL_S = 5.0  # ... another user's: a runner starts in a second; a forger's ticket soon stops counting
 PICK_LOCK_WAIT_S = 3.0  # how long a pick or a status waits for a busy lease directory before saying so
@@ -665,7 +664,7 @@ def claim_ticket(key: str) -> TicketFile | None:
             os.close(fd)
             continue
         try:
-            data = _checked_ticket(shared_files.read_record(fd, info))
+            data = ticket_checks.checked_ticket(shared_files.read_record(fd, info))
         except (Untrusted, OSError, ValueError):
             os.close(fd)
             continue
@@ -684,13 +683,14 @@ def remove_tickets(key: str) -> None:
 
 
 def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> list[TicketFile]:
-    """The tickets that count: locked by their holder (for another user's, by a process of that user: a
-    gpumagic job runner for a job's ticket, per ``/proc/locks``), or not locked yet but made less than
-    ``provisional_s`` ago while the runner starts (``OTHERS_PROVISIONAL_S`` for other users' tickets; never
-    for a waiting kernel's, which it locks as it makes it). This user's dead tickets are removed; other users'
-    suspicious ones are noted as ignored."""
+    """The tickets that count: locked by their holder, or not locked yet but made less than ``provisional_s``
+    ago while a job's runner starts (``OTHERS_PROVISIONAL_S`` for other users' tickets; never for a waiting
+    kernel's, which it locks as it makes it). Another user's ticket counts only if every field and its holder
+    pass ``ticket_checks``. This user's dead tickets are removed; other users' suspicious ones are noted as
+    ignored."""
     found = []
     holders = shared_files.flock_holders()
+    checks = ticket_checks.Holders(provisional_s)
     now = time.time_ns()
     doubtful = []  # locked by the wrong process: looked at again once, together, 20 ms later
     for name in names:
@@ -704,7 +704,7 @@ def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> li
             continue
         raw, info, locked = read
         try:
-            data = _checked_ticket(raw)
+            data = ticket_checks.checked_ticket(raw, None if uid == os.getuid() else info.st_ctime_ns)
         except Untrusted as why:
             shared_files.note_ignored(name, str(why))
             continue
@@ -713,7 +713,7 @@ def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> li
             holders = shared_files.flock_holders()
             pids = holders.get((info.st_dev, info.st_ino), [])
         ticket = TicketFile(path, uid, info.st_ctime_ns, data)
-        if (locked or pids) and not _held_by(pids, uid, ticket.kind == "job"):
+        if (locked or pids) and _holder_problem(ticket, pids, checks):
             doubtful.append((ticket, info))  # another process's probe (``is_locked``) holds a lock for microseconds
             continue
         if _counts(ticket, bool(locked or pids), now, provisional_s):
@@ -721,19 +721,45 @@ def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> li
     if doubtful:  # what a hostile process holds, it still holds
         time.sleep(0.02)
         holders = shared_files.flock_holders()
+        checks = ticket_checks.Holders(provisional_s)  # looked at afresh
         for ticket, info in doubtful:
             pids = holders.get((info.st_dev, info.st_ino), [])
-            if not pids or _held_by(pids, ticket.uid, ticket.kind == "job"):
+            problem = _holder_problem(ticket, pids, checks) if pids else None
+            if problem is None:
                 if _counts(ticket, bool(pids), now, provisional_s):
                     found.append(ticket)
             elif ticket.uid == os.getuid():  # someone else locked our ticket (before our runner could): no place
                 with contextlib.suppress(OSError):
                     ticket.path.unlink()
             else:
-                job = ticket.kind == "job"
-                why = "locked by a process that is not that user's gpumagic job runner" if job else None
-                shared_files.note_ignored(ticket.path.name, why or "locked by a process of another user")
+                shared_files.note_ignored(ticket.path.name, problem)
     return found
+
+
+def _holder_problem(ticket: TicketFile, pids: list[int], checks: ticket_checks.Holders) -> str | None:
+    """Why ``pids``, holding ``ticket``'s lock, do not make it count: ours must be held by a process of ours (a
+    job runner, for a job's), another user's must pass ``ticket_checks.Holders``."""
+    if ticket.uid != os.getuid():
+        return checks.problem(ticket.path, ticket.uid, ticket.data, ticket.made_ns, pids)
+    if any(_ours(pid, runner=ticket.kind == "job") for pid in pids):
+        return None
+    return "locked by a process that is not our job runner"
+
+
+def _ours(pid: int, runner: bool) -> bool:
+    """True if ``pid`` is this process, or a process of this user (running the job runner, with ``runner``)."""
+    import psutil
+
+    if pid == os.getpid():
+        return True
+    try:
+        process = psutil.Process(pid)
+        argv = process.cmdline() if runner else []
+        return process.uids().real == os.getuid() and (
+            not runner or any(argv[i : i + 2] == ["-m", ticket_checks.RUNNER] for i in range(len(argv)))
+        )
+    except psutil.Error:
+        return False
 
 
 def _counts(ticket: TicketFile, held: bool, now: int, provisional_s: float) -> bool:
@@ -750,70 +776,6 @@ def _counts(ticket: TicketFile, held: bool, now: int, provisional_s: float) -> b
         return False
     shared_files.trusted(ticket.path.name)
     return True
-
-
-def _checked_ticket(data: dict) -> dict:
-    """A ticket's fields, every one checked (``kind``, ``name``, ``request``: count, uuids, min_free, shares,
-    min_free_percent, max_util, exclude; ``submitted_ns``).
-
-    Raises:
-        Untrusted: a field is missing, of the wrong type or out of range (Infinity, nested lists...).
-    """
-    request, name, submitted = data.get("request"), data.get("name"), data.get("submitted_ns", 0)
-    if not isinstance(request, dict) or not isinstance(name, str) or not name.isprintable() or len(name) > 120:
-        raise Untrusted("a ticket with malformed fields")  # its name is shown to others: one plain line
-    count, uuids, min_free = request.get("count", 1), request.get("uuids") or [], request.get("min_free")
-    kind, shares, turn = data.get("kind", "job"), request.get("shares", min_free is not None), data.get("round", 0)
-    percent, util, exclude = request.get("min_free_percent"), request.get("max_util"), request.get("exclude") or []
-
-    def whole(value: object, high: int) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= high
-
-    def percentage(value: object) -> bool:
-        return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 100)
-
-    if not (
-        whole(count, 1024)
-        and isinstance(uuids, list)
-        and len(uuids) <= 1024
-        and all(isinstance(u, str) and re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z-]{1,80}", u) for u in uuids)
-        and (min_free is None or whole(min_free, 1 << 60))
-        and whole(submitted, 1 << 63)
-        and kind in ("job", "pick")
-        and whole(turn, 1 << 20)
-        and isinstance(shares, bool)
-        and percentage(percent)
-        and percentage(util)
-        and isinstance(exclude, list)
-        and len(exclude) <= 1024
-        and all(whole(i, 1 << 16) for i in exclude)
-    ):
-        raise Untrusted("a ticket with malformed fields")
-    request = {"count": count, "uuids": uuids, "min_free": min_free, "shares": shares}
-    request.update(min_free_percent=percent, max_util=util, exclude=exclude)
-    return {"kind": kind, "name": name, "request": request, "submitted_ns": submitted, "round": turn}
-
-
-def _held_by(pids: list[int], uid: int, runner: bool) -> bool:
-    """True if one of ``pids`` is a process of ``uid`` (running ``gpumagic.jobs.runner``, with ``runner``)."""
-    import psutil
-
-    for pid in pids:
-        if pid == os.getpid():
-            return True
-        try:
-            process = psutil.Process(pid)
-            if process.uids().real != uid:
-                continue
-            argv = process.cmdline() if runner else []
-            if not runner or any(argv[i : i + 2] == ["-m", RUNNER] for i in range(len(argv))):
-                return True
-        except (psutil.AccessDenied, psutil.NoSuchProcess):  # /proc hides it (hidepid): cannot tell, so counts
-            if not Path(f"/proc/{pid}").exists():  # (the 10 s rule of the queue bounds what it can hold up)
-                return True
-        except psutil.Error:
-            continue
-    return False
 
 
 def _bytes(value: object) -> int | None:

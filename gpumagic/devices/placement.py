@@ -12,9 +12,11 @@ reason reads the same everywhere:
 
 Requests that wait hold a ticket in the lease directory (``leases.create_ticket``). Tickets are served in queue
 order (``queue_order``): round-robin between users, by arrival within a round. A ticket that cannot start does
-not hold up a later one that can (backfill), until a job's ticket has waited ``BACKFILL_BOUND_S``: then the
-GPUs it could use are held for it, and later tickets backfill around them only. Another user whose ticket could
-start and is not taken up within ``STALLED_S`` is passed over (tickets are files anyone can write).
+not hold up a later one that can (backfill), until a job's ticket has waited ``BACKFILL_BOUND_S``: then the GPUs
+it could use once the leases and processes of other users on them end are held for it, and later tickets
+backfill around them only. Tickets are files anyone can write: a waiting process counts how long each other
+user's tickets that could start kept it from GPUs it could take, and passes that user's tickets over past a
+budget (``devices.hold_ups``).
 
 A job that declares its memory (``--min-free 25GB``) *shares*: it reserves that much on each of its GPUs until
 it ends, and is placed at once where the available memory is enough; a job that declares nothing takes whole
@@ -33,17 +35,17 @@ from typing import Any
 
 from gpumagic.devices import leases as leasing
 from gpumagic.devices import shared_files
+from gpumagic.devices.hold_ups import hold_ups
 from gpumagic.devices.model import GpuInfo, Inventory
-from gpumagic.devices.processes import parent_pid
+from gpumagic.devices.processes import parent_pid, process_start_time
+from gpumagic.devices.ticket_checks import ROUND_LIMIT
 from gpumagic.errors import InvalidArgument
 from gpumagic.units import format_bytes, format_duration, parse_duration
 
 BACKFILL_BOUND_VARIABLE = "GPUMAGIC_BACKFILL_BOUND"
 BACKFILL_BOUND_S = 600.0  # how long a ticket may be passed over by later, smaller ones before its GPUs are held
-STALLED_S = 10.0  # another user's ticket that could start this long and did not is no longer waited for
 UNSEEN_GRACE_S = 30.0  # a sharer none of whose processes can be seen on its GPU is taken to have allocated then
-_startable_since: dict[str, float] = {}  # earlier tickets that could start now, since when (this process's view)
-_stalled_users: dict[int, frozenset[int]] = {}  # uid -> the lease holders it had when one of its tickets stalled
+PASSED_OVER = "they could start and kept this process from free GPUs too long without taking them"
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,8 @@ class Ticket:
                 return cls(claimed, request)
         record = {"kind": kind, "name": name, "request": request.to_json(), "submitted_ns": int(submitted * 1e9)}
         record.update(uid=os.getuid(), round=next_round(leasing.read_view(leasing.book())))
+        if kind == "pick":  # a waiting kernel holds its own ticket: others check that it is this process
+            record.update(pid=os.getpid(), process_start=process_start_time(os.getpid()))
         return cls(leasing.create_ticket(key, record, lock=not provisional), request)
 
     @classmethod
@@ -180,23 +184,34 @@ def queue_order(tickets: Iterable[Ticket]) -> list[Ticket]:
     A ticket's round (its ``round`` field) is the round of the first waiting ticket when it was made, plus how
     many tickets its user then had waiting: a sweep's jobs take successive rounds, and a newcomer's first job
     joins the round being served. Each user's tickets stay in arrival order, one per round. So a user with 40
-    queued jobs has one served per turn, as every other user does."""
+    queued jobs has one served per turn, as every other user does.
+
+    Every process orders the same tickets the same way, so no two waiters each see the other ahead. Rounds are
+    claims nobody can check against the queue's past (it is not on disk): a user who writes low ones gets
+    earlier turns, as ``%gpu use`` gets them a free GPU without queueing; a ticket that could start and is not
+    taken holds nobody up for long (``devices.hold_ups``), and a round no queue reaches is not inherited
+    (``next_round``)."""
     by_arrival = sorted(tickets, key=lambda t: (t.made_ns, t.uid, t.round, t.submitted_ns, t.path.name))
     last: dict[int, int] = {}
-    rounds = []
+    turns = []
     for ticket in by_arrival:
         turn = max(ticket.round, last.get(ticket.uid, -1) + 1)
-        rounds.append((turn, ticket))
+        turns.append((turn, ticket))
         last[ticket.uid] = turn
-    return [ticket for _, ticket in sorted(rounds, key=lambda pair: pair[0])]  # stable: arrival within a round
+    return [ticket for _, ticket in sorted(turns, key=lambda pair: pair[0])]  # stable: arrival within a round
 
 
 def next_round(view: leasing.LeaseView) -> int:
-    """The round of a ticket this user makes now: the oldest waiting ticket's, plus this user's waiting ones."""
+    """The round of a ticket this user makes now: the oldest waiting ticket's, plus this user's waiting ones.
+
+    Rounds grow by one per round served while the queue never empties. One beyond half ``ROUND_LIMIT`` (half a
+    million rounds: written by nobody but a forger, to push everyone's next ticket out of range) is not
+    inherited: the queue's rounds start again from 0. No round written passes the limit."""
     waiting = queue_order(Ticket.of(f) for f in view.tickets)
     if not waiting:
         return 0
-    return waiting[0].round + sum(1 for ticket in waiting if ticket.uid == os.getuid())
+    first = waiting[0].round if waiting[0].round <= ROUND_LIMIT // 2 else 0
+    return min(first + sum(1 for ticket in waiting if ticket.uid == os.getuid()), ROUND_LIMIT)
 
 
 def backfill_bound() -> float:
@@ -330,19 +345,60 @@ def choose(request: Request, all_slots: list[Slot], own: bool = False) -> tuple[
 
 
 @dataclass(frozen=True)
+class Served:
+    """What an earlier ticket does in a placement: ``starts`` on ``gpus`` (it could start now), ``waits``, or
+    ``holds`` ``gpus`` (a job past the backfill bound); ``passed`` over (its user's tickets held this process
+    up too long)."""
+
+    ticket: Ticket
+    outcome: str
+    gpus: tuple[int, ...] = ()
+    why: str = ""  # for a ticket that waits: every GPU's reason
+
+    def describe(self) -> str:
+        """``could start now on GPU 0, 1``, ``waits — GPU 0: ...``, ``holds GPU 2, 3 (...)``, ``passed over``."""
+        gpus = ", ".join(map(str, self.gpus))
+        if self.outcome == "starts":
+            return f"could start now, on GPU {gpus}"
+        if self.outcome == "holds":
+            return f"holds GPU {gpus}: it has waited longer than {format_duration(backfill_bound())}"
+        if self.outcome == "passed":
+            return f"passed over: {PASSED_OVER}"
+        return f"waits — {self.why}"
+
+
+@dataclass(frozen=True)
 class Placement:
     """What a request gets now: ``gpus`` (all it wants, or none), the GPUs that ``qualify``, and ``reasons``
-    (NVML index -> why not) for the others."""
+    (NVML index -> why not) for the others; ``served``: what each earlier ticket does, in queue order;
+    ``holding_up``: other users whose tickets could start and keep this waiter from GPUs, with the seconds
+    left before they are passed over."""
 
     request: Request
     gpus: tuple[GpuInfo, ...]
     qualify: tuple[GpuInfo, ...]
     reasons: dict[int, str]
     total: int
+    served: tuple[Served, ...] = ()
+    holding_up: tuple[tuple[str, float], ...] = ()
+    ignored: tuple[str, ...] = ()  # the users whose tickets in the lease directory failed the checks
 
     def explain(self) -> str:
         """Why it waits, GPU by GPU: ``waiting for 1 GPU with 25 GB reserved — GPU 0: ...; GPU 1: ...``."""
-        return f"waiting for {self.request.describe()} — {explain(self.reasons, self.total)}"
+        return f"waiting for {self.request.describe()} — {explain(self.reasons, self.total)}" + self.note()
+
+    def note(self) -> str:
+        """What this process does about other users' tickets: who it passes over, who it will pass over when."""
+        passed = sorted({shared_files.owner_name(s.ticket.uid) for s in self.served if s.outcome == "passed"})
+        parts = [f"passing over {name}'s tickets ({PASSED_OVER})" for name in passed]
+        parts += [
+            f"{name}'s tickets could start and are not taken up: passed over in {left:.0f}s"
+            for name, left in self.holding_up
+        ]
+        if self.ignored:
+            names = ", ".join(f"{name}'s" for name in self.ignored)
+            parts.append(f"ignoring {names} tickets that fail the checks (%gpu why names them)")
+        return "".join(f"; {part}" for part in parts)
 
 
 def explain(reasons: dict[int, str], total: int) -> str:
@@ -362,18 +418,73 @@ def place(
     """What ``request`` may take now. Earlier tickets in queue order are placed first on a copy of the GPUs'
     state, so it never takes what an earlier one can use now; with no ``mine`` it comes after every ticket.
     ``keep_own``: GPUs this process holds qualify (a kernel picking again); a job's placement passes False.
-    Call under ``pick_lock()``, with ``view`` read there."""
+    With ``mine`` (a waiter's look), time that other users' tickets that could start keep it from GPUs it could
+    take is counted against them (``devices.hold_ups``). Call under ``pick_lock()``, with ``view`` read there."""
+    counts = hold_ups()
+    looked = counts.since_last_look(mine.path.name) if mine is not None else 0.0
+    earlier = _earlier(view, mine)
+    passed = {t.uid for t in earlier if t.uid != os.getuid() and counts.passed_over(t.uid)}
     state = slots(inventory, view)
-    ordered = queue_order(Ticket.of(f) for f in view.tickets if mine is None or not _same_holder(f, mine.file))
-    if mine is not None:
-        ordered = queue_order([*ordered, mine])
-        ordered = ordered[: ordered.index(mine)]
-    _serve_earlier(ordered, state, view)
+    served = _serve_earlier(earlier, state, passed)
     good, reasons = choose(request, state, own=keep_own)
-    chosen = good[: request.wants] if len(good) >= request.wants else []
+    chosen = _chosen(request, good, state)
+    holding_up: tuple[tuple[str, float], ...] = ()
+    if mine is not None and not chosen:
+        holding_up = _count_hold_up(request, inventory, view, earlier, served, passed, keep_own, looked)
+    gpus, qualify = tuple(s.gpu for s in chosen), tuple(s.gpu for s in good)
+    total = len(inventory.gpus)
+    return Placement(request, gpus, qualify, reasons, total, tuple(served), holding_up, _ignored_ticket_owners())
+
+
+def _ignored_ticket_owners() -> tuple[str, ...]:
+    """The users whose queue tickets were last read and ignored (``shared_files.ignored``)."""
+    found, _ = shared_files.ignored(limit=0)
+    uids = {int(match.group(1)) for name in found if (match := leasing.TICKET_NAME.match(name))}
+    return tuple(sorted(shared_files.owner_name(uid) for uid in uids))
+
+
+def _count_hold_up(
+    request: Request,
+    inventory: Inventory,
+    view: leasing.LeaseView,
+    earlier: list[Ticket],
+    served: list[Served],
+    passed: set[int],
+    keep_own: bool,
+    looked: float,
+) -> tuple[tuple[str, float], ...]:
+    """If ``request`` could be placed but for other users' tickets that could start (and took GPUs in
+    ``served``), count ``looked`` seconds against each of those users; (user, seconds left) for each."""
+    me = os.getuid()
+    started = {s.ticket.path.name: s.ticket.uid for s in served if s.outcome == "starts" and s.ticket.uid != me}
+    if not started:
+        return ()
+    alternative = slots(inventory, view)
+    _serve_earlier([t for t in earlier if t.path.name not in started], alternative, passed)
+    if not _chosen(request, choose(request, alternative, own=keep_own)[0], alternative):
+        return ()
+    counts = hold_ups()
+    for uid in set(started.values()):
+        counts.charge(uid, looked)
+    return tuple((shared_files.owner_name(uid), counts.left(uid)) for uid in sorted(set(started.values())))
+
+
+def _earlier(view: leasing.LeaseView, mine: Ticket | None) -> list[Ticket]:
+    """The tickets ahead of ``mine`` in queue order (all of them, with no ``mine``)."""
+    ordered = queue_order(Ticket.of(f) for f in view.tickets if mine is None or not _same_holder(f, mine.file))
+    if mine is None:
+        return ordered
+    ordered = queue_order([*ordered, mine])
+    return ordered[: ordered.index(mine)]
+
+
+def _chosen(request: Request, good: list[Slot], state: list[Slot]) -> list[Slot]:
+    """The best of ``good`` if there are enough of them (and every GPU named exists), else none."""
+    if len(good) < request.wants:
+        return []
     if request.uuids and len({s.gpu.uuid for s in state} & set(request.uuids)) < len(request.uuids):
-        chosen = []
-    return Placement(request, tuple(s.gpu for s in chosen), tuple(s.gpu for s in good), reasons, len(inventory.gpus))
+        return []
+    return good[: request.wants]
 
 
 def place_and_take(
@@ -406,67 +517,65 @@ def _same_holder(file: leasing.TicketFile, mine: leasing.TicketFile) -> bool:
     return file.uid == mine.uid and file.key == mine.key
 
 
-def _serve_earlier(earlier: list[Ticket], state: list[Slot], view: leasing.LeaseView) -> None:
+def _serve_earlier(earlier: list[Ticket], state: list[Slot], passed: set[int]) -> list[Served]:
     """Let each earlier ticket take (on ``state``) what it would take now; hold GPUs for a job past the bound.
-
-    Another user whose ticket could start for ``STALLED_S`` and did not take its GPUs is passed over, all its
-    tickets (whatever their names), until it takes a new lease: a ticket nobody serves holds nobody up."""
-    now = time.monotonic()
+    The tickets of the users in ``passed`` are passed over."""
     bound_ns = backfill_bound() * 1e9
-    holders = _holders_by_user(view)
-    for uid in [u for u, seen in _stalled_users.items() if holders.get(u, frozenset()) - seen]:
-        del _stalled_users[uid]  # it took a lease since: its tickets count again
+    served = []
     for ticket in earlier:
-        key = ticket.path.name
-        stranger = ticket.uid != os.getuid()
-        if stranger and ticket.uid in _stalled_users:
-            shared_files.note_ignored(key, "a ticket of a user whose ticket could start and did not take its GPUs")
+        if ticket.uid in passed:
+            served.append(Served(ticket, "passed"))
             continue
-        good, _ = choose(ticket.request, state)
+        good, reasons = choose(ticket.request, state)
         if len(good) < ticket.request.wants:
-            _startable_since.pop(key, None)
+            held = ()
             if ticket.kind == "job" and time.time_ns() - ticket.made_ns > bound_ns:
-                _hold_for(ticket, state)
-            continue
-        since = _startable_since.setdefault(key, now)
-        if stranger and now - since > STALLED_S:  # a runner or waiter looks 4 times a second
-            _stalled_users[ticket.uid] = holders.get(ticket.uid, frozenset())
-            shared_files.note_ignored(key, f"its holder could start {STALLED_S:.0f}s ago and did not take its GPUs")
+                held = _hold_for(ticket, state)
+            served.append(Served(ticket, "holds" if held else "waits", held, explain(reasons, len(state))))
             continue
         for slot in good[: ticket.request.wants]:
             slot.take(ticket.request, ticket.label)
-    keep = {t.path.name for t in earlier}
-    for key in [k for k in _startable_since if k not in keep]:
-        del _startable_since[key]
+        served.append(Served(ticket, "starts", tuple(s.gpu.nvml_index for s in good[: ticket.request.wants])))
+    return served
 
 
-def _holders_by_user(view: leasing.LeaseView) -> dict[int, frozenset[int]]:
-    """uid -> the processes of that user holding leases now."""
-    holders: dict[int, set[int]] = {}
-    for held in view.leases.values():
-        for lease in held:
-            holders.setdefault(lease.uid, set()).add(lease.pid)
-    return {uid: frozenset(pids) for uid, pids in holders.items()}
+def _hold_for(ticket: Ticket, state: list[Slot]) -> tuple[int, ...]:
+    """Hold for ``ticket`` the GPUs it could have once what holds them ends, fewest holders first; later
+    tickets may not take them. Returns their indices.
 
-
-def _hold_for(ticket: Ticket, state: list[Slot]) -> None:
-    """Hold for ``ticket`` the GPUs it could have once their holders end: those it would qualify for if nobody
-    held them and their memory were all free (its memory need kept, business ignored), fewest holders first.
-    Later tickets may not take them. Nothing is held for a request no set of GPUs here could ever meet."""
+    For this user's ticket, what ends is everything: the GPUs as if nobody held them and their memory were all
+    free. For another user's, only what other users than that one hold: their leases, and the memory their
+    processes use. So a job that could not start on free GPUs, or only once its own user's leases end, holds
+    nothing. Business is ignored, the memory need kept; nothing is held for a request no set of GPUs here could
+    then meet."""
     request = ticket.request
-    empty = [
-        Slot(dataclasses.replace(s.gpu, memory_free=s.gpu.memory_total, memory_used=0), (), 0)
+    by_uuid = {s.gpu.uuid: s for s in state}
+    candidates = [
+        _once_freed(s, ticket.uid)
         for s in state
         if s.held_for is None and s.promised_to is None and (not request.uuids or s.gpu.uuid in request.uuids)
     ]
-    needs = dataclasses.replace(request, max_util=None)
-    good, _ = choose(needs, empty)
+    good, _ = choose(dataclasses.replace(request, max_util=None), candidates)
     if len(good) < request.wants:
-        return
-    by_uuid = {s.gpu.uuid: s for s in state}
+        return ()
     targets = sorted(good, key=lambda s: (len(by_uuid[s.gpu.uuid].leases), s.gpu.nvml_index))[: request.wants]
     for slot in targets:
         by_uuid[slot.gpu.uuid].held_for = ticket.label
+    return tuple(sorted(s.gpu.nvml_index for s in targets))
+
+
+def _once_freed(slot: Slot, uid: int) -> Slot:
+    """``slot`` once what holds it ends, for a ticket of ``uid``: everything for ours, another user's only what
+    other users than ``uid`` hold (``_hold_for``)."""
+    gpu = slot.gpu
+    total = gpu.memory_total or 0
+    if uid == os.getuid():
+        return Slot(dataclasses.replace(gpu, memory_free=total, memory_used=0), (), 0)
+    owner = shared_files.owner_name(uid)
+    kept = tuple(lease for lease in slot.leases if lease.uid == uid)
+    freed = sum(p.gpu_memory or 0 for p in gpu.processes if p.user != owner)
+    free = min((gpu.memory_free or 0) + freed, total)
+    return Slot(dataclasses.replace(gpu, memory_free=free, memory_used=total - free), kept, 0)
 
 
 class _Parents:

@@ -17,7 +17,17 @@ from gpumagic.devices import visibility
 from gpumagic.devices.cuda_state import cuda_initialized
 from gpumagic.devices.inventory import read_inventory, require_gpus
 from gpumagic.devices.model import GpuInfo, Inventory
-from gpumagic.devices.placement import Placement, Request, Ticket, describe_holders, explain, place_and_take
+from gpumagic.devices.placement import (
+    PASSED_OVER,
+    Placement,
+    Request,
+    Served,
+    Ticket,
+    describe_holders,
+    explain,
+    place,
+    place_and_take,
+)
 from gpumagic.devices.spec import SpecError, parse_spec, resolve
 from gpumagic.errors import GpuLeasedError, InvalidArgument, NotEnoughGpusError
 from gpumagic.units import GIB, format_duration, parse_duration, parse_percent, parse_size_or_percent
@@ -85,16 +95,13 @@ def pick(
 
     Example: ``pick(2, min_free="20GB", wait="10m")``.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_GPUS:
-        raise InvalidArgument(f"the number of GPUs must be a whole number from 1 to {MAX_GPUS}, got {n!r}")
-    free_bytes, free_percent = parse_size_or_percent(min_free) if min_free is not None else (None, None)
-    util = parse_percent(max_util) if max_util is not None else None
+    _check_count(n)
     timeout = parse_duration(wait) if wait is not None else 0.0
     deadline = time.monotonic() + timeout
     inventory = require_gpus(read_inventory())
+    request = _pick_request(n, min_free, max_util, exclude, inventory)
     if n > len(inventory.gpus):
         raise NotEnoughGpusError(n, (), {}, f" (this machine has only {len(inventory.gpus)} GPUs)")
-    request = Request(n, (), free_bytes, False, free_percent, util, _excluded(exclude, inventory))
     ticket = None  # a waiting kernel holds a place in the queue, served in order with jobs and other kernels
     try:
         while True:
@@ -119,12 +126,100 @@ def pick(
                 on_wait(
                     f"Waiting for {n} GPU(s), {len(placed.qualify)} qualify ({format_duration(remaining)} left) — "
                     + explain(placed.reasons, len(inventory.gpus))
+                    + placed.note()
                 )
             time.sleep(min(poll_interval, max(remaining, 0.01)))
             inventory = require_gpus(read_inventory())
     finally:
         if ticket is not None:
             ticket.remove()
+
+
+def _pick_request(
+    n: int, min_free: str | int | None, max_util: str | float | None, exclude: object, inventory: Inventory
+) -> Request:
+    """A kernel's pick as a placement request, every argument checked (``pick``'s arguments)."""
+    _check_count(n)
+    free_bytes, free_percent = parse_size_or_percent(min_free) if min_free is not None else (None, None)
+    util = parse_percent(max_util) if max_util is not None else None
+    return Request(n, (), free_bytes, False, free_percent, util, _excluded(exclude, inventory))
+
+
+def _check_count(n: object) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_GPUS:
+        raise InvalidArgument(f"the number of GPUs must be a whole number from 1 to {MAX_GPUS}, got {n!r}")
+
+
+@dataclass(frozen=True)
+class PickOutlook:
+    """What a pick would get now and why: every GPU's reason, the machine's queue in the order it is served
+    (what each ticket does), and what this process ignores or passes over in the lease directory. Its repr is
+    what ``%gpu why`` prints."""
+
+    placement: Placement
+    queue: tuple[Served, ...]
+    passed_over: tuple[str, ...]
+    ignored: dict[str, str]
+    ignored_more: int
+    simulated: bool
+
+    def __repr__(self) -> str:
+        placed = self.placement
+        wants = placed.request.describe()
+        if placed.gpus:
+            head = f"A pick of {wants} now gets GPU {_list(g.nvml_index for g in placed.gpus)}"
+        elif placed.request.wants > placed.total:
+            head = f"A pick of {wants} gets none: this machine has only {placed.total}"
+        else:
+            qualify = f"{len(placed.qualify)} of {placed.total} qualify"
+            head = f"A pick of {wants} now gets none ({qualify}) — {explain(placed.reasons, placed.total)}"
+        lines = [head + (" [simulated]" if self.simulated else "")]
+        if self.queue:
+            lines.append(f"Queue ({len(self.queue)} waiting, in the order they are served):")
+            now = time.time_ns()
+            for k, served in enumerate(self.queue, 1):
+                ticket = served.ticket
+                waited = format_duration(max(now - ticket.made_ns, 0) / 1e9)
+                wants = ticket.request.describe()
+                lines.append(f"  {k}. {ticket.label}: {wants}, waiting {waited}; {served.describe()}")
+        else:
+            lines.append("Queue: nobody waits")
+        if self.passed_over:
+            names = ", ".join(f"{name}'s" for name in self.passed_over)
+            lines.append(f"⚠ passing over {names} queue tickets: {PASSED_OVER}")
+        if self.ignored:
+            from gpumagic.devices.shared_files import one_line
+
+            listed = "; ".join(f"{one_line(name, 60)} ({why})" for name, why in sorted(self.ignored.items()))
+            more = f"; and {self.ignored_more} more" if self.ignored_more else ""
+            lines.append(f"⚠ ignored in the lease directory: {listed}{more}")
+        return "\n".join(lines)
+
+    _repr_pretty_ = lambda self, printer, cycle: printer.text(repr(self))  # noqa: E731 - IPython hook
+
+
+def why(
+    n: int = 1,
+    *,
+    min_free: str | int | None = None,
+    max_util: str | float | None = None,
+    exclude: str | Iterable[int] | None = None,
+) -> PickOutlook:
+    """What ``pick(n, ...)`` (without ``--wait``: behind every ticket) would get now, and why; the queue.
+
+    Takes nothing. Raises as ``pick`` does for bad arguments (``InvalidArgument``, ``NoGpuError``).
+    """
+    from gpumagic.devices import shared_files
+    from gpumagic.devices.hold_ups import hold_ups
+
+    _check_count(n)
+    inventory = require_gpus(read_inventory())
+    request = _pick_request(n, min_free, max_util, exclude, inventory)
+    with leasing.pick_lock(exclusive=False):
+        placed = place(request, inventory, leasing.read_view(leasing.book()))
+        ignored, more = shared_files.ignored(limit=10)
+    passed = tuple(shared_files.owner_name(uid) for uid in hold_ups().passed_over_users())
+    return PickOutlook(placed, placed.served, passed, ignored, more, inventory.simulated)
 
 
 def _lease(gpus: Iterable[GpuInfo]) -> bool:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from gpumagic.devices import leases as leasing
 from gpumagic.devices import shared_files
 from gpumagic.devices.cuda_state import cuda_initialized
+from gpumagic.devices.hold_ups import hold_ups
 from gpumagic.devices.inventory import read_inventory
 from gpumagic.devices.model import Inventory
 from gpumagic.devices.visibility import Visibility, current_visibility
@@ -22,6 +23,7 @@ class GpuStatus:
     lease_problem: str | None = None
     ignored: dict[str, str] = field(default_factory=dict)  # lease directory file -> why gpumagic ignored it
     ignored_more: int = 0  # ignored files not in ``ignored`` (junk names beyond the first few)
+    passed_over: tuple[str, ...] = ()  # users whose queue tickets this process passes over (``hold_ups``)
 
 
 def gather_status() -> GpuStatus:
@@ -38,4 +40,6 @@ def gather_status() -> GpuStatus:
                 ignored, more = shared_files.ignored(limit=5)
         except LeaseDirectoryError as err:
             problem = str(err)
-    return GpuStatus(inventory, held, current_visibility(inventory), cuda_initialized(), problem, ignored, more)
+    passed = tuple(shared_files.owner_name(uid) for uid in hold_ups().passed_over_users())
+    visible = current_visibility(inventory)
+    return GpuStatus(inventory, held, visible, cuda_initialized(), problem, ignored, more, passed)

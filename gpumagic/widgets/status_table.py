@@ -55,6 +55,11 @@ def notes(status: GpuStatus) -> list[str]:
         left = len(shown) - 5 + status.ignored_more
         more = f"; and {left} more" if left > 0 else ""
         result.append(f"⚠ ignored in the lease directory: {listed}{more}")
+    if status.passed_over:
+        from gpumagic.devices.placement import PASSED_OVER
+
+        names = ", ".join(f"{name}'s" for name in status.passed_over)
+        result.append(f"⚠ passing over {names} queue tickets: {PASSED_OVER}")
     return result
 
 

@@ -42,6 +42,14 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message or f"{self.prog}: invalid arguments")
 
 
+def _add_pick_options(parser: _Parser) -> None:
+    """What ``%gpu pick`` and ``%gpu why`` both take: N and the conditions a GPU must meet."""
+    parser.add_argument("n", nargs="?", default="1", help="how many GPUs (default 1)")
+    parser.add_argument("--min-free", metavar="SIZE", help="free memory each needs: 20GB, 512MB, 50%%")
+    parser.add_argument("--max-util", metavar="PCT", help="highest utilization allowed, percent")
+    parser.add_argument("--exclude", metavar="IDS", help="GPUs never to pick: 0,1 or any device spec")
+
+
 def _parsers() -> dict[str, _Parser]:
     status = _Parser(
         "%gpu status",
@@ -54,10 +62,7 @@ def _parsers() -> dict[str, _Parser]:
         "never qualify) and set CUDA_DEVICE_ORDER=PCI_BUS_ID and CUDA_VISIBLE_DEVICES so cuda:0.. are them.\n"
         "Example: %gpu pick 2 --min-free 20GB --max-util 30 --wait 10m",
     )
-    pick.add_argument("n", nargs="?", default="1", help="how many GPUs (default 1)")
-    pick.add_argument("--min-free", metavar="SIZE", help="free memory each needs: 20GB, 512MB, 50%%")
-    pick.add_argument("--max-util", metavar="PCT", help="highest utilization allowed, percent")
-    pick.add_argument("--exclude", metavar="IDS", help="GPUs never to pick: 0,1 or any device spec")
+    _add_pick_options(pick)
     pick.add_argument("--wait", metavar="DURATION", help="keep trying this long (30s, 10m, 2h) until enough qualify")
     why = _Parser(
         "%gpu why",
@@ -65,10 +70,7 @@ def _parsers() -> dict[str, _Parser]:
         "served (what each waiting job or kernel does), and what gpumagic ignores or passes over in the lease\n"
         "directory. Takes nothing. Example: %gpu why 2 --min-free 20GB",
     )
-    why.add_argument("n", nargs="?", default="1", help="how many GPUs (default 1)")
-    why.add_argument("--min-free", metavar="SIZE", help="free memory each needs: 20GB, 512MB, 50%%")
-    why.add_argument("--max-util", metavar="PCT", help="highest utilization allowed, percent")
-    why.add_argument("--exclude", metavar="IDS", help="GPUs never to pick: 0,1 or any device spec")
+    _add_pick_options(why)
     use = _Parser(
         "%gpu use",
         "Use exactly the GPUs SPEC names, leasing them. SPEC: 0,2 | GPU:1 | ['GPU:0','GPU:1'] | GPU:* | all |\n"
@@ -210,11 +212,15 @@ def _status(args: argparse.Namespace) -> Any:
     return gpumagic.status()
 
 
-def _pick(args: argparse.Namespace) -> Any:
+def _count(args: argparse.Namespace, subcommand: str) -> int:
     try:
-        n = int(args.n)
+        return int(args.n)
     except ValueError:
-        raise UsageError(f"%gpu pick: N must be a whole number of GPUs, got {args.n!r}") from None
+        raise UsageError(f"%gpu {subcommand}: N must be a whole number of GPUs, got {args.n!r}") from None
+
+
+def _pick(args: argparse.Namespace) -> Any:
+    n = _count(args, "pick")
     waiting = _WaitLine()
     try:
         return gpumagic.pick(
@@ -230,11 +236,7 @@ def _pick(args: argparse.Namespace) -> Any:
 
 
 def _why(args: argparse.Namespace) -> Any:
-    try:
-        n = int(args.n)
-    except ValueError:
-        raise UsageError(f"%gpu why: N must be a whole number of GPUs, got {args.n!r}") from None
-    return gpumagic.why(n, min_free=args.min_free, max_util=args.max_util, exclude=args.exclude)
+    return gpumagic.why(_count(args, "why"), min_free=args.min_free, max_util=args.max_util, exclude=args.exclude)
 
 
 def _use(args: argparse.Namespace) -> Any:

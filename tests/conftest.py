@@ -146,9 +146,9 @@ def real_gpu() -> dict:
 def isolated_leases(tmp_path_factory, monkeypatch):
     """Every test gets its own lease directory, a clean CUDA environment and a fresh count of other users'
     hold-ups; no leases leak out."""
-    from gpumagic.devices import hold_ups
+    from gpumagic.devices.hold_ups import hold_ups
 
-    monkeypatch.setattr(hold_ups, "_hold_ups", hold_ups.HoldUps())
+    hold_ups().clear()
     directory = tmp_path_factory.mktemp("leases")
     monkeypatch.setenv("GPUMAGIC_LEASE_DIR", str(directory))
     monkeypatch.setenv("GPUMAGIC_RUNS_DIR", str(tmp_path_factory.mktemp("runs")))

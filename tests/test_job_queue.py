@@ -480,20 +480,29 @@ def _ticket_file(uid, at, name, turn, kind="job", request=None):
     return TicketFile(leases.lease_dir() / f"queue.{uid}.{name}.ab.json", uid, at, data)
 
 
-def test_a_round_no_queue_reaches_is_not_inherited():
+def test_a_round_no_queue_reaches_is_not_inherited_nor_pushes_anyone_behind_newcomers():
     """Issue #24: a ticket round of 2^20 made everyone's next ticket 2^20 + 1, out of range, so theirs were
-    ignored. A frame beyond half the limit starts again from 0, and no round written passes the limit."""
+    ignored. A round beyond half the limit counts as 0 and is not inherited; no round written passes the limit;
+    and a ticket that copied such a round is not passed by every newcomer (review)."""
     from gpumagic.devices.leases import LeaseView
-    from gpumagic.devices.placement import next_round
+    from gpumagic.devices.placement import next_round, queue_order
     from gpumagic.devices.ticket_checks import ROUND_LIMIT
 
-    bob = os.getuid() + 7
+    me, bob, carol = os.getuid(), os.getuid() + 7, os.getuid() + 8
     poison = _ticket_file(bob, 1, "p", ROUND_LIMIT)
     assert next_round(LeaseView({}, (poison,))) == 0
     high = _ticket_file(bob, 1, "h", ROUND_LIMIT // 2)  # inherited: there is room left for a long queue
-    mine = tuple(_ticket_file(os.getuid(), 2 + k, f"m{k}", ROUND_LIMIT) for k in range(3))
     assert next_round(LeaseView({}, (high,))) == ROUND_LIMIT // 2
-    assert next_round(LeaseView({}, (high, *mine))) <= ROUND_LIMIT
+    mine = [_ticket_file(me, 2 + k, f"m{k}", ROUND_LIMIT // 2 + k) for k in range(3)]
+    mine.append(_ticket_file(me, 5, "m3", next_round(LeaseView({}, (high, *mine)))))
+    assert mine[-1].data["round"] <= ROUND_LIMIT
+    assert [t.name for t in queue_order(map(Ticket.of, (high, *mine)))] == ["h", "m0", "m1", "m2", "m3"]
+    copied = _ticket_file(me, 5, "v", ROUND_LIMIT // 2 + 1)  # a victim's ticket that copied a high round
+    newcomers = [_ticket_file(carol + k, 10 + k, f"n{k}", next_round(LeaseView({}, (copied,)))) for k in range(3)]
+    assert [t.name for t in queue_order(map(Ticket.of, (*newcomers, copied)))] == ["v", "n0", "n1", "n2"]
+    forged = _ticket_file(bob, 20, "f", 10**5)  # a forged high round behind everyone, not a new frame
+    order = [t.name for t in queue_order(map(Ticket.of, (forged, copied, *newcomers)))]
+    assert order == ["v", "n0", "n1", "n2", "f"] and next_round(LeaseView({}, (forged, copied))) == 1
 
 
 def _place_behind(inventory, tickets, holding=(), name="mine", request=None):
@@ -506,37 +515,91 @@ def _place_behind(inventory, tickets, holding=(), name="mine", request=None):
     return placement.place(request, inventory, view, mine)
 
 
+def _looks_until_placed(inventory, tickets_at, holding=(), seconds=5.0):
+    """A waiter looking every 20 ms, with ``tickets_at(k)`` ahead at its k-th look, until it is placed."""
+    deadline, k, placed = time.monotonic() + seconds, 0, None
+    while time.monotonic() < deadline:
+        placed = _place_behind(inventory, tickets_at(k), holding)
+        if placed.gpus:
+            return placed, k
+        k += 1
+        time.sleep(0.02)
+    return placed, k
+
+
 def test_another_users_tickets_that_could_start_hold_a_waiter_up_for_the_budget_in_all(monkeypatch):
     """Issue #24: another user's tickets that could start and were not taken kept a waiting pick from 4 free
     GPUs: renamed every few seconds, or with a lease taken now and then, they were never passed over. The time
-    they hold a waiter up is counted per user, whatever the tickets are called and whatever leases that user
-    takes, and once it reaches the budget that user's tickets are passed over."""
-    from gpumagic.devices import hold_ups
+    they hold a waiter up is counted per user, past a grace second, whatever the tickets are called and
+    whatever leases that user takes; at the budget that user's tickets are passed over."""
+    from gpumagic.devices.hold_ups import GRACE_S, HoldUp, hold_ups
     from gpumagic.devices.leases import Lease
 
     monkeypatch.setenv("GPUMAGIC_SIMULATE", "1xA100-80GB")
-    monkeypatch.setattr(hold_ups, "_hold_ups", hold_ups.HoldUps(budget_s=0.3))
+    monkeypatch.setattr(hold_ups(), "start_budget_s", 0.3)
     inventory = read_inventory()
     bob = os.getuid() + 4242
     placed = _place_behind(inventory, [_ticket_file(bob, 1, "f1", 0, "pick")])
     assert not placed.gpus and "goes to" in placed.reasons[0]  # it could start: it goes first
-    for k in range(2, 40):  # a new ticket name, and a new lease of Bob's on another GPU, at every look
+    assert "could start and are not taken up: passed over in 1s at most" in placed.note(countdown=True)
+
+    def renamed_with_new_leases(k):  # a new ticket name, and a new lease of Bob's on another GPU, at every look
         lease = Lease(f"GPU-other-{k}", "bob", 10_000 + k, time.time(), uid=bob)
-        placed = _place_behind(inventory, [_ticket_file(bob, k, f"f{k}", 0, "pick")], {lease.uuid: (lease,)})
+        return [_ticket_file(bob, k + 2, f"f{k + 2}", 0, "pick")], {lease.uuid: (lease,)}
+
+    started = time.monotonic()
+    deadline, k = started + 5, 0
+    while time.monotonic() < deadline:
+        tickets, leases_now = renamed_with_new_leases(k)
+        placed = _place_behind(inventory, tickets, leases_now)
         if placed.gpus:
             break
-        assert "could start and are not taken up: passed over in" in placed.explain()
+        k += 1
         time.sleep(0.02)
     assert placed.gpus, "never passed over"
-    assert 0.25 < hold_ups.hold_ups()._accounts[bob].seconds < 0.5
+    assert GRACE_S + 0.25 < time.monotonic() - started < GRACE_S + 1.5
+    assert "passing over" in placed.explain()
     again = _place_behind(inventory, [_ticket_file(bob, 99, "f99", 0, "pick")], name="second-wait")
-    assert again.gpus and "passing over" in again.explain()  # this process's next wait too
+    assert again.gpus and hold_ups().seconds(bob, HoldUp.STARTS) >= 0.3  # this process's next wait too
+
+
+def test_a_user_with_two_tickets_is_counted_for_both(monkeypatch):
+    """Review of #24: taking away only the ticket that started let the same user's next one start in its place,
+    so the waiter was never counted as held up. All of a user's tickets are taken away together."""
+    from gpumagic.devices.hold_ups import hold_ups
+
+    monkeypatch.setenv("GPUMAGIC_SIMULATE", "1xA100-80GB")
+    monkeypatch.setattr(hold_ups(), "start_budget_s", 0.3)
+    bob = os.getuid() + 4242
+    two = [_ticket_file(bob, 1, "b0", 0, "pick"), _ticket_file(bob, 2, "b1", 1, "pick")]
+    placed, _ = _looks_until_placed(read_inventory(), lambda k: two)
+    assert placed.gpus, placed.explain()
+
+
+def test_a_user_whose_tickets_start_only_because_another_is_passed_over_is_not_counted(monkeypatch):
+    """Review of #24: this waiter passes Alice over; Carol, ahead of it, still waits behind Alice in her own
+    view. Carol's ticket starts only in this waiter's view: she is not counted, nor passed over."""
+    from gpumagic.devices.hold_ups import GRACE_S, HoldUp, hold_ups
+
+    monkeypatch.setenv("GPUMAGIC_SIMULATE", "1xA100-80GB")
+    inventory = read_inventory()
+    alice, carol = os.getuid() + 1, os.getuid() + 2
+    base = time.monotonic() - 20  # an earlier wait of this process, held up by Alice 15 s in all
+    for at in (base, base + GRACE_S + 5.0, base + GRACE_S + 10.0, base + GRACE_S + 15.0):
+        hold_ups().look("earlier-wait", {alice: HoldUp.STARTS}, 600, now=at)
+    assert hold_ups().passed_over(alice)
+    tickets = [_ticket_file(alice, 1, "a", 0, "pick"), _ticket_file(carol, 2, "c", 0, "pick")]
+    for _ in range(3):
+        placed = _place_behind(inventory, tickets)
+        assert not placed.gpus and placed.holding_up == () and "goes to carol" not in placed.explain()
+        time.sleep(0.05)
+    assert hold_ups().seconds(carol, HoldUp.STARTS) == 0
 
 
 def test_a_ticket_that_holds_nobody_up_is_not_counted(monkeypatch):
     """Only time a waiter could have taken GPUs but for another user's tickets is counted: with a free GPU left
     for it, or wanting two GPUs where only one is free whatever the tickets do, nothing is."""
-    from gpumagic.devices import hold_ups
+    from gpumagic.devices.hold_ups import HoldUp, hold_ups
     from gpumagic.devices.leases import Lease
 
     monkeypatch.setenv("GPUMAGIC_SIMULATE", "2xA100-80GB")
@@ -550,38 +613,60 @@ def test_a_ticket_that_holds_nobody_up_is_not_counted(monkeypatch):
         placed = _place_behind(inventory, [_ticket_file(bob, 1, "f", 0, "pick")], {carol.uuid: (carol,)}, request=two)
         assert not placed.gpus and placed.holding_up == ()  # GPU 1 is Carol's: two GPUs were never to be had
         time.sleep(0.05)
-    assert bob not in hold_ups.hold_ups()._accounts
+    assert hold_ups().seconds(bob, HoldUp.STARTS) == 0
 
 
-def test_the_hold_up_count_is_earned_back_and_a_passed_over_user_counts_again_at_half_the_budget():
-    from gpumagic.devices.hold_ups import RECOVERY_PER_S, HoldUps
+def test_the_hold_up_count_has_a_grace_second_is_earned_back_and_counts_again_at_half_the_budget():
+    from gpumagic.devices.hold_ups import GRACE_S, LOOK_CAP_S, RECOVERY_PER_S, HoldUp, HoldUps
 
-    counts = HoldUps(budget_s=10)
-    counts.charge(7, 6.0, now=0.0)
-    assert not counts.passed_over(7, now=0.0) and counts.left(7, now=0.0) == pytest.approx(4.0)
-    assert counts.left(7, now=60.0) == pytest.approx(4.0 + 60 * RECOVERY_PER_S)
-    counts.charge(7, 4.0, now=0.0)
-    assert counts.passed_over(7, now=0.0) and counts.left(7, now=0.0) == 0
-    assert counts.passed_over(7, now=(5 - 0.1) / RECOVERY_PER_S)
-    assert not counts.passed_over(7, now=(5 + 0.1) / RECOVERY_PER_S)
-    assert not counts.passed_over(8, now=0.0)
-    assert counts.since_last_look("w", now=1.0) == 0.0 and counts.since_last_look("w", now=1.25) == 0.25
-    assert counts.since_last_look("w", now=100.0) == 5.0  # a look after a long pause charges at most 5 s
+    counts = HoldUps(start_budget_s=10)
+    starts = {7: HoldUp.STARTS}
+    counts.look("w", starts, 600, now=0.0)
+    counts.look("w", starts, 600, now=0.5)
+    assert counts.seconds(7, HoldUp.STARTS, now=0.5) == 0  # within the grace second
+    counts.look("w", starts, 600, now=GRACE_S + 1.0)
+    assert counts.seconds(7, HoldUp.STARTS, now=GRACE_S + 1.0) == pytest.approx(1.0)
+    counts.look("w", {}, 600, now=GRACE_S + 1.25)  # the hold-up ended: the next one has its grace again
+    counts.look("w", starts, 600, now=GRACE_S + 1.5)
+    assert counts.seconds(7, HoldUp.STARTS, now=GRACE_S + 1.5) == pytest.approx(1.0, abs=0.01)
+    at = GRACE_S + 1.5 + GRACE_S + 20
+    counts.look("w", starts, 600, now=at)  # a look after a long pause counts at most LOOK_CAP_S
+    level = 1.0 - (at - GRACE_S - 1.5) * RECOVERY_PER_S + LOOK_CAP_S  # earned back meanwhile: 1 s a minute
+    assert counts.seconds(7, HoldUp.STARTS, now=at) == pytest.approx(level, abs=0.01)
+    assert counts.left(7, HoldUp.STARTS, now=at) == pytest.approx(10 - level, abs=0.01)
+    later = at + 60
+    assert counts.seconds(7, HoldUp.STARTS, now=later) == pytest.approx(level - 1, abs=0.01)
+    counts.look("w", starts, 600, now=later + 5)
+    counts.look("w", starts, 600, now=later + 10)
+    assert counts.passed_over(7, now=later + 10) and counts.left(7, HoldUp.STARTS, now=later + 10) == 0
+    level = counts.seconds(7, HoldUp.STARTS, now=later + 10)
+    back = later + 10 + (level - 5) / RECOVERY_PER_S  # down to half the budget
+    assert counts.passed_over(7, now=back - 1) and counts.passed_over_users(now=back - 1) == [7]
+    assert not counts.passed_over(7, now=back + 1) and counts.passed_over_users(now=back + 1) == []
+    assert not counts.passed_over(8, now=back + 1)
 
 
-def test_another_users_job_past_the_bound_holds_gpus_only_while_other_users_hold_them(monkeypatch):
-    """Issue #24: a forged job ticket past the backfill bound that asked for what no free GPU has (all their
-    memory) held 3 of 4 free GPUs for ever. Another user's job now holds GPUs only while leases or processes
-    of other users than its own stand in its way: not on free GPUs, not behind its own user's leases."""
+def test_another_users_job_past_the_bound_holds_gpus_only_while_other_users_hold_them(monkeypatch, tmp_path):
+    """Issue #24: a forged job ticket past the backfill bound that asked for what no free GPU has held 3 of 4
+    free GPUs for ever. Another user's job now holds GPUs only while leases or processes of other users than
+    its own stand in its way: not on GPUs only its own user's processes use, not behind its own user's
+    leases; and against a waiter for the bound at most, then that user's tickets are passed over."""
+    import json
+
+    from gpumagic.devices.hold_ups import HoldUp, hold_ups
     from gpumagic.devices.leases import Lease
+    from gpumagic.devices.shared_files import owner_name
 
-    monkeypatch.setenv("GPUMAGIC_SIMULATE", "4xA100-80GB")
+    bob = os.getuid() + 4242
+    server = tmp_path / "server.json"
+    used = {"pid": 4242, "user": owner_name(bob), "command": "python bob.py", "memory": "1GB"}
+    server.write_text(json.dumps({"gpus": [{"model": "A100-80GB", "utilization": 0, "processes": [used]}] * 4}))
+    monkeypatch.setenv("GPUMAGIC_SIMULATE", str(server))
     monkeypatch.setenv("GPUMAGIC_BACKFILL_BOUND", "0s")
     inventory = read_inventory()
-    bob = os.getuid() + 4242
-    everything = Request(3, (), inventory[0].memory_total)
+    everything = Request(4, (), inventory[0].memory_total - (512 << 20))  # more than Bob's own processes leave
     forged = _ticket_file(bob, 1, "big", 0, "job", everything)
-    assert not [why for why in _place_behind(inventory, [forged]).reasons.values() if "held for" in why]
+    assert _place_behind(inventory, [forged]).gpus  # before #24: every GPU held for it
     four = _ticket_file(bob, 1, "four", 0, "job", Request(4))
     own = Lease(inventory[0].uuid, "bob", 4321, time.time(), uid=bob)  # only Bob's own lease blocks it
     assert _place_behind(inventory, [four], {own.uuid: (own,)}).gpus
@@ -589,6 +674,23 @@ def test_another_users_job_past_the_bound_holds_gpus_only_while_other_users_hold
     placed = _place_behind(inventory, [four], {own.uuid: (theirs,)})
     assert not placed.gpus and sorted(placed.reasons) == [0, 1, 2, 3]
     assert all("held for" in placed.reasons[i] for i in (1, 2, 3)), placed.reasons
+    assert "hold GPUs for a job past the backfill bound: passed over if it lasts" in placed.explain()
+    monkeypatch.setenv("GPUMAGIC_BACKFILL_BOUND", "300ms")  # held against this waiter for that long at most
+    placed, _ = _looks_until_placed(inventory, lambda k: [four], {own.uuid: (theirs,)})
+    assert placed.gpus and hold_ups().seconds(bob, HoldUp.HOLDS) >= 0.3
+
+
+def test_a_jobs_ticket_asking_what_no_job_asks_is_untrusted():
+    """Review of #24: a forged job ticket with ``max_util`` 0 held GPUs that a monitor kept 2% busy, as holds
+    ignore business. Jobs never ask a utilization or a percentage: such a job's ticket is refused."""
+    from gpumagic.devices.shared_files import Untrusted
+    from gpumagic.devices.ticket_checks import checked_ticket
+
+    for field, value in (("max_util", 0), ("min_free_percent", 50)):
+        ticket = {"kind": "job", "name": "j", "request": {"count": 4, field: value}, "submitted_ns": 1}
+        with pytest.raises(Untrusted, match="what no job asks"):
+            checked_ticket(ticket)
+        assert checked_ticket({**ticket, "kind": "pick"})["request"][field] == value
 
 
 def dataclasses_replace(value, **changes):
@@ -608,18 +710,25 @@ time.sleep(60)
 
 def test_a_tickets_holder_is_checked_against_what_the_ticket_says(tmp_path):
     """A waiting kernel's ticket counts only while held by the process it names, started before the ticket was
-    made; a job's only while held by a job runner that started while its place held. ``/proc/locks`` and
-    ``/proc`` say who holds it and since when: nothing the ticket's writer can set."""
+    made; a job's only while held by that job's runner (``python -m gpumagic.jobs.runner RUN_DIR``, the
+    directory named as the ticket), started while its place held. ``/proc/locks`` and ``/proc`` say who holds it
+    and since when: nothing the ticket's writer can set."""
     from gpumagic.devices.processes import process_start_time
-    from gpumagic.devices.ticket_checks import Holders
+    from gpumagic.devices.ticket_checks import TicketHolders
 
-    def holder_problem(path, uid, data, made, pids, window):
-        return Holders(window).problem(path, uid, data, made, pids)
+    def objection(path, uid, data, made, pids):
+        return TicketHolders(30).objection(path, uid, data, made, pids)
 
+    fake = tmp_path / "fake" / "gpumagic" / "jobs"
+    fake.mkdir(parents=True)
+    for init in (fake.parent / "__init__.py", fake / "__init__.py"):
+        init.touch()
+    (fake / "runner.py").write_text("import time\ntime.sleep(60)\n")
     path = tmp_path / "queue.0.pick-1.ab.json"
     path.write_text("{}")
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdout=subprocess.PIPE, text=True)
-    runner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "gpumagic.jobs.runner"])
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "fake")}
+    runner = subprocess.Popen([sys.executable, "-m", "gpumagic.jobs.runner", "/runs/run-j"], env=env)
     try:
         assert holder.stdout.readline().strip() == "locked"
         started = process_start_time(holder.pid)
@@ -627,26 +736,29 @@ def test_a_tickets_holder_is_checked_against_what_the_ticket_says(tmp_path):
         uid, pid = os.getuid(), holder.pid
         pick = {"kind": "pick", "pid": pid, "process_start": started}
         named = tmp_path / f"queue.{uid}.pick-{pid}.ab.json"
-        assert holder_problem(named, uid, pick, made, [pid], 30) is None
-        assert holder_problem(named, uid + 1, pick, made, [pid], 30) == "locked by a process of another user"
+        assert objection(named, uid, pick, made, [pid]) is None
+        assert objection(named, uid + 1, pick, made, [pid]) == "locked by a process of another user"
         early = int((started - 60) * 1e9)
-        assert "started after the ticket was made" in holder_problem(named, uid, pick, early, [pid], 30)
+        assert "started after the ticket was made" in objection(named, uid, pick, early, [pid])
         reused = {**pick, "process_start": started - 3600}
-        assert "pid was reused" in holder_problem(named, uid, reused, made, [pid], 30)
+        assert "pid was reused" in objection(named, uid, reused, made, [pid])
         other = tmp_path / f"queue.{uid}.pick-{pid + 1}.ab.json"
-        assert holder_problem(other, uid, {"kind": "pick"}, made, [pid], 30) == (
-            "held by another process than the kernel it names"
-        )
-        assert "names no process, or two" in holder_problem(other, uid, pick, made, [pid], 30)
+        unnamed = {"kind": "pick"}
+        assert objection(other, uid, unnamed, made, [pid]) == "held by another process than the kernel it names"
+        assert "names no process, or two" in objection(other, uid, pick, made, [pid])
         job = {"kind": "job"}
-        assert "not that user's gpumagic job runner" in holder_problem(path, uid, job, made, [pid], 30)
+        ticket = tmp_path / f"queue.{uid}.run-j.ab.json"
+        assert "not that user's gpumagic runner of that job" in objection(ticket, uid, job, made, [pid])
         deadline = time.monotonic() + 10
         while process_start_time(runner.pid) is None and time.monotonic() < deadline:
             time.sleep(0.01)
         runner_start = process_start_time(runner.pid)
-        assert holder_problem(path, uid, job, int(runner_start * 1e9), [runner.pid], 30) is None
+        assert objection(ticket, uid, job, int(runner_start * 1e9), [runner.pid]) is None
+        another = tmp_path / f"queue.{uid}.run-k.ab.json"  # one runner holds its own job's ticket, no other
+        assert "runner of that job" in objection(another, uid, job, int(runner_start * 1e9), [runner.pid])
         lapsed = int((runner_start - 100) * 1e9)
-        assert "started after the ticket's place had lapsed" in holder_problem(path, uid, job, lapsed, [runner.pid], 30)
+        assert "started after the ticket's place had lapsed" in objection(ticket, uid, job, lapsed, [runner.pid])
+        assert objection(named, uid, pick, made, [pid, os.getpid()]) is None  # this process only probes it
     finally:
         for process in (holder, runner):
             process.kill()

@@ -5,12 +5,12 @@ asks that Alice gets a GPU) and ``benchmarks/tickets.py`` (which times it, this 
 Each attack starts in Bob's process, prints ``ready`` once its tickets are in place, and runs until killed:
 
 - ``rotate``: a ticket of round 2^20 (the highest a ticket may carry), so that Alice's ticket takes that round;
-  once hers is there, tickets of round 0 asking for every GPU, made anew under a new name every 2 s.
-- ``old-ticket``: a ticket asking for every GPU, made before Alice waits and held by Bob's process as a waiting
-  kernel holds its own, while a new process of Bob's takes a lease now and then.
-- ``fake-runner``: a job's ticket held by a process that passes for a gpumagic job runner (``python -m
-  gpumagic.jobs.runner``, his own module), asking for every GPU with all but 512 MiB of their memory free (Bob's
-  own processes use more): it cannot start, and waits past the backfill bound (1 s for Alice here).
+  once hers is there, two tickets of rounds 0 and 1 asking for every GPU, made anew under new names every 2 s.
+- ``old-ticket``: two tickets asking for every GPU, made before Alice waits and held by Bob's process as a
+  waiting kernel holds its own, while a new process of Bob's takes a lease every second.
+- ``fake-runner``: a job's ticket held by a process that passes for that job's gpumagic runner (``python -m
+  gpumagic.jobs.runner RUN_DIR``, his own module), asking for every GPU with all but 512 MiB of their memory
+  free (Bob's own processes use more): it cannot start, and waits past the backfill bound (1 s for Alice here).
 """
 
 from __future__ import annotations
@@ -50,12 +50,13 @@ poison = ticket(1 << 20)
 print("ready", flush=True)
 while not alice_waits():
     time.sleep(0.005)
-current = ticket(0)
+current = [ticket(0), ticket(1)]
 drop(poison)
 while True:
     time.sleep(2)
-    new = ticket(0)
-    drop(current)
+    new = [ticket(0), ticket(1)]
+    for held in current:
+        drop(held)
     current = new
 """
 )
@@ -64,7 +65,7 @@ OLD_TICKET = (
     _TICKET
     + """
 import subprocess
-held = ticket(0)
+held = [ticket(0), ticket(1)]
 print("ready", flush=True)
 TAKE = "import gpumagic, sys, time; sys.stdin.read(1); gpumagic.use('3'); time.sleep(0.02)"
 while True:
@@ -76,7 +77,7 @@ while True:
 FAKE_RUNNER = (
     _TICKET
     + """
-total = int(sys.argv[1])
+total = int(os.environ["TOTAL"])
 held = ticket(0, kind="job", key="run-b", request={"count": 4, "min_free": total - (512 << 20)})
 time.sleep(1.5)  # past Alice's backfill bound
 print("ready", flush=True)
@@ -117,9 +118,8 @@ def run(attack: str, alice, bob, wait: str = "30s") -> dict:
         assert bob.sh(f"mkdir -p {fake} && touch {fake.parent}/__init__.py {fake}/__init__.py").returncode == 0
         (bob.home / "runner.py").write_text(FAKE_RUNNER)
         assert bob.sh(f"cp {bob.home}/runner.py {fake}/runner.py").returncode == 0
-        total = str(80 << 30)
-        argv = [bob.python, "-m", "gpumagic.jobs.runner", total]
-        env = {"PYTHONPATH": f"{bob.home / 'fake'}:{bob.base_env['PYTHONPATH']}"}
+        argv = [bob.python, "-m", "gpumagic.jobs.runner", str(bob.home / "runs" / "run-b")]  # as a runner's
+        env = {"PYTHONPATH": f"{bob.home / 'fake'}:{bob.base_env['PYTHONPATH']}", "TOTAL": str(80 << 30)}
     else:
         argv = [bob.python, "-c", ROTATE if attack == "rotate" else OLD_TICKET]
         env = {}

@@ -562,7 +562,7 @@ def _live_records(directory: Path, uuid: str, names: Iterable[str] | None = None
             continue
         data, _, locked = read
         # held by the process it names, still running since it wrote it: not by whoever locked it after its death
-        if not locked or not is_same_process(pid, _number(data.get("process_start"))):
+        if not locked or not is_same_process(pid, shared_files.finite(data.get("process_start"))):
             if uid == os.getuid():
                 with contextlib.suppress(OSError):
                     path.unlink()
@@ -690,7 +690,7 @@ def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> li
     ignored."""
     found = []
     holders = shared_files.flock_holders()
-    checks = ticket_checks.Holders(provisional_s)
+    checks = ticket_checks.TicketHolders(provisional_s)
     now = time.time_ns()
     doubtful = []  # locked by the wrong process: looked at again once, together, 20 ms later
     for name in names:
@@ -721,7 +721,7 @@ def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> li
     if doubtful:  # what a hostile process holds, it still holds
         time.sleep(0.02)
         holders = shared_files.flock_holders()
-        checks = ticket_checks.Holders(provisional_s)  # looked at afresh
+        checks = ticket_checks.TicketHolders(provisional_s)  # looked at afresh
         for ticket, info in doubtful:
             pids = holders.get((info.st_dev, info.st_ino), [])
             problem = _holder_problem(ticket, pids, checks) if pids else None
@@ -736,27 +736,27 @@ def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> li
     return found
 
 
-def _holder_problem(ticket: TicketFile, pids: list[int], checks: ticket_checks.Holders) -> str | None:
-    """Why ``pids``, holding ``ticket``'s lock, do not make it count: ours must be held by a process of ours (a
-    job runner, for a job's), another user's must pass ``ticket_checks.Holders``."""
+def _holder_problem(ticket: TicketFile, pids: list[int], checks: ticket_checks.TicketHolders) -> str | None:
+    """Why ``pids``, holding ``ticket``'s lock, do not make it count: ours must be held by a process of ours (its
+    job runner, for a job's), another user's must pass ``ticket_checks.TicketHolders``."""
     if ticket.uid != os.getuid():
-        return checks.problem(ticket.path, ticket.uid, ticket.data, ticket.made_ns, pids)
-    if any(_ours(pid, runner=ticket.kind == "job") for pid in pids):
+        return checks.objection(ticket.path, ticket.uid, ticket.data, ticket.made_ns, pids)
+    if any(_ours(pid, ticket) for pid in pids):
         return None
     return "locked by a process that is not our job runner"
 
 
-def _ours(pid: int, runner: bool) -> bool:
-    """True if ``pid`` is this process, or a process of this user (running the job runner, with ``runner``)."""
+def _ours(pid: int, ticket: TicketFile) -> bool:
+    """True if ``pid`` is this process, or a process of this user (for a job's ticket, its job runner)."""
     import psutil
 
     if pid == os.getpid():
         return True
     try:
         process = psutil.Process(pid)
-        argv = process.cmdline() if runner else []
+        argv = process.cmdline() if ticket.kind == "job" else []
         return process.uids().real == os.getuid() and (
-            not runner or any(argv[i : i + 2] == ["-m", ticket_checks.RUNNER] for i in range(len(argv)))
+            ticket.kind != "job" or ticket_checks.runs_runner_of(argv, ticket.key)
         )
     except psutil.Error:
         return False
@@ -782,15 +782,6 @@ def _bytes(value: object) -> int | None:
     """``value`` if it is a plausible number of bytes (a reservation from a record), else None."""
     if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= 1 << 60:
         return value
-    return None
-
-
-def _number(value: object) -> float | None:
-    """``value`` if it is a finite number (a process start time from a record), else None."""
-    import math
-
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
     return None
 
 

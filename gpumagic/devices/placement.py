@@ -26,6 +26,7 @@ GPUs, as a kernel does.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -35,7 +36,7 @@ from typing import Any
 
 from gpumagic.devices import leases as leasing
 from gpumagic.devices import shared_files
-from gpumagic.devices.hold_ups import hold_ups
+from gpumagic.devices.hold_ups import HoldUp, hold_ups
 from gpumagic.devices.model import GpuInfo, Inventory
 from gpumagic.devices.processes import parent_pid, process_start_time
 from gpumagic.devices.ticket_checks import ROUND_LIMIT
@@ -45,7 +46,7 @@ from gpumagic.units import format_bytes, format_duration, parse_duration
 BACKFILL_BOUND_VARIABLE = "GPUMAGIC_BACKFILL_BOUND"
 BACKFILL_BOUND_S = 600.0  # how long a ticket may be passed over by later, smaller ones before its GPUs are held
 UNSEEN_GRACE_S = 30.0  # a sharer none of whose processes can be seen on its GPU is taken to have allocated then
-PASSED_OVER = "they could start and kept this process from free GPUs too long without taking them"
+PASSED_OVER = "they kept this process from GPUs it could take for too long"
 
 
 @dataclass(frozen=True)
@@ -184,34 +185,41 @@ def queue_order(tickets: Iterable[Ticket]) -> list[Ticket]:
     A ticket's round (its ``round`` field) is the round of the first waiting ticket when it was made, plus how
     many tickets its user then had waiting: a sweep's jobs take successive rounds, and a newcomer's first job
     joins the round being served. Each user's tickets stay in arrival order, one per round. So a user with 40
-    queued jobs has one served per turn, as every other user does.
+    queued jobs has one served per turn, as every other user does (``turns``)."""
+    return [ticket for _, ticket in turns(tickets)]
 
-    Every process orders the same tickets the same way, so no two waiters each see the other ahead. Rounds are
-    claims nobody can check against the queue's past (it is not on disk): a user who writes low ones gets
+
+def turns(tickets: Iterable[Ticket]) -> list[tuple[int, Ticket]]:
+    """Each ticket's turn, in queue order (the order ``queue_order`` gives).
+
+    Every process orders the same tickets the same way, so no two waiters each see the other ahead. A round is
+    taken within the range the queue uses. Rounds grow by one per round served while the queue never empties,
+    so one beyond half ``ROUND_LIMIT`` (half a million rounds) was written by a forger, or copied from one: it
+    counts as 0, and is not inherited (``next_round``). And a round counts as at most the lowest waiting round
+    plus the number of tickets (rounds of tickets that wait together are never further apart). Lower, rounds
+    are claims nobody can check against the queue's past (it is not on disk): a user who writes low ones gets
     earlier turns, as ``%gpu use`` gets them a free GPU without queueing; a ticket that could start and is not
-    taken holds nobody up for long (``devices.hold_ups``), and a round no queue reaches is not inherited
-    (``next_round``)."""
+    taken holds nobody up for long (``devices.hold_ups``)."""
     by_arrival = sorted(tickets, key=lambda t: (t.made_ns, t.uid, t.round, t.submitted_ns, t.path.name))
+    rounds = [t.round if t.round <= ROUND_LIMIT // 2 else 0 for t in by_arrival]
+    highest = min(rounds, default=0) + len(rounds)
     last: dict[int, int] = {}
-    turns = []
-    for ticket in by_arrival:
-        turn = max(ticket.round, last.get(ticket.uid, -1) + 1)
-        turns.append((turn, ticket))
+    result = []
+    for ticket, claimed in zip(by_arrival, rounds, strict=True):
+        turn = max(min(claimed, highest), last.get(ticket.uid, -1) + 1)
+        result.append((turn, ticket))
         last[ticket.uid] = turn
-    return [ticket for _, ticket in sorted(turns, key=lambda pair: pair[0])]  # stable: arrival within a round
+    return sorted(result, key=lambda pair: pair[0])  # stable: arrival within a round
 
 
 def next_round(view: leasing.LeaseView) -> int:
-    """The round of a ticket this user makes now: the oldest waiting ticket's, plus this user's waiting ones.
-
-    Rounds grow by one per round served while the queue never empties. One beyond half ``ROUND_LIMIT`` (half a
-    million rounds: written by nobody but a forger, to push everyone's next ticket out of range) is not
-    inherited: the queue's rounds start again from 0. No round written passes the limit."""
-    waiting = queue_order(Ticket.of(f) for f in view.tickets)
+    """The round of a ticket this user makes now: the turn of the first waiting ticket, plus this user's waiting
+    ones (at most ``ROUND_LIMIT``)."""
+    waiting = turns(Ticket.of(f) for f in view.tickets)
     if not waiting:
         return 0
-    first = waiting[0].round if waiting[0].round <= ROUND_LIMIT // 2 else 0
-    return min(first + sum(1 for ticket in waiting if ticket.uid == os.getuid()), ROUND_LIMIT)
+    mine = sum(1 for _, ticket in waiting if ticket.uid == os.getuid())
+    return min(waiting[0][0] + mine, ROUND_LIMIT)
 
 
 def backfill_bound() -> float:
@@ -344,25 +352,33 @@ def choose(request: Request, all_slots: list[Slot], own: bool = False) -> tuple[
     return rank(good), reasons
 
 
+class Outcome(enum.Enum):
+    """What an earlier ticket does in a placement."""
+
+    STARTS = "starts"  # it could start now, on the GPUs it takes
+    WAITS = "waits"
+    HOLDS = "holds"  # a job past the backfill bound: the GPUs it could use once free are held for it
+    PASSED = "passed"  # its user's tickets held this process up too long: passed over
+
+
 @dataclass(frozen=True)
 class Served:
-    """What an earlier ticket does in a placement: ``starts`` on ``gpus`` (it could start now), ``waits``, or
-    ``holds`` ``gpus`` (a job past the backfill bound); ``passed`` over (its user's tickets held this process
-    up too long)."""
+    """What an earlier ticket does in a placement (``outcome``), on which ``gpus``; for one that waits, ``why``
+    (every GPU's reason)."""
 
     ticket: Ticket
-    outcome: str
+    outcome: Outcome
     gpus: tuple[int, ...] = ()
-    why: str = ""  # for a ticket that waits: every GPU's reason
+    why: str = ""
 
     def describe(self) -> str:
-        """``could start now on GPU 0, 1``, ``waits — GPU 0: ...``, ``holds GPU 2, 3 (...)``, ``passed over``."""
+        """``could start now, on GPU 0, 1``, ``waits — GPU 0: ...``, ``holds GPU 2, 3: ...``, ``passed over: ...``."""
         gpus = ", ".join(map(str, self.gpus))
-        if self.outcome == "starts":
+        if self.outcome is Outcome.STARTS:
             return f"could start now, on GPU {gpus}"
-        if self.outcome == "holds":
+        if self.outcome is Outcome.HOLDS:
             return f"holds GPU {gpus}: it has waited longer than {format_duration(backfill_bound())}"
-        if self.outcome == "passed":
+        if self.outcome is Outcome.PASSED:
             return f"passed over: {PASSED_OVER}"
         return f"waits — {self.why}"
 
@@ -371,8 +387,9 @@ class Served:
 class Placement:
     """What a request gets now: ``gpus`` (all it wants, or none), the GPUs that ``qualify``, and ``reasons``
     (NVML index -> why not) for the others; ``served``: what each earlier ticket does, in queue order;
-    ``holding_up``: other users whose tickets could start and keep this waiter from GPUs, with the seconds
-    left before they are passed over."""
+    ``holding_up``: the other users whose tickets keep this waiter from GPUs it could take, how, and the
+    seconds they may still cost before they are passed over; ``ignored``: users whose tickets failed the
+    checks."""
 
     request: Request
     gpus: tuple[GpuInfo, ...]
@@ -380,25 +397,32 @@ class Placement:
     reasons: dict[int, str]
     total: int
     served: tuple[Served, ...] = ()
-    holding_up: tuple[tuple[str, float], ...] = ()
-    ignored: tuple[str, ...] = ()  # the users whose tickets in the lease directory failed the checks
+    holding_up: tuple[tuple[str, HoldUp, float], ...] = ()
+    ignored: tuple[str, ...] = ()
 
     def explain(self) -> str:
         """Why it waits, GPU by GPU: ``waiting for 1 GPU with 25 GB reserved — GPU 0: ...; GPU 1: ...``."""
         return f"waiting for {self.request.describe()} — {explain(self.reasons, self.total)}" + self.note()
 
-    def note(self) -> str:
-        """What this process does about other users' tickets: who it passes over, who it will pass over when."""
-        passed = sorted({shared_files.owner_name(s.ticket.uid) for s in self.served if s.outcome == "passed"})
-        parts = [f"passing over {name}'s tickets ({PASSED_OVER})" for name in passed]
-        parts += [
-            f"{name}'s tickets could start and are not taken up: passed over in {left:.0f}s"
-            for name, left in self.holding_up
-        ]
+    def note(self, countdown: bool = False) -> str:
+        """What this process does about other users' tickets: whom it passes over, who holds it up (with
+        ``countdown``, for how much longer at most: a line updated in place; a job's record is not rewritten
+        every second), whose tickets it ignores."""
+        passed = sorted({shared_files.owner_name(s.ticket.uid) for s in self.served if s.outcome is Outcome.PASSED})
+        parts = [passing_over(passed)] if passed else []
+        for name, how, left in self.holding_up:
+            when = f"passed over in {left + 1:.0f}s at most" if countdown else "passed over if it lasts"
+            parts.append(f"{name}'s tickets {how.value}: {when}")
         if self.ignored:
             names = ", ".join(f"{name}'s" for name in self.ignored)
             parts.append(f"ignoring {names} tickets that fail the checks (%gpu why names them)")
         return "".join(f"; {part}" for part in parts)
+
+
+def passing_over(names: Sequence[str]) -> str:
+    """``passing over bob's queue tickets: they kept this process ...``."""
+    owners = ", ".join(f"{name}'s" for name in names)
+    return f"passing over {owners} queue tickets: {PASSED_OVER}"
 
 
 def explain(reasons: dict[int, str], total: int) -> str:
@@ -418,19 +442,21 @@ def place(
     """What ``request`` may take now. Earlier tickets in queue order are placed first on a copy of the GPUs'
     state, so it never takes what an earlier one can use now; with no ``mine`` it comes after every ticket.
     ``keep_own``: GPUs this process holds qualify (a kernel picking again); a job's placement passes False.
-    With ``mine`` (a waiter's look), time that other users' tickets that could start keep it from GPUs it could
-    take is counted against them (``devices.hold_ups``). Call under ``pick_lock()``, with ``view`` read there."""
+    With ``mine`` (a waiter's look), the time other users' tickets keep it from GPUs it could take is counted
+    against them (``devices.hold_ups``). Call under ``pick_lock()``, with ``view`` read there."""
     counts = hold_ups()
-    looked = counts.since_last_look(mine.path.name) if mine is not None else 0.0
     earlier = _earlier(view, mine)
     passed = {t.uid for t in earlier if t.uid != os.getuid() and counts.passed_over(t.uid)}
     state = slots(inventory, view)
     served = _serve_earlier(earlier, state, passed)
     good, reasons = choose(request, state, own=keep_own)
     chosen = _chosen(request, good, state)
-    holding_up: tuple[tuple[str, float], ...] = ()
-    if mine is not None and not chosen:
-        holding_up = _count_hold_up(request, inventory, view, earlier, served, passed, keep_own, looked)
+    holding_up: tuple[tuple[str, HoldUp, float], ...] = ()
+    if mine is not None:
+        blocking = {} if chosen else _holding_up(request, inventory, view, earlier, served, passed, keep_own)
+        counts.look(mine.path.name, blocking, backfill_bound())
+        names = shared_files.owner_name
+        holding_up = tuple((names(uid), how, counts.left(uid, how)) for uid, how in sorted(blocking.items()))
     gpus, qualify = tuple(s.gpu for s in chosen), tuple(s.gpu for s in good)
     total = len(inventory.gpus)
     return Placement(request, gpus, qualify, reasons, total, tuple(served), holding_up, _ignored_ticket_owners())
@@ -443,7 +469,7 @@ def _ignored_ticket_owners() -> tuple[str, ...]:
     return tuple(sorted(shared_files.owner_name(uid) for uid in uids))
 
 
-def _count_hold_up(
+def _holding_up(
     request: Request,
     inventory: Inventory,
     view: leasing.LeaseView,
@@ -451,22 +477,32 @@ def _count_hold_up(
     served: list[Served],
     passed: set[int],
     keep_own: bool,
-    looked: float,
-) -> tuple[tuple[str, float], ...]:
-    """If ``request`` could be placed but for other users' tickets that could start (and took GPUs in
-    ``served``), count ``looked`` seconds against each of those users; (user, seconds left) for each."""
+) -> dict[int, HoldUp]:
+    """The other users without whose tickets ``request`` would be placed now, and how theirs hold it up (tickets
+    that could start, or GPUs held for a job). One user at a time, all their tickets taken away; if no one
+    user's are enough, all of them together. A user whose tickets start only because this process passes
+    another over is not holding it up: its own waiter may still be waiting behind that one."""
     me = os.getuid()
-    started = {s.ticket.path.name: s.ticket.uid for s in served if s.outcome == "starts" and s.ticket.uid != me}
-    if not started:
-        return ()
-    alternative = slots(inventory, view)
-    _serve_earlier([t for t in earlier if t.path.name not in started], alternative, passed)
-    if not _chosen(request, choose(request, alternative, own=keep_own)[0], alternative):
-        return ()
-    counts = hold_ups()
-    for uid in set(started.values()):
-        counts.charge(uid, looked)
-    return tuple((shared_files.owner_name(uid), counts.left(uid)) for uid in sorted(set(started.values())))
+    active = {Outcome.STARTS, Outcome.HOLDS}
+    how: dict[int, HoldUp] = {}
+    for s in served:
+        if s.ticket.uid != me and s.outcome in active:
+            starts = s.outcome is Outcome.STARTS or how.get(s.ticket.uid) is HoldUp.STARTS
+            how[s.ticket.uid] = HoldUp.STARTS if starts else HoldUp.HOLDS
+
+    def placed_without(users: set[int]) -> bool:
+        state = slots(inventory, view)
+        _serve_earlier([t for t in earlier if t.uid not in users], state, passed)
+        return bool(_chosen(request, choose(request, state, own=keep_own)[0], state))
+
+    found = {uid: kind for uid, kind in how.items() if placed_without({uid})}
+    if not found and how and placed_without(set(how)):
+        found = dict(how)
+    if found and passed:
+        unpassed = _serve_earlier(earlier, slots(inventory, view), set())
+        active_unpassed = {s.ticket.uid for s in unpassed if s.outcome in active}
+        found = {uid: kind for uid, kind in found.items() if uid in active_unpassed}
+    return found
 
 
 def _earlier(view: leasing.LeaseView, mine: Ticket | None) -> list[Ticket]:
@@ -524,18 +560,19 @@ def _serve_earlier(earlier: list[Ticket], state: list[Slot], passed: set[int]) -
     served = []
     for ticket in earlier:
         if ticket.uid in passed:
-            served.append(Served(ticket, "passed"))
+            served.append(Served(ticket, Outcome.PASSED))
             continue
         good, reasons = choose(ticket.request, state)
         if len(good) < ticket.request.wants:
             held = ()
             if ticket.kind == "job" and time.time_ns() - ticket.made_ns > bound_ns:
                 held = _hold_for(ticket, state)
-            served.append(Served(ticket, "holds" if held else "waits", held, explain(reasons, len(state))))
+            outcome = Outcome.HOLDS if held else Outcome.WAITS
+            served.append(Served(ticket, outcome, held, explain(reasons, len(state))))
             continue
         for slot in good[: ticket.request.wants]:
             slot.take(ticket.request, ticket.label)
-        served.append(Served(ticket, "starts", tuple(s.gpu.nvml_index for s in good[: ticket.request.wants])))
+        served.append(Served(ticket, Outcome.STARTS, tuple(s.gpu.nvml_index for s in good[: ticket.request.wants])))
     return served
 
 

@@ -18,13 +18,13 @@ from gpumagic.devices.cuda_state import cuda_initialized
 from gpumagic.devices.inventory import read_inventory, require_gpus
 from gpumagic.devices.model import GpuInfo, Inventory
 from gpumagic.devices.placement import (
-    PASSED_OVER,
     Placement,
     Request,
     Served,
     Ticket,
     describe_holders,
     explain,
+    passing_over,
     place,
     place_and_take,
 )
@@ -126,7 +126,7 @@ def pick(
                 on_wait(
                     f"Waiting for {n} GPU(s), {len(placed.qualify)} qualify ({format_duration(remaining)} left) — "
                     + explain(placed.reasons, len(inventory.gpus))
-                    + placed.note()
+                    + placed.note(countdown=True)
                 )
             time.sleep(min(poll_interval, max(remaining, 0.01)))
             inventory = require_gpus(read_inventory())
@@ -138,8 +138,8 @@ def pick(
 def _pick_request(
     n: int, min_free: str | int | None, max_util: str | float | None, exclude: object, inventory: Inventory
 ) -> Request:
-    """A kernel's pick as a placement request, every argument checked (``pick``'s arguments)."""
-    _check_count(n)
+    """A kernel's pick as a placement request, every argument checked (``pick``'s arguments; ``n`` by
+    ``_check_count`` before)."""
     free_bytes, free_percent = parse_size_or_percent(min_free) if min_free is not None else (None, None)
     util = parse_percent(max_util) if max_util is not None else None
     return Request(n, (), free_bytes, False, free_percent, util, _excluded(exclude, inventory))
@@ -185,8 +185,7 @@ class PickOutlook:
         else:
             lines.append("Queue: nobody waits")
         if self.passed_over:
-            names = ", ".join(f"{name}'s" for name in self.passed_over)
-            lines.append(f"⚠ passing over {names} queue tickets: {PASSED_OVER}")
+            lines.append(f"⚠ {passing_over(self.passed_over)}")
         if self.ignored:
             from gpumagic.devices.shared_files import one_line
 

@@ -77,6 +77,15 @@ def one_line(value: object, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def finite(value: object) -> float | None:
+    """``value`` if it is a finite number (a time, a size from another user's record), else None."""
+    import math
+
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
 def owner_name(uid: int) -> str:
     import pwd
 

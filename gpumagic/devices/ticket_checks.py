@@ -5,25 +5,30 @@ in it is a claim. What gpumagic can verify, it does:
 
 - its owner: the file's owner, on the open descriptor (``shared_files``), is the uid its name gives;
 - its arrival: when the directory saw it made (its change time, which its writer cannot set back);
-- its fields: types and ranges (``checked_ticket``), and a submission no later than its arrival;
+- its fields: types and ranges (``checked_ticket``): a round of at most ``ROUND_LIMIT``, a submission no later
+  than its arrival, and for a job only what jobs ask (GPUs, UUIDs, memory: no utilization or percentage);
 - its holder: the process holding its ``flock`` (from ``/proc/locks``, which nobody can forge) runs as that
-  user and is what the ticket says: for a kernel in ``%gpu pick --wait``, the very process it names (pid and
-  start time), started before the ticket was made; for a job, a gpumagic job runner (``python -m
-  gpumagic.jobs.runner``) that started no later than the ticket's provisional window after it was made (a
-  ticket nobody held in that window had lapsed; locking it later does not revive its place);
+  user and is what the ticket says (``TicketHolders``): for a kernel in ``%gpu pick --wait``, the very process
+  it names (pid and start time), started before the ticket was made; for a job, a gpumagic job runner of that
+  job (``python -m gpumagic.jobs.runner <run directory named as the ticket>``) that started within the
+  ticket's provisional window of its making (30 s: a sweep's runners start one after another), so an old
+  ticket nobody held then cannot be revived by locking it later;
 - its round: within the range the queue uses (``devices.placement.queue_order``).
 
-A ticket that fails is ignored and named (``shared_files.note_ignored``), in ``%gpu status`` and ``%gpu why``.
+A ticket that fails is ignored and named (``shared_files.note_ignored``), in ``%gpu status``, ``%gpu why`` and
+the line of a waiting pick.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
-from gpumagic.devices.shared_files import Untrusted
+from gpumagic.devices.processes import is_same_process
+from gpumagic.devices.shared_files import Untrusted, finite
 
-RUNNER = "gpumagic.jobs.runner"  # the module a job's runner runs (python -m)
+RUNNER = "gpumagic.jobs.runner"  # the module a job's runner runs (python -m RUNNER RUN_DIRECTORY)
 ROUND_LIMIT = 1 << 20  # rounds grow by one per round served while the queue never empties: never near this
 CLOCK_SLACK_S = 2.0  # process start times (psutil: boot time + ticks) and file times may differ by this much
 PID_LIMIT = 1 << 22  # Linux's pid_max at most
@@ -61,9 +66,11 @@ def checked_ticket(data: dict, made_ns: int | None = None) -> dict:
         and len(exclude) <= 1024
         and all(_whole(i, 1 << 16) for i in exclude)
         and (pid is None or _whole(pid, PID_LIMIT))
-        and (started is None or (_number(started) and 0 <= started < 1 << 40))
+        and (started is None or (finite(started) is not None and 0 <= started < 1 << 40))
     ):
         raise Untrusted("a ticket with malformed fields")
+    if kind == "job" and (percent is not None or util is not None):
+        raise Untrusted("a job's ticket asking what no job asks (a utilization or a percentage)")
     if made_ns is not None and submitted > made_ns + CLOCK_SLACK_S * 1e9:
         raise Untrusted("a ticket submitted after it was made")
     request = {"count": count, "uuids": uuids, "min_free": min_free, "shares": shares}
@@ -76,7 +83,13 @@ def checked_ticket(data: dict, made_ns: int | None = None) -> dict:
     return checked
 
 
-class Holders:
+def runs_runner_of(argv: list[str], key: str) -> bool:
+    """True if ``argv`` is a gpumagic job runner's for the job ``key`` (its run directory's name), as
+    ``jobs.local`` starts it: ``python -m gpumagic.jobs.runner RUN_DIRECTORY``."""
+    return argv[1:3] == ["-m", RUNNER] and len(argv) > 3 and Path(argv[3]).name == key
+
+
+class TicketHolders:
     """Checks the processes holding tickets' ``flock`` for one reading of the queue: each process is looked at
     once however many tickets it holds (a thousand forged tickets of one process cost one look)."""
 
@@ -84,26 +97,25 @@ class Holders:
         self.window_s = window_s  # how long after it was made a job's ticket counts before its runner holds it
         self._facts: dict[tuple[int, bool], tuple[int, float | None, list[str]] | None] = {}
 
-    def problem(self, path: Path, uid: int, data: dict, made_ns: int, pids: list[int]) -> str | None:
+    def objection(self, path: Path, uid: int, data: dict, made_ns: int, pids: list[int]) -> str | None:
         """Why the processes holding the ``flock`` of a locked ticket do not make it count (None: they do).
 
-        ``pids``: the holders ``/proc/locks`` gives for the file (a prober's among them for microseconds).
+        ``pids``: the holders ``/proc/locks`` gives for the file; this process among them is only probing it.
         """
-        if data["kind"] == "pick":
-            return self._kernel_problem(path, uid, data, made_ns, pids)
-        return self._runner_problem(uid, made_ns, pids)
-
-    def _kernel_problem(self, path: Path, uid: int, data: dict, made_ns: int, pids: list[int]) -> str | None:
-        """A waiting kernel locks its ticket as it makes it: the holder must be the process it names."""
-        import os
-
+        pids = [pid for pid in pids if pid != os.getpid()]
         key = path.name.split(".")[2] if path.name.count(".") >= 3 else ""
+        if data["kind"] == "pick":
+            return self._kernel_objection(key, uid, data, made_ns, pids)
+        return self._runner_objection(key, uid, made_ns, pids)
+
+    def _kernel_objection(self, key: str, uid: int, data: dict, made_ns: int, pids: list[int]) -> str | None:
+        """A waiting kernel locks its ticket as it makes it: the holder must be the process it names."""
         match = _PICK_KEY.match(key)
         named = int(match.group(1)) if match else None
         pid = data.get("pid", named)
         if pid is None or (named is not None and named != pid):
             return "a waiting kernel's ticket that names no process, or two"
-        if pid not in pids and os.getpid() not in pids:
+        if pid not in pids:
             return "held by another process than the kernel it names"
         facts = self._process(pid)
         if facts is None:
@@ -116,23 +128,19 @@ class Holders:
         if started > made_ns / 1e9 + CLOCK_SLACK_S:
             return "held by a process that started after the ticket was made"
         recorded = data.get("process_start")
-        if recorded is not None and abs(started - recorded) > CLOCK_SLACK_S:
+        if recorded is not None and not is_same_process(pid, recorded):
             return "held by another process than the one that made it (its pid was reused)"
         return None
 
-    def _runner_problem(self, uid: int, made_ns: int, pids: list[int]) -> str | None:
-        """A job's ticket is held by a gpumagic job runner of that user that took it over while its place held."""
-        import os
-
+    def _runner_objection(self, key: str, uid: int, made_ns: int, pids: list[int]) -> str | None:
+        """A job's ticket is held by that job's runner, of that user, started while the ticket's place held."""
         late = False
         for pid in pids:
-            if pid == os.getpid():
-                return None
             facts = self._process(pid, command=True)
             if facts is None:  # hidden by hidepid: cannot tell, so it counts (the hold-up budget bounds it)
                 return None
             owner, started, argv = facts
-            if owner != uid or not any(argv[i : i + 2] == ["-m", RUNNER] for i in range(len(argv))):
+            if owner != uid or not runs_runner_of(argv, key):
                 continue
             if started is not None and started > made_ns / 1e9 + self.window_s + CLOCK_SLACK_S:
                 late = True
@@ -140,7 +148,7 @@ class Holders:
             return None
         if late:
             return "held by a runner that started after the ticket's place had lapsed"
-        return "locked by a process that is not that user's gpumagic job runner"
+        return "locked by a process that is not that user's gpumagic runner of that job"
 
     def _process(self, pid: int, command: bool = False) -> tuple[int, float | None, list[str]] | None:
         """(real uid, start time or None if it is a zombie, argv if asked) of ``pid``; None if /proc hides it
@@ -164,11 +172,5 @@ def _whole(value: object, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= high
 
 
-def _number(value: object) -> bool:
-    import math
-
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _percentage(value: object) -> bool:
-    return value is None or (_number(value) and 0 <= value <= 100)  # type: ignore[operator]
+    return value is None or (finite(value) is not None and 0 <= value <= 100)  # type: ignore[operator]

@@ -56,10 +56,9 @@ def notes(status: GpuStatus) -> list[str]:
         more = f"; and {left} more" if left > 0 else ""
         result.append(f"⚠ ignored in the lease directory: {listed}{more}")
     if status.passed_over:
-        from gpumagic.devices.placement import PASSED_OVER
+        from gpumagic.devices.placement import passing_over
 
-        names = ", ".join(f"{name}'s" for name in status.passed_over)
-        result.append(f"⚠ passing over {names} queue tickets: {PASSED_OVER}")
+        result.append(f"⚠ {passing_over(status.passed_over)}")
     return result
 
 

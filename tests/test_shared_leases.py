@@ -376,22 +376,17 @@ def loaded_server(two_users, shared_tmp):
     return alice, bob
 
 
-@pytest.mark.parametrize("attack", ticket_attacks.ATTACKS)
+@pytest.mark.parametrize("attack", ["rotate", "fake-runner"])
 def test_a_waiting_pick_gets_a_free_gpu_whatever_another_user_writes_in_the_queue(loaded_server, attack):
     """Issue #24, part 2: Bob's forged tickets kept Alice's ``pick(1, wait="60s")`` from 4 free GPUs until it
     failed (``rotate``: a round of 2^20 then round-0 tickets made anew; ``fake-runner``: a job past the bound
-    holding every GPU), or delayed it (``old-ticket``). Each attack, timed by benchmarks/tickets.py: Alice gets
-    a GPU well within her 30 s, and what was passed over or ignored is named."""
+    holding every GPU). Each attack, timed by benchmarks/tickets.py with ``old-ticket`` (tickets that could
+    start, held for the 10 s budget: test_a_runner_that_never_takes_its_gpus_is_no_longer_waited_for here):
+    Alice gets a GPU well within her 30 s, and what was ignored is named."""
     alice, bob = loaded_server
     answer = ticket_attacks.run(attack, alice, bob, wait="30s")
     assert answer["got"] is not None, answer
     print(f"{attack}: Alice got GPU {answer['got']} after {answer['seconds']:.1f} s")
-    if attack == "old-ticket":
-        counting = f"{bob.name}'s tickets could start and are not taken up: passed over in"
-        assert any(counting in m for m in answer["messages"]), answer["messages"]
-        if answer["passed_over"]:  # else she slipped in while Bob's lease kept his tickets from starting
-            assert answer["passed_over"] == [bob.name], answer
-            assert f"passing over {bob.name}'s queue tickets" in answer["why"], answer["why"]
     if attack == "fake-runner":
         assert not any("held for" in m for m in answer["messages"]), answer["messages"]
         assert f"{bob.name}'s job bob" in answer["why"] and "waits —" in answer["why"], answer["why"]

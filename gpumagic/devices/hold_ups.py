@@ -3,17 +3,18 @@
 Tickets are files anyone can write (``devices.leases``), so the queue cannot trust that a ticket ahead will
 take what it is placed on. A ticket that could start is taken up by its runner or waiting kernel within a
 look (they look 4 times a second); a forged one is not. So every waiting process counts, per other user, the
-time it could have taken GPUs but for that user's tickets (``devices.placement`` decides when that is):
+time it could have taken GPUs but for that user's tickets (``devices.placement`` decides when that is), each
+look the time since its last one:
 
-- tickets that could start: past a grace second at the start of each hold-up (a runner that is starting up),
-  up to ``START_BUDGET_S`` in all;
-- GPUs held for that user's job past the backfill bound: up to the bound itself (10 minutes), so a large job
-  keeps its GPUs against others' waiting for the bound, and a forged one holds nobody for ever.
+- tickets that could start (``HoldUp.STARTS``): past a grace second per user and waiter (a runner that is
+  starting up), up to ``START_BUDGET_S``; then all that user's tickets are passed over by this process,
+  whatever they are called, however often they are made anew and whatever leases that user takes meanwhile;
+- GPUs held for that user's job past the backfill bound (``HoldUp.HOLDS``): up to the bound itself (10
+  minutes), so a large job keeps its GPUs against others' waiting for the bound; then this process no longer
+  holds GPUs for that user's jobs (their turns stand).
 
-Past either budget, that user's tickets are passed over by this process, whatever they are called, however
-often they are made anew and whatever leases that user takes meanwhile. The counts are earned back slowly
-(``RECOVERY_PER_S``), so a user whose jobs start normally never gets near them, and a passed-over user counts
-again once its count has fallen to half its budget (5 minutes for tickets that could start).
+Each count is earned back over ``RECOVERY_S`` (a full budget in 10 minutes), so a user whose jobs start
+normally never gets near it, and a passed-over user counts again once its count has fallen to half.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import time
 from dataclasses import dataclass
 
 START_BUDGET_S = 10.0  # hold-up another user's tickets that could start may cost a waiter before they are passed over
-GRACE_S = 1.0  # the first second of each hold-up is not counted: a runner or kernel that is just starting
-RECOVERY_PER_S = 1 / 60  # seconds of a count earned back per second
-LOOK_CAP_S = 5.0  # one look counts at most this much, whatever the time since the last (a process suspended)
+GRACE_S = 1.0  # per user and waiter, not counted: a runner or kernel that is just starting
+RECOVERY_S = 600.0  # a full budget is earned back in this long
+LOOK_CAP_S = 2.0  # one look counts at most this much, whatever the time since the last (a process suspended)
+_KEPT_WAITERS = 256  # looks remembered; older waits are finished
 
 
 class HoldUp(enum.Enum):
@@ -37,101 +39,90 @@ class HoldUp(enum.Enum):
 
 
 @dataclass
-class _UserCount:
-    starts: float = 0.0
-    holds: float = 0.0
+class _Count:
+    seconds: float = 0.0
     updated: float = 0.0
     passed_over: bool = False
 
 
 class HoldUps:
-    """Per user id: the hold-up its tickets have cost this process, and whether it is passed over now."""
+    """Per user id and kind of hold-up: what its tickets have cost this process, and whether it is passed over."""
 
     def __init__(self, start_budget_s: float = START_BUDGET_S) -> None:
-        self.start_budget_s = start_budget_s
-        self.hold_budget_s = 600.0  # the backfill bound, as the last look gave it
-        self._counts: dict[int, _UserCount] = {}
-        self._last_look: dict[str, float] = {}  # waiter (its ticket's file name) -> when it last looked
-        self._since: dict[tuple[str, int], float] = {}  # (waiter, user) -> when that user began holding it up
+        self.budgets = {HoldUp.STARTS: start_budget_s, HoldUp.HOLDS: 600.0}  # HOLDS: the backfill bound
+        self._counts: dict[tuple[int, HoldUp], _Count] = {}
+        self._last_look: dict[str, float] = {}  # waiter -> when it last looked
+        self._grace: dict[tuple[str, int], float] = {}  # (waiter, user) -> grace left
         self._lock = threading.Lock()
 
     def look(self, waiter: str, holding_up: dict[int, HoldUp], hold_budget_s: float, now: float | None = None) -> None:
-        """``waiter`` looked and found the users of ``holding_up`` keeping it from GPUs it could take: count the
-        time since its last look against each, past the grace second of each hold-up."""
+        """``waiter`` (a ticket's file name, or this process for a pick without one) looked and found the users
+        of ``holding_up`` keeping it from GPUs it could take: count the time since its last look against each,
+        once its grace with that user is spent. ``hold_budget_s``: the backfill bound now."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            self.hold_budget_s = hold_budget_s
+            self.budgets[HoldUp.HOLDS] = hold_budget_s
             last = self._last_look.get(waiter)
             self._last_look[waiter] = now
             elapsed = 0.0 if last is None else min(max(now - last, 0.0), LOOK_CAP_S)
-            for key in [k for k in self._since if k[0] == waiter and k[1] not in holding_up]:
-                del self._since[key]  # that hold-up ended
             for uid, how in holding_up.items():
-                began = self._since.setdefault((waiter, uid), now)
-                counted = min(elapsed, max(now - began - GRACE_S, 0.0))
-                if counted > 0:
-                    self._charge(uid, how, counted, now)
-            if len(self._last_look) > 256:  # finished waits: keep the newest
-                for key in sorted(self._last_look, key=self._last_look.get)[:128]:
+                grace = self._grace.get((waiter, uid), GRACE_S)
+                spent = min(grace, elapsed)
+                self._grace[waiter, uid] = grace - spent
+                if elapsed > spent:
+                    self._charge(uid, how, elapsed - spent, now)
+            if len(self._last_look) > _KEPT_WAITERS:
+                for key in sorted(self._last_look, key=self._last_look.get)[: _KEPT_WAITERS // 2]:
                     del self._last_look[key]
+                self._grace = {k: v for k, v in self._grace.items() if k[0] in self._last_look}
 
     def clear(self) -> None:
         """Forget every count and every look."""
         with self._lock:
             self._counts.clear()
             self._last_look.clear()
-            self._since.clear()
+            self._grace.clear()
 
-    def passed_over(self, uid: int, now: float | None = None) -> bool:
-        """True while ``uid``'s tickets are passed over by this process."""
+    def passed_over(self, uid: int, how: HoldUp = HoldUp.STARTS, now: float | None = None) -> bool:
+        """True while this process passes over ``uid``'s tickets (``STARTS``), or holds no GPUs for ``uid``'s
+        jobs (``HOLDS``)."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            return uid in self._counts and self._settled(uid, now).passed_over
+            return (uid, how) in self._counts and self._settled(uid, how, now).passed_over
 
     def passed_over_users(self, now: float | None = None) -> list[int]:
         """The users whose tickets this process passes over now."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            return sorted(uid for uid in self._counts if self._settled(uid, now).passed_over)
+            starts = [uid for uid, how in self._counts if how is HoldUp.STARTS]
+            return sorted(uid for uid in starts if self._settled(uid, HoldUp.STARTS, now).passed_over)
 
     def left(self, uid: int, how: HoldUp, now: float | None = None) -> float:
-        """Seconds of hold-up of kind ``how`` that ``uid``'s tickets may still cost before they are passed over
-        (0 once they are); the grace second of a hold-up that just began is not in it."""
+        """Seconds of hold-up of kind ``how`` that ``uid``'s tickets may still cost (0 once passed over), the
+        grace not in it."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            count = self._settled(uid, now) if uid in self._counts else _UserCount()
-            if count.passed_over:
-                return 0.0
-            used = count.starts if how is HoldUp.STARTS else count.holds
-            return max(self._budget(how) - used, 0.0)
+            count = self._settled(uid, how, now) if (uid, how) in self._counts else _Count()
+            return 0.0 if count.passed_over else max(self.budgets[how] - count.seconds, 0.0)
 
     def seconds(self, uid: int, how: HoldUp, now: float | None = None) -> float:
         """The hold-up of kind ``how`` counted against ``uid`` now."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            if uid not in self._counts:
-                return 0.0
-            count = self._settled(uid, now)
-            return count.starts if how is HoldUp.STARTS else count.holds
-
-    def _budget(self, how: HoldUp) -> float:
-        return self.start_budget_s if how is HoldUp.STARTS else self.hold_budget_s
+            return self._settled(uid, how, now).seconds if (uid, how) in self._counts else 0.0
 
     def _charge(self, uid: int, how: HoldUp, seconds: float, now: float) -> None:
-        count = self._settled(uid, now)
-        if how is HoldUp.STARTS:
-            count.starts += seconds
-        else:
-            count.holds += seconds
-        if count.starts >= self.start_budget_s or count.holds >= self.hold_budget_s:
+        count = self._settled(uid, how, now)
+        count.seconds += seconds
+        if count.seconds >= self.budgets[how]:
             count.passed_over = True
 
-    def _settled(self, uid: int, now: float) -> _UserCount:
-        count = self._counts.setdefault(uid, _UserCount(updated=now))
-        earned = max(now - count.updated, 0.0) * RECOVERY_PER_S
-        count.starts, count.holds = max(count.starts - earned, 0.0), max(count.holds - earned, 0.0)
+    def _settled(self, uid: int, how: HoldUp, now: float) -> _Count:
+        count = self._counts.setdefault((uid, how), _Count(updated=now))
+        budget = self.budgets[how]
+        count.seconds = max(count.seconds - max(now - count.updated, 0.0) * budget / RECOVERY_S, 0.0)
         count.updated = max(now, count.updated)
-        if count.passed_over and count.starts <= self.start_budget_s / 2 and count.holds <= self.hold_budget_s / 2:
+        if count.passed_over and count.seconds <= budget / 2:
             count.passed_over = False
         return count
 

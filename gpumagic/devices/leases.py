@@ -692,6 +692,7 @@ def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> li
     holders = shared_files.flock_holders()
     checks = ticket_checks.TicketHolders(provisional_s)
     now = time.time_ns()
+    lapsed_ns = now - (min(provisional_s, OTHERS_PROVISIONAL_S) + ticket_checks.CLOCK_SLACK_S) * 1e9
     doubtful = []  # locked by the wrong process: looked at again once, together, 20 ms later
     for name in names:
         match = TICKET_NAME.match(name)
@@ -699,15 +700,12 @@ def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> li
             continue
         uid = int(match.group(1))
         path = directory / name
-        read = _read_shared(path, uid)
+        if uid != os.getuid() and _lapsed(path, holders, lapsed_ns):
+            continue
+        read = _read_ticket(path, uid)
         if read is None:
             continue
-        raw, info, locked = read
-        try:
-            data = ticket_checks.checked_ticket(raw, None if uid == os.getuid() else info.st_ctime_ns)
-        except Untrusted as why:
-            shared_files.note_ignored(name, str(why))
-            continue
+        data, info, locked = read
         pids = holders.get((info.st_dev, info.st_ino), [])
         if locked and not pids:  # locked since /proc/locks was read: read it again
             holders = shared_files.flock_holders()
@@ -734,6 +732,52 @@ def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> li
             else:
                 shared_files.note_ignored(ticket.path.name, problem)
     return found
+
+
+def _lapsed(path: Path, holders: dict[tuple[int, int], list[int]], before_ns: float) -> bool:
+    """True if another user's ticket at ``path`` is held by nobody and was made before ``before_ns``: it does not
+    count, and is not even read (thousands of them cost a ``stat`` each)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return True
+    return (info.st_dev, info.st_ino) not in holders and info.st_ctime_ns < before_ns
+
+
+_checked_tickets: dict[tuple[int, ...], dict | str] = {}  # (device, inode, change time, size, uid) -> fields
+
+
+def _read_ticket(path: Path, uid: int) -> tuple[dict, os.stat_result, bool] | None:
+    """A ticket's checked fields (``ticket_checks.checked_ticket``), its ``fstat``, and whether it is locked;
+    None if it is gone or untrusted (then noted as ignored). A file not changed since it was last read is
+    not parsed again.
+
+    Raises:
+        LeaseDirectoryError: it cannot be read for a reason of this machine (no descriptors left, I/O).
+    """
+    try:
+        with shared_files.opened(path, uid) as (fd, info):
+            key = (info.st_dev, info.st_ino, info.st_ctime_ns, info.st_size, uid)
+            data = _checked_tickets.get(key)
+            if data is None:
+                try:
+                    raw = shared_files.read_record(fd, info, ticket_checks.TICKET_BYTES)
+                    data = ticket_checks.checked_ticket(raw, None if uid == os.getuid() else info.st_ctime_ns)
+                except Untrusted as why:
+                    data = str(why)
+                if len(_checked_tickets) >= 4096:
+                    _checked_tickets.clear()
+                _checked_tickets[key] = data
+            if isinstance(data, str):
+                raise Untrusted(data)
+            return data, info, shared_files.is_locked(fd)
+    except FileNotFoundError:
+        return None
+    except Untrusted as why:
+        shared_files.note_ignored(path.name, str(why))
+        return None
+    except OSError as err:
+        raise LeaseDirectoryError(f"cannot read {path} ({err.strerror})") from None
 
 
 def _holder_problem(ticket: TicketFile, pids: list[int], checks: ticket_checks.TicketHolders) -> str | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+MAX_GPUS = 64  # the most GPUs one pick or job asks for, names or excludes
+
 
 @dataclass(frozen=True)
 class GpuProcess:

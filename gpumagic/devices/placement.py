@@ -25,6 +25,7 @@ GPUs, as a kernel does.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import os
@@ -387,9 +388,9 @@ class Served:
 class Placement:
     """What a request gets now: ``gpus`` (all it wants, or none), the GPUs that ``qualify``, and ``reasons``
     (NVML index -> why not) for the others; ``served``: what each earlier ticket does, in queue order;
-    ``holding_up``: the other users whose tickets keep this waiter from GPUs it could take, how, and the
-    seconds they may still cost before they are passed over; ``ignored``: users whose tickets failed the
-    checks."""
+    ``blocking``: the other users (uid) whose tickets keep this waiter from GPUs it could take, and how;
+    ``holding_up``: the same once counted, by name, with the seconds they may still cost before they are
+    passed over; ``ignored``: users whose tickets failed the checks."""
 
     request: Request
     gpus: tuple[GpuInfo, ...]
@@ -397,6 +398,7 @@ class Placement:
     reasons: dict[int, str]
     total: int
     served: tuple[Served, ...] = ()
+    blocking: dict[int, HoldUp] = dataclasses.field(default_factory=dict)
     holding_up: tuple[tuple[str, HoldUp, float], ...] = ()
     ignored: tuple[str, ...] = ()
 
@@ -438,34 +440,51 @@ def place(
     view: leasing.LeaseView,
     mine: Ticket | None = None,
     keep_own: bool = True,
+    waiting: bool = False,
 ) -> Placement:
     """What ``request`` may take now. Earlier tickets in queue order are placed first on a copy of the GPUs'
     state, so it never takes what an earlier one can use now; with no ``mine`` it comes after every ticket.
     ``keep_own``: GPUs this process holds qualify (a kernel picking again); a job's placement passes False.
-    With ``mine`` (a waiter's look), the time other users' tickets keep it from GPUs it could take is counted
-    against them (``devices.hold_ups``). Call under ``pick_lock()``, with ``view`` read there."""
+    Other users this process passes over are left out (``devices.hold_ups``). For a look of a waiter (``mine``,
+    or ``waiting``) that gets nothing, ``blocking`` names the other users without whose tickets it would get
+    what it asks (``count_hold_ups`` counts it). Call under ``pick_lock()``, with ``view`` read there."""
     counts = hold_ups()
     earlier = _earlier(view, mine)
-    passed = {t.uid for t in earlier if t.uid != os.getuid() and counts.passed_over(t.uid)}
+    strangers = {t.uid for t in earlier if t.uid != os.getuid()}
+    passed = {uid for uid in strangers if counts.passed_over(uid)}
+    unheld = {uid for uid in strangers if counts.passed_over(uid, HoldUp.HOLDS)}
     state = slots(inventory, view)
-    served = _serve_earlier(earlier, state, passed)
+    served = _serve_earlier(earlier, state, passed, unheld)
     good, reasons = choose(request, state, own=keep_own)
     chosen = _chosen(request, good, state)
-    holding_up: tuple[tuple[str, HoldUp, float], ...] = ()
-    if mine is not None:
-        blocking = {} if chosen else _holding_up(request, inventory, view, earlier, served, passed, keep_own)
-        counts.look(mine.path.name, blocking, backfill_bound())
-        names = shared_files.owner_name
-        holding_up = tuple((names(uid), how, counts.left(uid, how)) for uid, how in sorted(blocking.items()))
+    blocking: dict[int, HoldUp] = {}
+    if (mine is not None or waiting) and not chosen:
+        blocking = _holding_up(request, inventory, view, earlier, served, (passed, unheld), keep_own)
     gpus, qualify = tuple(s.gpu for s in chosen), tuple(s.gpu for s in good)
-    total = len(inventory.gpus)
-    return Placement(request, gpus, qualify, reasons, total, tuple(served), holding_up, _ignored_ticket_owners())
+    total, ignored = len(inventory.gpus), _ignored_ticket_owners()
+    return Placement(request, gpus, qualify, reasons, total, tuple(served), blocking, (), ignored)
+
+
+def count_hold_ups(placed: Placement, waiter: str) -> Placement:
+    """Count ``placed.blocking`` against those users as ``waiter``'s hold-up since its last look (nobody, if
+    it was placed); ``placed`` with ``holding_up`` (who, how, seconds left before they are passed over)."""
+    counts = hold_ups()
+    counts.look(waiter, placed.blocking, backfill_bound())
+    name = shared_files.owner_name
+    holding_up = tuple((name(uid), how, counts.left(uid, how)) for uid, how in sorted(placed.blocking.items()))
+    return dataclasses.replace(placed, holding_up=holding_up)
 
 
 def _ignored_ticket_owners() -> tuple[str, ...]:
-    """The users whose queue tickets were last read and ignored (``shared_files.ignored``)."""
+    """The owners of the queue tickets last read and ignored (``shared_files.ignored``), as the files' owners
+    are, whatever their names say."""
     found, _ = shared_files.ignored(limit=0)
-    uids = {int(match.group(1)) for name in found if (match := leasing.TICKET_NAME.match(name))}
+    uids = set()
+    directory = leasing.lease_dir()
+    for name in found:
+        if leasing.TICKET_NAME.match(name):
+            with contextlib.suppress(OSError):
+                uids.add(os.lstat(directory / name).st_uid)
     return tuple(sorted(shared_files.owner_name(uid) for uid in uids))
 
 
@@ -475,13 +494,14 @@ def _holding_up(
     view: leasing.LeaseView,
     earlier: list[Ticket],
     served: list[Served],
-    passed: set[int],
+    left_out: tuple[set[int], set[int]],
     keep_own: bool,
 ) -> dict[int, HoldUp]:
     """The other users without whose tickets ``request`` would be placed now, and how theirs hold it up (tickets
     that could start, or GPUs held for a job). One user at a time, all their tickets taken away; if no one
-    user's are enough, all of them together. A user whose tickets start only because this process passes
-    another over is not holding it up: its own waiter may still be waiting behind that one."""
+    user's are enough, all of them together. A user whose tickets start only because this process leaves
+    others out (``left_out``: users passed over, users whose holds it no longer keeps) is not holding it up:
+    its own waiter may still be waiting behind them."""
     me = os.getuid()
     active = {Outcome.STARTS, Outcome.HOLDS}
     how: dict[int, HoldUp] = {}
@@ -492,14 +512,14 @@ def _holding_up(
 
     def placed_without(users: set[int]) -> bool:
         state = slots(inventory, view)
-        _serve_earlier([t for t in earlier if t.uid not in users], state, passed)
+        _serve_earlier([t for t in earlier if t.uid not in users], state, *left_out)
         return bool(_chosen(request, choose(request, state, own=keep_own)[0], state))
 
     found = {uid: kind for uid, kind in how.items() if placed_without({uid})}
     if not found and how and placed_without(set(how)):
         found = dict(how)
-    if found and passed:
-        unpassed = _serve_earlier(earlier, slots(inventory, view), set())
+    if found and any(left_out):
+        unpassed = _serve_earlier(earlier, slots(inventory, view), set(), set())
         active_unpassed = {s.ticket.uid for s in unpassed if s.outcome in active}
         found = {uid: kind for uid, kind in found.items() if uid in active_unpassed}
     return found
@@ -533,29 +553,31 @@ def place_and_take(
 ) -> Placement:
     """``place`` under the shared pick lock (most looks of a waiter find nothing to take), and only when
     something can be placed, again under the exclusive one, where ``take`` leases it. The placement returned
-    has ``gpus`` only if they were taken.
+    has ``gpus`` only if they were taken. What kept it from GPUs is counted (``count_hold_ups``), for a pick
+    without a ticket as this process's.
 
     Raises:
         LeaseBusy: the pick lock stayed taken for ``wait_s``.
     """
+    waiter = mine.path.name if mine is not None else f"process-{os.getpid()}"  # a pick without a ticket
     with leasing.pick_lock(exclusive=False, wait_s=wait_s):
-        placed = place(request, inventory, leasing.read_view(leasing.book()), mine, keep_own)
-    if not placed.gpus:
-        return placed
-    with leasing.pick_lock(wait_s=wait_s):
-        placed = place(request, inventory, leasing.read_view(leasing.book()), mine, keep_own)
-        if placed.gpus and take(placed.gpus):
-            return placed
-    return dataclasses.replace(placed, gpus=())
+        placed = place(request, inventory, leasing.read_view(leasing.book()), mine, keep_own, waiting=True)
+    if placed.gpus:
+        with leasing.pick_lock(wait_s=wait_s):
+            placed = place(request, inventory, leasing.read_view(leasing.book()), mine, keep_own, waiting=True)
+            if placed.gpus and take(placed.gpus):
+                return count_hold_ups(placed, waiter)
+        placed = dataclasses.replace(placed, gpus=())
+    return count_hold_ups(placed, waiter)  # what kept it from GPUs at either look counts
 
 
 def _same_holder(file: leasing.TicketFile, mine: leasing.TicketFile) -> bool:
     return file.uid == mine.uid and file.key == mine.key
 
 
-def _serve_earlier(earlier: list[Ticket], state: list[Slot], passed: set[int]) -> list[Served]:
-    """Let each earlier ticket take (on ``state``) what it would take now; hold GPUs for a job past the bound.
-    The tickets of the users in ``passed`` are passed over."""
+def _serve_earlier(earlier: list[Ticket], state: list[Slot], passed: set[int], unheld: set[int]) -> list[Served]:
+    """Let each earlier ticket take (on ``state``) what it would take now; hold GPUs for a job past the bound,
+    unless its user is in ``unheld``. The tickets of the users in ``passed`` are passed over."""
     bound_ns = backfill_bound() * 1e9
     served = []
     for ticket in earlier:
@@ -565,7 +587,7 @@ def _serve_earlier(earlier: list[Ticket], state: list[Slot], passed: set[int]) -
         good, reasons = choose(ticket.request, state)
         if len(good) < ticket.request.wants:
             held = ()
-            if ticket.kind == "job" and time.time_ns() - ticket.made_ns > bound_ns:
+            if ticket.kind == "job" and ticket.uid not in unheld and time.time_ns() - ticket.made_ns > bound_ns:
                 held = _hold_for(ticket, state)
             outcome = Outcome.HOLDS if held else Outcome.WAITS
             served.append(Served(ticket, outcome, held, explain(reasons, len(state))))
@@ -577,14 +599,10 @@ def _serve_earlier(earlier: list[Ticket], state: list[Slot], passed: set[int]) -
 
 
 def _hold_for(ticket: Ticket, state: list[Slot]) -> tuple[int, ...]:
-    """Hold for ``ticket`` the GPUs it could have once what holds them ends, fewest holders first; later
-    tickets may not take them. Returns their indices.
-
-    For this user's ticket, what ends is everything: the GPUs as if nobody held them and their memory were all
-    free. For another user's, only what other users than that one hold: their leases, and the memory their
-    processes use. So a job that could not start on free GPUs, or only once its own user's leases end, holds
-    nothing. Business is ignored, the memory need kept; nothing is held for a request no set of GPUs here could
-    then meet."""
+    """Hold for ``ticket`` the GPUs it could have once what other users than its own hold on them ends
+    (``_once_freed``), fewest holders first; later tickets may not take them. Returns their indices. A job that
+    could not start on free GPUs, or only once its own user's leases end, holds nothing. Business is ignored,
+    the memory need kept; nothing is held for a request no set of GPUs here could then meet."""
     request = ticket.request
     by_uuid = {s.gpu.uuid: s for s in state}
     candidates = [
@@ -602,12 +620,10 @@ def _hold_for(ticket: Ticket, state: list[Slot]) -> tuple[int, ...]:
 
 
 def _once_freed(slot: Slot, uid: int) -> Slot:
-    """``slot`` once what holds it ends, for a ticket of ``uid``: everything for ours, another user's only what
-    other users than ``uid`` hold (``_hold_for``)."""
+    """``slot`` once what other users than ``uid`` hold on it ends: their leases, and the memory their
+    processes use. The same for every reader, whoever ``uid`` is, so all see the same GPUs held."""
     gpu = slot.gpu
     total = gpu.memory_total or 0
-    if uid == os.getuid():
-        return Slot(dataclasses.replace(gpu, memory_free=total, memory_used=0), (), 0)
     owner = shared_files.owner_name(uid)
     kept = tuple(lease for lease in slot.leases if lease.uid == uid)
     freed = sum(p.gpu_memory or 0 for p in gpu.processes if p.user != owner)

@@ -146,6 +146,27 @@ def parent_pid(pid: int) -> int | None:
     return int(stat[1][1]) if stat and len(stat[1]) > 1 else None
 
 
+def proc_hides_others() -> bool:
+    """True if ``/proc`` hides other users' processes (mounted with ``hidepid``): then a pid that cannot be
+    seen may still run."""
+    global _hides
+    if _hides is None:
+        _hides = False
+        try:
+            mounts = open("/proc/mounts").read().splitlines()
+        except OSError:
+            mounts = []
+        for line in mounts:
+            fields = line.split()
+            if len(fields) > 3 and fields[1] == "/proc":
+                options = dict(o.partition("=")[::2] for o in fields[3].split(","))
+                _hides = options.get("hidepid", "0") not in ("0", "off")
+    return _hides
+
+
+_hides: bool | None = None
+
+
 def is_running(pid: int) -> bool:
     """True while ``pid`` runs; a zombie (dead, not yet reaped by its parent) counts as gone."""
     try:

@@ -16,7 +16,7 @@ from gpumagic.devices import leases as leasing
 from gpumagic.devices import visibility
 from gpumagic.devices.cuda_state import cuda_initialized
 from gpumagic.devices.inventory import read_inventory, require_gpus
-from gpumagic.devices.model import GpuInfo, Inventory
+from gpumagic.devices.model import MAX_GPUS, GpuInfo, Inventory
 from gpumagic.devices.placement import (
     Placement,
     Request,
@@ -31,8 +31,6 @@ from gpumagic.devices.placement import (
 from gpumagic.devices.spec import SpecError, parse_spec, resolve
 from gpumagic.errors import GpuLeasedError, InvalidArgument, NotEnoughGpusError
 from gpumagic.units import GIB, format_duration, parse_duration, parse_percent, parse_size_or_percent
-
-MAX_GPUS = 64
 
 
 @dataclass(frozen=True)
@@ -297,11 +295,12 @@ def _excluded(exclude: str | Iterable[int] | None, inventory: Inventory) -> froz
     if isinstance(exclude, str):
         return frozenset(g.nvml_index for g in resolve(parse_spec(exclude), inventory))
     try:
-        return frozenset(int(i) for i in exclude)
+        indices = frozenset(int(i) for i in exclude)
     except (TypeError, ValueError):
         raise InvalidArgument(
             f"exclude must be a device spec like '0,1' or a list of indices, got {exclude!r}"
         ) from None
+    return frozenset(g.nvml_index for g in inventory.gpus if g.nvml_index in indices)  # others exclude nothing
 
 
 def _keep_only(chosen: Iterable[GpuInfo]) -> None:

@@ -159,9 +159,9 @@ def read_capped(fd: int, info: os.stat_result, limit: int = MAX_RECORD_BYTES) ->
     return data
 
 
-def read_record(fd: int, info: os.stat_result) -> dict[str, Any]:
-    """The JSON object in an open record file. Raises Untrusted if it is not one."""
-    raw = read_capped(fd, info)
+def read_record(fd: int, info: os.stat_result, limit: int = MAX_RECORD_BYTES) -> dict[str, Any]:
+    """The JSON object in an open record file of at most ``limit`` bytes. Raises Untrusted if it is not one."""
+    raw = read_capped(fd, info, limit)
     try:
         data = json.loads(raw)
     except Exception:  # noqa: BLE001 - ValueError, RecursionError (deep nesting): whatever it is, not a record

@@ -25,10 +25,12 @@ import os
 import re
 from pathlib import Path
 
-from gpumagic.devices.processes import is_same_process
+from gpumagic.devices.model import MAX_GPUS
+from gpumagic.devices.processes import is_same_process, proc_hides_others
 from gpumagic.devices.shared_files import Untrusted, finite
 
 RUNNER = "gpumagic.jobs.runner"  # the module a job's runner runs (python -m RUNNER RUN_DIRECTORY)
+TICKET_BYTES = 8 << 10  # a ticket names at most MAX_GPUS UUIDs: a few KiB
 ROUND_LIMIT = 1 << 20  # rounds grow by one per round served while the queue never empties: never near this
 CLOCK_SLACK_S = 2.0  # process start times (psutil: boot time + ticks) and file times may differ by this much
 PID_LIMIT = 1 << 22  # Linux's pid_max at most
@@ -51,9 +53,9 @@ def checked_ticket(data: dict, made_ns: int | None = None) -> dict:
     percent, util, exclude = request.get("min_free_percent"), request.get("max_util"), request.get("exclude") or []
     pid, started = data.get("pid"), data.get("process_start")
     if not (
-        _whole(count, 1024)
+        _whole(count, MAX_GPUS)
         and isinstance(uuids, list)
-        and len(uuids) <= 1024
+        and len(uuids) <= MAX_GPUS
         and all(isinstance(u, str) and re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z-]{1,80}", u) for u in uuids)
         and (min_free is None or _whole(min_free, 1 << 60))
         and _whole(submitted, 1 << 63)
@@ -63,7 +65,7 @@ def checked_ticket(data: dict, made_ns: int | None = None) -> dict:
         and _percentage(percent)
         and _percentage(util)
         and isinstance(exclude, list)
-        and len(exclude) <= 1024
+        and len(exclude) <= MAX_GPUS
         and all(_whole(i, 1 << 16) for i in exclude)
         and (pid is None or _whole(pid, PID_LIMIT))
         and (started is None or (finite(started) is not None and 0 <= started < 1 << 40))
@@ -121,10 +123,10 @@ class TicketHolders:
         if facts is None:
             return None  # /proc hides it (hidepid): cannot tell, so it counts (the hold-up budget bounds it)
         owner, started, _ = facts
+        if owner == -1 or started is None:
+            return "its kernel is gone"
         if owner != uid:
             return "locked by a process of another user"
-        if started is None:
-            return "its kernel is gone"
         if started > made_ns / 1e9 + CLOCK_SLACK_S:
             return "held by a process that started after the ticket was made"
         recorded = data.get("process_start")
@@ -151,8 +153,9 @@ class TicketHolders:
         return "locked by a process that is not that user's gpumagic runner of that job"
 
     def _process(self, pid: int, command: bool = False) -> tuple[int, float | None, list[str]] | None:
-        """(real uid, start time or None if it is a zombie, argv if asked) of ``pid``; None if /proc hides it
-        (hidepid): a pid ``/proc/locks`` gives holds a lock, so it runs, seen or not."""
+        """(real uid, start time or None if it is a zombie, argv if asked) of ``pid``; (-1, None, []) if it is
+        gone (a lock taken by a process that forked and exited is held by its child under its pid: the ticket's
+        holder is not who it names); None if /proc hides it (hidepid): cannot tell."""
         import psutil
 
         if (pid, command) not in self._facts:
@@ -163,7 +166,9 @@ class TicketHolders:
                     started = None if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
                     argv = process.cmdline() if command else []
                 self._facts[pid, command] = owner, started, argv
-            except psutil.Error:
+            except psutil.NoSuchProcess:
+                self._facts[pid, command] = None if proc_hides_others() else (-1, None, [])
+            except psutil.Error:  # AccessDenied: hidepid=1
                 self._facts[pid, command] = None
         return self._facts[pid, command]
 

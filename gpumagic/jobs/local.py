@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gpumagic.devices.model import Inventory
+from gpumagic.devices.model import MAX_GPUS, Inventory
 from gpumagic.errors import InvalidArgument
 from gpumagic.jobs import records
 from gpumagic.jobs.executors import Entry, Submission
@@ -19,7 +19,6 @@ from gpumagic.jobs.queue import Request, Ticket, remove_tickets
 from gpumagic.telemetry.run_files import RunFiles
 from gpumagic.units import format_bytes, parse_size
 
-MAX_GPUS = 64
 RUNNER_PID_WAIT_S = 10.0  # a job killed a moment after its submission: its runner has not written its pid yet
 
 

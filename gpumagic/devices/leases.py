@@ -46,7 +46,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -525,16 +525,19 @@ def _scan(directory: Path) -> dict[str, list[str]]:
     return _listing(directory).records
 
 
-def _read_shared(path: Path, uid: int) -> tuple[dict, os.stat_result, bool] | None:
-    """The record in ``path`` (a file of the lease directory named as ``uid``'s), its ``fstat``, and whether it
-    is locked; None if it is gone, or untrusted (then noted as ignored).
+def _read_shared(
+    path: Path, uid: int, read: Callable[[int, os.stat_result], dict] = shared_files.read_record
+) -> tuple[dict, os.stat_result, bool] | None:
+    """The record in ``path`` (a file of the lease directory named as ``uid``'s) as ``read`` reads it from the
+    open file, its ``fstat``, and whether it is locked; None if it is gone, or untrusted (then noted as
+    ignored).
 
     Raises:
         LeaseDirectoryError: it cannot be read for a reason of this machine (no descriptors left, I/O).
     """
     try:
         with shared_files.opened(path, uid) as (fd, info):
-            return shared_files.read_record(fd, info), info, shared_files.is_locked(fd)
+            return read(fd, info), info, shared_files.is_locked(fd)
     except FileNotFoundError:
         return None
     except Untrusted as why:
@@ -702,7 +705,7 @@ def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> li
         path = directory / name
         if uid != os.getuid() and _lapsed(path, holders, lapsed_ns):
             continue
-        read = _read_ticket(path, uid)
+        read = _read_shared(path, uid, lambda fd, info, uid=uid: _ticket_fields(fd, info, uid))
         if read is None:
             continue
         data, info, locked = read
@@ -747,37 +750,27 @@ def _lapsed(path: Path, holders: dict[tuple[int, int], list[int]], before_ns: fl
 _checked_tickets: dict[tuple[int, ...], dict | str] = {}  # (device, inode, change time, size, uid) -> fields
 
 
-def _read_ticket(path: Path, uid: int) -> tuple[dict, os.stat_result, bool] | None:
-    """A ticket's checked fields (``ticket_checks.checked_ticket``), its ``fstat``, and whether it is locked;
-    None if it is gone or untrusted (then noted as ignored). A file not changed since it was last read is
-    not parsed again.
+def _ticket_fields(fd: int, info: os.stat_result, uid: int) -> dict:
+    """A ticket's checked fields (``ticket_checks.checked_ticket``) from its open file; a file not changed since
+    it was last read is not parsed again.
 
     Raises:
-        LeaseDirectoryError: it cannot be read for a reason of this machine (no descriptors left, I/O).
+        Untrusted: it is not a ticket gpumagic can use.
     """
-    try:
-        with shared_files.opened(path, uid) as (fd, info):
-            key = (info.st_dev, info.st_ino, info.st_ctime_ns, info.st_size, uid)
-            data = _checked_tickets.get(key)
-            if data is None:
-                try:
-                    raw = shared_files.read_record(fd, info, ticket_checks.TICKET_BYTES)
-                    data = ticket_checks.checked_ticket(raw, None if uid == os.getuid() else info.st_ctime_ns)
-                except Untrusted as why:
-                    data = str(why)
-                if len(_checked_tickets) >= 4096:
-                    _checked_tickets.clear()
-                _checked_tickets[key] = data
-            if isinstance(data, str):
-                raise Untrusted(data)
-            return data, info, shared_files.is_locked(fd)
-    except FileNotFoundError:
-        return None
-    except Untrusted as why:
-        shared_files.note_ignored(path.name, str(why))
-        return None
-    except OSError as err:
-        raise LeaseDirectoryError(f"cannot read {path} ({err.strerror})") from None
+    key = (info.st_dev, info.st_ino, info.st_ctime_ns, info.st_size, uid)
+    data = _checked_tickets.get(key)
+    if data is None:
+        try:
+            raw = shared_files.read_record(fd, info, ticket_checks.TICKET_BYTES)
+            data = ticket_checks.checked_ticket(raw, None if uid == os.getuid() else info.st_ctime_ns)
+        except Untrusted as why:
+            data = str(why)
+        if len(_checked_tickets) >= 4096:
+            _checked_tickets.clear()
+        _checked_tickets[key] = data
+    if isinstance(data, str):
+        raise Untrusted(data)
+    return data
 
 
 def _holder_problem(ticket: TicketFile, pids: list[int], checks: ticket_checks.TicketHolders) -> str | None:

@@ -13,8 +13,9 @@ look the time since its last one:
   minutes), so a large job keeps its GPUs against others' waiting for the bound; then this process no longer
   holds GPUs for that user's jobs (their turns stand).
 
-Each count is earned back over ``RECOVERY_S`` (a full budget in 10 minutes), so a user whose jobs start
-normally never gets near it, and a passed-over user counts again once its count has fallen to half.
+Each count is earned back while that user holds nobody up, over ``RECOVERY_S`` (a full budget in 10 minutes),
+so a user whose jobs start normally never gets near it, and a passed-over user counts again once its count has
+fallen to half.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ class HoldUp(enum.Enum):
 class _Count:
     seconds: float = 0.0
     updated: float = 0.0
+    charged: float = float("-inf")  # when it last held a waiter up
     passed_over: bool = False
+    since: float = 0.0  # when it was last passed over
 
 
 class HoldUps:
@@ -55,16 +58,28 @@ class HoldUps:
         self._grace: dict[tuple[str, int], float] = {}  # (waiter, user) -> grace left
         self._lock = threading.Lock()
 
-    def look(self, waiter: str, holding_up: dict[int, HoldUp], hold_budget_s: float, now: float | None = None) -> None:
+    def look(
+        self,
+        waiter: str,
+        holding_up: dict[int, HoldUp],
+        hold_budget_s: float,
+        now: float | None = None,
+        steady: bool = True,
+    ) -> None:
         """``waiter`` (a ticket's file name, or this process for a pick without one) looked and found the users
         of ``holding_up`` keeping it from GPUs it could take: count the time since its last look against each,
-        once its grace with that user is spent. ``hold_budget_s``: the backfill bound now."""
+        once its grace with that user is spent. ``hold_budget_s``: the backfill bound now. A waiter that does
+        not look ``steady`` (picks without a ticket, tried now and then) counts only when it looked again within
+        ``LOOK_CAP_S``: what happened between two tries minutes apart is not known."""
         now = time.monotonic() if now is None else now
         with self._lock:
             self.budgets[HoldUp.HOLDS] = hold_budget_s
             last = self._last_look.get(waiter)
             self._last_look[waiter] = now
-            elapsed = 0.0 if last is None else min(max(now - last, 0.0), LOOK_CAP_S)
+            gap = None if last is None else max(now - last, 0.0)
+            if gap is None or (not steady and gap > LOOK_CAP_S):
+                gap = 0.0
+            elapsed = min(gap, LOOK_CAP_S)
             for uid, how in holding_up.items():
                 grace = self._grace.get((waiter, uid), GRACE_S)
                 spent = min(grace, elapsed)
@@ -111,16 +126,28 @@ class HoldUps:
         with self._lock:
             return self._settled(uid, how, now).seconds if (uid, how) in self._counts else 0.0
 
+    def passed_for(self, uid: int, how: HoldUp, now: float | None = None) -> float:
+        """Seconds since ``uid`` was last passed over for ``how`` (infinity if it never was or is not now)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if (uid, how) not in self._counts or not self._settled(uid, how, now).passed_over:
+                return float("inf")
+            return now - self._counts[uid, how].since
+
     def _charge(self, uid: int, how: HoldUp, seconds: float, now: float) -> None:
         count = self._settled(uid, how, now)
         count.seconds += seconds
-        if count.seconds >= self.budgets[how]:
-            count.passed_over = True
+        count.charged = now
+        if count.seconds >= self.budgets[how] and not count.passed_over:
+            count.passed_over, count.since = True, now
 
     def _settled(self, uid: int, how: HoldUp, now: float) -> _Count:
+        """The count earned back up to ``now``: while the user holds nobody up (no count for ``LOOK_CAP_S``),
+        at a full budget per ``RECOVERY_S``."""
         count = self._counts.setdefault((uid, how), _Count(updated=now))
         budget = self.budgets[how]
-        count.seconds = max(count.seconds - max(now - count.updated, 0.0) * budget / RECOVERY_S, 0.0)
+        idle = max(now - max(count.updated, count.charged + LOOK_CAP_S), 0.0)
+        count.seconds = max(count.seconds - idle * budget / RECOVERY_S, 0.0)
         count.updated = max(now, count.updated)
         if count.passed_over and count.seconds <= budget / 2:
             count.passed_over = False

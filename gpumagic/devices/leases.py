@@ -219,6 +219,17 @@ class _PickLock:
         self._file = (fd, path, os.getpid())
         return fd, path
 
+    def seen_in(self, holders: dict[tuple[int, int], list[int]]) -> bool:
+        """True if this process holds its pick lock and ``holders`` (``/proc/locks``) shows it as ``stat`` names
+        its file: device and inode numbers there can be trusted (overlay and network filesystems may differ)."""
+        if not self._depth or self._file is None or self._file[2] != os.getpid():
+            return False
+        try:
+            info = os.fstat(self._file[0])
+        except OSError:
+            return False
+        return os.getpid() in holders.get((info.st_dev, info.st_ino), [])
+
     @contextlib.contextmanager
     def hold(self, exclusive: bool, wait_s: float) -> Iterator[None]:
         with self._thread_lock:
@@ -344,6 +355,12 @@ def pick_lock(exclusive: bool = True, wait_s: float | None = None) -> Iterator[N
     """
     with _pick.hold(exclusive, PICK_LOCK_WAIT_S if wait_s is None else wait_s):
         yield
+
+
+def pick_lock_seen_in(holders: dict[tuple[int, int], list[int]]) -> bool:
+    """True if this process holds its share of the pick lock and ``holders`` (``/proc/locks``) names its file as
+    ``stat`` does: device and inode numbers there can be trusted for this directory."""
+    return _pick.seen_in(holders)
 
 
 def _listdir(directory: Path) -> list[str]:
@@ -697,15 +714,10 @@ def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> li
     now = time.time_ns()
     lapsed_ns = now - (min(provisional_s, OTHERS_PROVISIONAL_S) + ticket_checks.CLOCK_SLACK_S) * 1e9
     doubtful = []  # locked by the wrong process: looked at again once, together, 20 ms later
-    for name in names:
-        match = TICKET_NAME.match(name)
-        if match is None:
-            continue
-        uid = int(match.group(1))
+    for name in _worth_reading(directory, names, holders, lapsed_ns):
+        uid = int(name.split(".")[1])
         path = directory / name
-        if uid != os.getuid() and _lapsed(path, holders, lapsed_ns):
-            continue
-        read = _read_shared(path, uid, lambda fd, info, uid=uid: _ticket_fields(fd, info, uid))
+        read = _read_shared(path, uid, lambda fd, info, uid=uid, name=name: _ticket_fields(fd, info, uid, name))
         if read is None:
             continue
         data, info, locked = read
@@ -737,27 +749,52 @@ def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> li
     return found
 
 
-def _lapsed(path: Path, holders: dict[tuple[int, int], list[int]], before_ns: float) -> bool:
-    """True if another user's ticket at ``path`` is held by nobody and was made before ``before_ns``: it does not
-    count, and is not even read (thousands of them cost a ``stat`` each)."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return True
-    return (info.st_dev, info.st_ino) not in holders and info.st_ctime_ns < before_ns
+MAX_TICKETS_PER_USER = 256  # another user's tickets read per look: a user's 257th waits 256 turns anyway
 
 
-_checked_tickets: dict[tuple[int, ...], dict | str] = {}  # (device, inode, change time, size, uid) -> fields
+def _worth_reading(
+    directory: Path, names: list[str], holders: dict[tuple[int, int], list[int]], before_ns: float
+) -> list[str]:
+    """The ticket names of ``names`` worth reading: all of this user's; of each other user's (by the files' real
+    owners, whatever the names say), the oldest ``MAX_TICKETS_PER_USER``, leaving out those held by nobody and
+    made before ``before_ns``, which do not count (only where ``/proc/locks`` is seen to name this lease
+    directory's files as ``stat`` does: this process's own pick lock is in it)."""
+    me = os.getuid()
+    trusted_locks = pick_lock_seen_in(holders)
+    chosen, others = [], {}
+    for name in names:
+        match = TICKET_NAME.match(name)
+        if match is None:
+            continue
+        if int(match.group(1)) == me:
+            chosen.append(name)
+            continue
+        try:
+            info = os.lstat(directory / name)
+        except OSError:
+            continue
+        if trusted_locks and (info.st_dev, info.st_ino) not in holders and info.st_ctime_ns < before_ns:
+            continue  # held by nobody past its 5 s: it does not count, and is not even opened
+        others.setdefault(info.st_uid, []).append((info.st_ctime_ns, name))
+    for made in others.values():
+        made.sort()
+        for _, name in made[MAX_TICKETS_PER_USER:]:
+            shared_files.note_ignored(name, f"one of more than {MAX_TICKETS_PER_USER} tickets of one user")
+        chosen += [name for _, name in made[:MAX_TICKETS_PER_USER]]
+    return chosen
 
 
-def _ticket_fields(fd: int, info: os.stat_result, uid: int) -> dict:
+_checked_tickets: dict[tuple, dict | str] = {}  # (device, inode, change time, size, uid) -> fields
+
+
+def _ticket_fields(fd: int, info: os.stat_result, uid: int, name: str) -> dict:
     """A ticket's checked fields (``ticket_checks.checked_ticket``) from its open file; a file not changed since
     it was last read is not parsed again.
 
     Raises:
         Untrusted: it is not a ticket gpumagic can use.
     """
-    key = (info.st_dev, info.st_ino, info.st_ctime_ns, info.st_size, uid)
+    key = (name, info.st_dev, info.st_ino, info.st_ctime_ns, info.st_size, uid)
     data = _checked_tickets.get(key)
     if data is None:
         try:
@@ -765,8 +802,11 @@ def _ticket_fields(fd: int, info: os.stat_result, uid: int) -> dict:
             data = ticket_checks.checked_ticket(raw, None if uid == os.getuid() else info.st_ctime_ns)
         except Untrusted as why:
             data = str(why)
-        if len(_checked_tickets) >= 4096:
-            _checked_tickets.clear()
+        except (TypeError, ValueError, OverflowError):  # a check the file's values outwitted: still not a ticket
+            data = "a ticket with malformed fields"
+        if len(_checked_tickets) >= 16384:  # the oldest quarter goes (a dict keeps insertion order)
+            for old in list(_checked_tickets)[:4096]:
+                del _checked_tickets[old]
         _checked_tickets[key] = data
     if isinstance(data, str):
         raise Untrusted(data)

@@ -37,7 +37,7 @@ from typing import Any
 
 from gpumagic.devices import leases as leasing
 from gpumagic.devices import shared_files
-from gpumagic.devices.hold_ups import HoldUp, hold_ups
+from gpumagic.devices.hold_ups import GRACE_S, LOOK_CAP_S, HoldUp, hold_ups
 from gpumagic.devices.model import GpuInfo, Inventory
 from gpumagic.devices.processes import parent_pid, process_start_time
 from gpumagic.devices.ticket_checks import ROUND_LIMIT
@@ -465,11 +465,12 @@ def place(
     return Placement(request, gpus, qualify, reasons, total, tuple(served), blocking, (), ignored)
 
 
-def count_hold_ups(placed: Placement, waiter: str) -> Placement:
+def count_hold_ups(placed: Placement, waiter: str, steady: bool = True) -> Placement:
     """Count ``placed.blocking`` against those users as ``waiter``'s hold-up since its last look (nobody, if
-    it was placed); ``placed`` with ``holding_up`` (who, how, seconds left before they are passed over)."""
+    it was placed; ``steady``: see ``HoldUps.look``); ``placed`` with ``holding_up`` (who, how, seconds left
+    before they are passed over)."""
     counts = hold_ups()
-    counts.look(waiter, placed.blocking, backfill_bound())
+    counts.look(waiter, placed.blocking, backfill_bound(), steady=steady)
     name = shared_files.owner_name
     holding_up = tuple((name(uid), how, counts.left(uid, how)) for uid, how in sorted(placed.blocking.items()))
     return dataclasses.replace(placed, holding_up=holding_up)
@@ -500,8 +501,8 @@ def _holding_up(
     """The other users without whose tickets ``request`` would be placed now, and how theirs hold it up (tickets
     that could start, or GPUs held for a job). One user at a time, all their tickets taken away; if no one
     user's are enough, all of them together. A user whose tickets start only because this process leaves
-    others out (``left_out``: users passed over, users whose holds it no longer keeps) is not holding it up:
-    its own waiter may still be waiting behind them."""
+    others out (``left_out``: users passed over, users whose holds it no longer keeps) is not holding it up
+    for as long as their own waiters may still be waiting behind those (grace and budget): then it is."""
     me = os.getuid()
     active = {Outcome.STARTS, Outcome.HOLDS}
     how: dict[int, HoldUp] = {}
@@ -518,10 +519,16 @@ def _holding_up(
     found = {uid: kind for uid, kind in how.items() if placed_without({uid})}
     if not found and how and placed_without(set(how)):
         found = dict(how)
-    if found and any(left_out):
-        unpassed = _serve_earlier(earlier, slots(inventory, view), set(), set())
-        active_unpassed = {s.ticket.uid for s in unpassed if s.outcome in active}
-        found = {uid: kind for uid, kind in found.items() if uid in active_unpassed}
+    counts = hold_ups()
+    excused = [
+        {uid for uid in users if counts.passed_for(uid, kind) < GRACE_S + counts.budgets[kind] + LOOK_CAP_S}
+        for users, kind in zip(left_out, (HoldUp.STARTS, HoldUp.HOLDS), strict=True)
+    ]
+    if found and any(excused):
+        passed, unheld = (users - recent for users, recent in zip(left_out, excused, strict=True))
+        as_others_see = _serve_earlier(earlier, slots(inventory, view), passed, unheld)
+        active_there = {s.ticket.uid for s in as_others_see if s.outcome in active}
+        found = {uid: kind for uid, kind in found.items() if uid in active_there}
     return found
 
 
@@ -566,9 +573,9 @@ def place_and_take(
         with leasing.pick_lock(wait_s=wait_s):
             placed = place(request, inventory, leasing.read_view(leasing.book()), mine, keep_own, waiting=True)
             if placed.gpus and take(placed.gpus):
-                return count_hold_ups(placed, waiter)
+                return count_hold_ups(placed, waiter, mine is not None)
         placed = dataclasses.replace(placed, gpus=())
-    return count_hold_ups(placed, waiter)  # what kept it from GPUs at either look counts
+    return count_hold_ups(placed, waiter, mine is not None)  # what kept it from GPUs at either look counts
 
 
 def _same_holder(file: leasing.TicketFile, mine: leasing.TicketFile) -> bool:

@@ -78,12 +78,17 @@ def one_line(value: object, limit: int) -> str:
 
 
 def finite(value: object) -> float | None:
-    """``value`` if it is a finite number (a time, a size from another user's record), else None."""
+    """``value`` if it is a finite number a float holds (a time, a size from another user's record), else None:
+    ``1e999`` is Infinity, and a whole number of 400 digits no float holds."""
     import math
 
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def owner_name(uid: int) -> str:

@@ -555,7 +555,7 @@ def _place_behind(inventory, tickets, holding=(), name="mine", request=None):
     return placement.count_hold_ups(placement.place(request, inventory, view, mine), mine.path.name)
 
 
-def _looks_until_placed(inventory, tickets_at, holding=(), seconds=5.0):
+def _looks_until_placed(inventory, tickets_at, holding=(), seconds=10.0):
     """A waiter looking every 20 ms, with ``tickets_at(k)`` ahead at its k-th look, until it is placed."""
     deadline, k, placed = time.monotonic() + seconds, 0, None
     while time.monotonic() < deadline:
@@ -695,23 +695,24 @@ def test_a_user_whose_tickets_start_only_because_another_is_passed_over_is_not_c
     assert hold_ups().seconds(carol, HoldUp.STARTS) == 0
 
 
-def test_a_second_account_behind_a_passed_over_one_is_counted_once_the_first_has_had_its_time(monkeypatch):
-    """Review of #24: Dana's tickets are passed over; Alex's, behind hers, start only because of that, so Alex
-    was never counted, and a user with two accounts held a waiter for ever. A user is excused that way only
-    for as long as others' waiters may still wait behind the passed-over one (grace and budget)."""
-    from gpumagic.devices.hold_ups import HoldUp, hold_ups
+def test_a_second_account_behind_the_first_holds_a_waiter_up_for_a_bounded_time(monkeypatch):
+    """Review of #24: Dana's tickets could start and Alex's waited behind them, so taking either user's away,
+    or both only while Dana's started, placed nothing: nobody was counted, and a user with two accounts held a
+    waiter for ever. Dana, at the front, is counted; then Alex, once passed Dana would have let Alex's own
+    waiter pass her too (their grace and budget): each further account adds that much."""
+    from gpumagic.devices.hold_ups import GRACE_S, LOOK_CAP_S, HoldUp, hold_ups
 
-    monkeypatch.setenv("GPUMAGIC_SIMULATE", "1xA100-80GB")
-    inventory = read_inventory()
-    dana, alex = os.getuid() + 1, os.getuid() + 2
-    base = time.monotonic() - 40  # passed over about 29 s ago
-    for at in range(16):
-        hold_ups().look("earlier-wait", {dana: HoldUp.STARTS}, 600, now=base + at)
-    assert hold_ups().passed_over(dana) and hold_ups().passed_for(dana, HoldUp.STARTS) > 20
+    monkeypatch.setenv("GPUMAGIC_SIMULATE", "4xA100-80GB")
     monkeypatch.setitem(hold_ups().budgets, HoldUp.STARTS, 0.3)
-    tickets = [_ticket_file(dana, 1, "d", 0, "pick"), _ticket_file(alex, 2, "a", 0, "pick")]
-    placed, _ = _looks_until_placed(inventory, lambda k: tickets)
-    assert placed.gpus and hold_ups().seconds(alex, HoldUp.STARTS) >= 0.3
+    dana, alex = os.getuid() + 1, os.getuid() + 2
+    four = Request(4, shares=False)
+    tickets = [_ticket_file(dana, 1, "d", 0, "pick", four), _ticket_file(alex, 2, "a", 0, "pick", four)]
+    started = time.monotonic()
+    placed, _ = _looks_until_placed(read_inventory(), lambda k: tickets, seconds=15)
+    took = time.monotonic() - started
+    assert placed.gpus and hold_ups().passed_over(dana) and hold_ups().passed_over(alex)
+    one = GRACE_S + 0.3
+    assert 2 * one + LOOK_CAP_S < took < 2 * one + LOOK_CAP_S + 2, took
 
 
 def test_more_than_256_tickets_of_one_user_are_not_all_read():
@@ -719,16 +720,26 @@ def test_more_than_256_tickets_of_one_user_are_not_all_read():
     files' owners), the oldest 256 are read and the rest named."""
     from gpumagic.devices import shared_files
 
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make files of another user (chown), as CI runs")
     directory = leases.lease_dir()
     stranger = os.getuid() + 5
     for k in range(300):
-        (directory / f"queue.{stranger}.t{k:03d}.ab.json").write_text("{}")
+        path = directory / f"queue.{stranger}.t{k:03d}.ab.json"
+        path.write_text("{}")
+        os.chown(path, stranger, stranger)
     with leases.pick_lock(exclusive=False):
         leases.read_view(leases.book())
     ignored, _ = shared_files.ignored()
     many = [n for n, why in ignored.items() if why == "one of more than 256 tickets of one user"]
     assert len(many) == 44 and all(n >= f"queue.{stranger}.t256" for n in many)
-    assert "owned by" in ignored[f"queue.{stranger}.t000.ab.json"]  # the oldest were read: not the owner's
+    assert ignored[f"queue.{stranger}.t000.ab.json"] == "a ticket with malformed fields"  # the oldest were read
+    assert len(leases._checked_tickets) == 256  # what a look read, no more (review: it grew to 165 MB)
+    for path in directory.glob("queue.*"):
+        path.unlink()
+    with leases.pick_lock(exclusive=False):
+        leases.read_view(leases.book())
+    assert not leases._checked_tickets
 
 
 def test_proc_locks_are_trusted_for_this_lease_directory_only_when_this_process_is_seen_in_them():
@@ -789,11 +800,11 @@ def test_the_hold_up_count_has_a_grace_second_is_earned_back_and_counts_again_at
     for k in range(1, 12):
         counts.look("w", starts, 600, now=idle + k)
     assert counts.passed_over(7, now=idle + 11) and counts.left(7, HoldUp.STARTS, now=idle + 11) == 0
-    assert counts.passed_over_users(now=idle + 11) == [7] and counts.passed_for(7, HoldUp.STARTS, now=idle + 12) < 4
+    assert counts.passed_over_users(now=idle + 11) == [7]
     level = counts.seconds(7, HoldUp.STARTS, now=idle + 11)
     back = idle + 11 + LOOK_CAP_S + (level - 5) / rate  # down to half the budget
     assert counts.passed_over(7, now=back - 1) and not counts.passed_over(7, now=back + 1)
-    assert not counts.passed_over(8, now=back + 1) and counts.passed_for(8, HoldUp.STARTS) == float("inf")
+    assert not counts.passed_over(8, now=back + 1)
     # a pick without a ticket, tried now and then: only a try soon after the last counts
     counts.look("process", starts, 600, now=0.0)
     counts.look("process", starts, 600, now=100.0, steady=False)

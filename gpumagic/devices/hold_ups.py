@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 START_BUDGET_S = 10.0  # hold-up another user's tickets that could start may cost a waiter before they are passed over
@@ -45,7 +46,6 @@ class _Count:
     updated: float = 0.0
     charged: float = float("-inf")  # when it last held a waiter up
     passed_over: bool = False
-    since: float = 0.0  # when it was last passed over
 
 
 class HoldUps:
@@ -56,6 +56,7 @@ class HoldUps:
         self._counts: dict[tuple[int, HoldUp], _Count] = {}
         self._last_look: dict[str, float] = {}  # waiter -> when it last looked
         self._grace: dict[tuple[str, int], float] = {}  # (waiter, user) -> grace left
+        self._apart: dict[int, tuple[float, float, HoldUp]] = {}  # user that may only seem to hold this up
         self._lock = threading.Lock()
 
     def look(
@@ -65,12 +66,17 @@ class HoldUps:
         hold_budget_s: float,
         now: float | None = None,
         steady: bool = True,
+        seeming: Collection[int] = (),
     ) -> None:
         """``waiter`` (a ticket's file name, or this process for a pick without one) looked and found the users
         of ``holding_up`` keeping it from GPUs it could take: count the time since its last look against each,
         once its grace with that user is spent. ``hold_budget_s``: the backfill bound now. A waiter that does
         not look ``steady`` (picks without a ticket, tried now and then) counts only when it looked again within
-        ``LOOK_CAP_S``: what happened between two tries minutes apart is not known."""
+        ``LOOK_CAP_S``: what happened between two tries minutes apart is not known.
+
+        The users of ``seeming`` may only seem to hold it up (their own waiters may be waiting behind a user
+        this process passes over): their time is kept apart for as long as theirs would take to pass that one
+        over (grace and budget), and counted only if they still hold it up then; dropped if they stop."""
         now = time.monotonic() if now is None else now
         with self._lock:
             self.budgets[HoldUp.HOLDS] = hold_budget_s
@@ -80,11 +86,20 @@ class HoldUps:
             if gap is None or (not steady and gap > LOOK_CAP_S):
                 gap = 0.0
             elapsed = min(gap, LOOK_CAP_S)
+            for uid in [u for u in self._apart if u not in holding_up or u not in seeming]:
+                since, kept, how = self._apart.pop(uid)
+                if uid in holding_up:  # no longer only seeming: its time counts
+                    self._charge(uid, how, kept, now)
             for uid, how in holding_up.items():
                 grace = self._grace.get((waiter, uid), GRACE_S)
                 spent = min(grace, elapsed)
                 self._grace[waiter, uid] = grace - spent
-                if elapsed > spent:
+                if uid in seeming:
+                    since, kept, _ = self._apart.get(uid, (now, 0.0, how))
+                    self._apart[uid] = (since, kept + elapsed - spent, how)
+                    if now - since > GRACE_S + self.budgets[how] + LOOK_CAP_S:  # its waiter has had its time
+                        self._charge(uid, how, self._apart.pop(uid)[1], now)
+                elif elapsed > spent:
                     self._charge(uid, how, elapsed - spent, now)
             if len(self._last_look) > _KEPT_WAITERS:
                 for key in sorted(self._last_look, key=self._last_look.get)[: _KEPT_WAITERS // 2]:
@@ -97,6 +112,7 @@ class HoldUps:
             self._counts.clear()
             self._last_look.clear()
             self._grace.clear()
+            self._apart.clear()
 
     def passed_over(self, uid: int, how: HoldUp = HoldUp.STARTS, now: float | None = None) -> bool:
         """True while this process passes over ``uid``'s tickets (``STARTS``), or holds no GPUs for ``uid``'s
@@ -126,20 +142,12 @@ class HoldUps:
         with self._lock:
             return self._settled(uid, how, now).seconds if (uid, how) in self._counts else 0.0
 
-    def passed_for(self, uid: int, how: HoldUp, now: float | None = None) -> float:
-        """Seconds since ``uid`` was last passed over for ``how`` (infinity if it never was or is not now)."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            if (uid, how) not in self._counts or not self._settled(uid, how, now).passed_over:
-                return float("inf")
-            return now - self._counts[uid, how].since
-
     def _charge(self, uid: int, how: HoldUp, seconds: float, now: float) -> None:
         count = self._settled(uid, how, now)
         count.seconds += seconds
         count.charged = now
-        if count.seconds >= self.budgets[how] and not count.passed_over:
-            count.passed_over, count.since = True, now
+        if count.seconds >= self.budgets[how]:
+            count.passed_over = True
 
     def _settled(self, uid: int, how: HoldUp, now: float) -> _Count:
         """The count earned back up to ``now``: while the user holds nobody up (no count for ``LOOK_CAP_S``),

@@ -714,7 +714,11 @@ def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> li
     now = time.time_ns()
     lapsed_ns = now - (min(provisional_s, OTHERS_PROVISIONAL_S) + ticket_checks.CLOCK_SLACK_S) * 1e9
     doubtful = []  # locked by the wrong process: looked at again once, together, 20 ms later
-    for name in _worth_reading(directory, names, holders, lapsed_ns):
+    reading = _worth_reading(directory, names, holders, lapsed_ns)
+    kept = set(reading)
+    for name in [n for n in _checked_tickets if n not in kept]:
+        del _checked_tickets[name]  # files no longer there, or no longer read: the cache holds this look's only
+    for name in reading:
         uid = int(name.split(".")[1])
         path = directory / name
         read = _read_shared(path, uid, lambda fd, info, uid=uid, name=name: _ticket_fields(fd, info, uid, name))
@@ -755,7 +759,7 @@ MAX_TICKETS_PER_USER = 256  # another user's tickets read per look: a user's 257
 def _worth_reading(
     directory: Path, names: list[str], holders: dict[tuple[int, int], list[int]], before_ns: float
 ) -> list[str]:
-    """The ticket names of ``names`` worth reading: all of this user's; of each other user's (by the files' real
+    """The ticket names of ``names`` worth reading: this user's files; of each other user's (by the files' real
     owners, whatever the names say), the oldest ``MAX_TICKETS_PER_USER``, leaving out those held by nobody and
     made before ``before_ns``, which do not count (only where ``/proc/locks`` is seen to name this lease
     directory's files as ``stat`` does: this process's own pick lock is in it)."""
@@ -766,15 +770,15 @@ def _worth_reading(
         match = TICKET_NAME.match(name)
         if match is None:
             continue
-        if int(match.group(1)) == me:
-            chosen.append(name)
-            continue
         try:
             info = os.lstat(directory / name)
         except OSError:
             continue
+        if info.st_uid == me:
+            chosen.append(name)
+            continue
         if trusted_locks and (info.st_dev, info.st_ino) not in holders and info.st_ctime_ns < before_ns:
-            continue  # held by nobody past its 5 s: it does not count, and is not even opened
+            continue  # another user's, held by nobody past its 5 s: it does not count, and is not even opened
         others.setdefault(info.st_uid, []).append((info.st_ctime_ns, name))
     for made in others.values():
         made.sort()
@@ -784,7 +788,8 @@ def _worth_reading(
     return chosen
 
 
-_checked_tickets: dict[tuple, dict | str] = {}  # (device, inode, change time, size, uid) -> fields
+# ticket name -> ((device, inode, change time, size, uid), its fields or why it is no ticket), of the last look
+_checked_tickets: dict[str, tuple[tuple[int, ...], dict | str]] = {}
 
 
 def _ticket_fields(fd: int, info: os.stat_result, uid: int, name: str) -> dict:
@@ -794,8 +799,9 @@ def _ticket_fields(fd: int, info: os.stat_result, uid: int, name: str) -> dict:
     Raises:
         Untrusted: it is not a ticket gpumagic can use.
     """
-    key = (name, info.st_dev, info.st_ino, info.st_ctime_ns, info.st_size, uid)
-    data = _checked_tickets.get(key)
+    key = (info.st_dev, info.st_ino, info.st_ctime_ns, info.st_size, uid)
+    cached = _checked_tickets.get(name)
+    data = cached[1] if cached is not None and cached[0] == key else None
     if data is None:
         try:
             raw = shared_files.read_record(fd, info, ticket_checks.TICKET_BYTES)
@@ -804,10 +810,7 @@ def _ticket_fields(fd: int, info: os.stat_result, uid: int, name: str) -> dict:
             data = str(why)
         except (TypeError, ValueError, OverflowError):  # a check the file's values outwitted: still not a ticket
             data = "a ticket with malformed fields"
-        if len(_checked_tickets) >= 16384:  # the oldest quarter goes (a dict keeps insertion order)
-            for old in list(_checked_tickets)[:4096]:
-                del _checked_tickets[old]
-        _checked_tickets[key] = data
+        _checked_tickets[name] = (key, data)
     if isinstance(data, str):
         raise Untrusted(data)
     return data

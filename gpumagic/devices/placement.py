@@ -37,7 +37,7 @@ from typing import Any
 
 from gpumagic.devices import leases as leasing
 from gpumagic.devices import shared_files
-from gpumagic.devices.hold_ups import GRACE_S, LOOK_CAP_S, HoldUp, hold_ups
+from gpumagic.devices.hold_ups import HoldUp, hold_ups
 from gpumagic.devices.model import GpuInfo, Inventory
 from gpumagic.devices.processes import parent_pid, process_start_time
 from gpumagic.devices.ticket_checks import ROUND_LIMIT
@@ -399,6 +399,7 @@ class Placement:
     total: int
     served: tuple[Served, ...] = ()
     blocking: dict[int, HoldUp] = dataclasses.field(default_factory=dict)
+    seeming: set[int] = dataclasses.field(default_factory=set)  # of ``blocking``: perhaps waiting themselves
     holding_up: tuple[tuple[str, HoldUp, float], ...] = ()
     ignored: tuple[str, ...] = ()
 
@@ -458,11 +459,12 @@ def place(
     good, reasons = choose(request, state, own=keep_own)
     chosen = _chosen(request, good, state)
     blocking: dict[int, HoldUp] = {}
+    seeming: set[int] = set()
     if (mine is not None or waiting) and not chosen:
-        blocking = _holding_up(request, inventory, view, earlier, served, (passed, unheld), keep_own)
+        blocking, seeming = _holding_up(request, inventory, view, earlier, served, (passed, unheld), keep_own)
     gpus, qualify = tuple(s.gpu for s in chosen), tuple(s.gpu for s in good)
     total, ignored = len(inventory.gpus), _ignored_ticket_owners()
-    return Placement(request, gpus, qualify, reasons, total, tuple(served), blocking, (), ignored)
+    return Placement(request, gpus, qualify, reasons, total, tuple(served), blocking, seeming, (), ignored)
 
 
 def count_hold_ups(placed: Placement, waiter: str, steady: bool = True) -> Placement:
@@ -470,9 +472,10 @@ def count_hold_ups(placed: Placement, waiter: str, steady: bool = True) -> Place
     it was placed; ``steady``: see ``HoldUps.look``); ``placed`` with ``holding_up`` (who, how, seconds left
     before they are passed over)."""
     counts = hold_ups()
-    counts.look(waiter, placed.blocking, backfill_bound(), steady=steady)
+    counts.look(waiter, placed.blocking, backfill_bound(), steady=steady, seeming=placed.seeming)
     name = shared_files.owner_name
-    holding_up = tuple((name(uid), how, counts.left(uid, how)) for uid, how in sorted(placed.blocking.items()))
+    counted = sorted((uid, how) for uid, how in placed.blocking.items() if uid not in placed.seeming)
+    holding_up = tuple((name(uid), how, counts.left(uid, how)) for uid, how in counted)
     return dataclasses.replace(placed, holding_up=holding_up)
 
 
@@ -497,39 +500,48 @@ def _holding_up(
     served: list[Served],
     left_out: tuple[set[int], set[int]],
     keep_own: bool,
-) -> dict[int, HoldUp]:
+) -> tuple[dict[int, HoldUp], set[int]]:
     """The other users without whose tickets ``request`` would be placed now, and how theirs hold it up (tickets
-    that could start, or GPUs held for a job). One user at a time, all their tickets taken away; if no one
-    user's are enough, all of them together. A user whose tickets start only because this process leaves
-    others out (``left_out``: users passed over, users whose holds it no longer keeps) is not holding it up
-    for as long as their own waiters may still be waiting behind those (grace and budget): then it is."""
+    that could start, or GPUs held for a job); and those of them that may only seem to.
+
+    One user at a time, all their tickets taken away; if no one user's are enough, all of them together; and if
+    that is not enough either, the users whose tickets start once those are gone, and so on (one person's second
+    account behind the first): then those at the front hold it up. A user whose tickets start only because this
+    process leaves others out (``left_out``: users passed over, users whose holds it no longer keeps) may only
+    seem to: its own waiter may still be waiting behind those (``HoldUps.look`` gives it their time)."""
     me = os.getuid()
-    active = {Outcome.STARTS, Outcome.HOLDS}
+
+    def without(users: set[int]) -> tuple[list[Served], bool]:
+        state = slots(inventory, view)
+        result = _serve_earlier([t for t in earlier if t.uid not in users], state, *left_out)
+        return result, bool(_chosen(request, choose(request, state, own=keep_own)[0], state))
+
+    front = _active_users(served, me)
+    found = {uid: how for uid, how in front.items() if without({uid})[1]}
+    gone = set(front)
+    while front and not found:
+        result, placed = without(gone)
+        if placed:
+            found = front
+            break
+        behind = set(_active_users(result, me)) - gone
+        if not behind:
+            return {}, set()
+        gone |= behind
+    if not found or not any(left_out):
+        return found, set()
+    as_others_see = _serve_earlier(earlier, slots(inventory, view), set(), set())
+    return found, set(found) - set(_active_users(as_others_see, me))
+
+
+def _active_users(served: list[Served], me: int) -> dict[int, HoldUp]:
+    """The other users whose tickets start or hold GPUs in ``served``, and how (starting counts first)."""
     how: dict[int, HoldUp] = {}
     for s in served:
-        if s.ticket.uid != me and s.outcome in active:
+        if s.ticket.uid != me and s.outcome in (Outcome.STARTS, Outcome.HOLDS):
             starts = s.outcome is Outcome.STARTS or how.get(s.ticket.uid) is HoldUp.STARTS
             how[s.ticket.uid] = HoldUp.STARTS if starts else HoldUp.HOLDS
-
-    def placed_without(users: set[int]) -> bool:
-        state = slots(inventory, view)
-        _serve_earlier([t for t in earlier if t.uid not in users], state, *left_out)
-        return bool(_chosen(request, choose(request, state, own=keep_own)[0], state))
-
-    found = {uid: kind for uid, kind in how.items() if placed_without({uid})}
-    if not found and how and placed_without(set(how)):
-        found = dict(how)
-    counts = hold_ups()
-    excused = [
-        {uid for uid in users if counts.passed_for(uid, kind) < GRACE_S + counts.budgets[kind] + LOOK_CAP_S}
-        for users, kind in zip(left_out, (HoldUp.STARTS, HoldUp.HOLDS), strict=True)
-    ]
-    if found and any(excused):
-        passed, unheld = (users - recent for users, recent in zip(left_out, excused, strict=True))
-        as_others_see = _serve_earlier(earlier, slots(inventory, view), passed, unheld)
-        active_there = {s.ticket.uid for s in as_others_see if s.outcome in active}
-        found = {uid: kind for uid, kind in found.items() if uid in active_there}
-    return found
+    return how
 
 
 def _earlier(view: leasing.LeaseView, mine: Ticket | None) -> list[Ticket]:

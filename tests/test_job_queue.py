@@ -715,6 +715,35 @@ def test_a_second_account_behind_the_first_holds_a_waiter_up_for_a_bounded_time(
     assert 2 * one + LOOK_CAP_S < took < 2 * one + LOOK_CAP_S + 2, took
 
 
+def test_a_user_kept_apart_cannot_start_its_window_again_by_stopping_now_and_then(monkeypatch):
+    """Review of #24: Alex, behind Dana whom this waiter passes over, had his time kept apart; a lease of his
+    on every GPU for a moment now and then dropped it and started his window again, so he was never counted.
+    The window runs from when this waiter first saw him so."""
+    from gpumagic.devices.hold_ups import GRACE_S, LOOK_CAP_S, HoldUp, hold_ups
+    from gpumagic.devices.leases import Lease
+
+    monkeypatch.setenv("GPUMAGIC_SIMULATE", "4xA100-80GB")
+    monkeypatch.setitem(hold_ups().budgets, HoldUp.STARTS, 0.3)
+    inventory = read_inventory()
+    dana, alex = os.getuid() + 1, os.getuid() + 2
+    base = time.monotonic() - 20
+    for at in range(16):
+        hold_ups().look("earlier-wait", {dana: HoldUp.STARTS}, 600, now=base + at)
+    four = Request(4, shares=False)
+    tickets = [_ticket_file(dana, 1, "d", 0, "pick", four), _ticket_file(alex, 2, "a", 0, "pick", four)]
+    leases_of_alex = {g.uuid: (Lease(g.uuid, "alex", 4321, time.time(), uid=alex),) for g in inventory}
+    started = time.monotonic()
+    placed = None
+    while time.monotonic() - started < 15:
+        leased = (time.monotonic() - started) % 1.0 > 0.9  # every GPU his for a tenth of every second
+        placed = _place_behind(inventory, tickets, leases_of_alex if leased else (), name="w")
+        if placed.gpus:
+            break
+        time.sleep(0.05)
+    assert placed.gpus, "never placed"
+    assert time.monotonic() - started < GRACE_S + 0.3 + LOOK_CAP_S + 2 + 2
+
+
 def test_more_than_256_tickets_of_one_user_are_not_all_read():
     """Review of #24: a look read every ticket, however many one user wrote. Of another user's tickets (by the
     files' owners), the oldest 256 are read and the rest named."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Collection
 from dataclasses import dataclass
 
 START_BUDGET_S = 10.0  # hold-up another user's tickets that could start may cost a waiter before they are passed over
@@ -31,6 +30,7 @@ GRACE_S = 1.0  # per user and waiter, not counted: a runner or kernel that is ju
 RECOVERY_S = 600.0  # a full budget is earned back in this long
 LOOK_CAP_S = 2.0  # one look counts at most this much, whatever the time since the last (a process suspended)
 _KEPT_WAITERS = 256  # looks remembered; older waits are finished
+APART_RESET_S = 60.0  # a user not seen seeming to hold a waiter up this long gets a fresh window next time
 
 
 class HoldUp(enum.Enum):
@@ -38,6 +38,13 @@ class HoldUp(enum.Enum):
 
     STARTS = "could start and are not taken up"
     HOLDS = "hold GPUs for a job past the backfill bound"
+
+
+@dataclass
+class _Apart:
+    first: float  # when the waiter first saw the user hold it up only as it seemed
+    seen: float  # ... and last
+    kept: float = 0.0  # hold-up kept apart since
 
 
 @dataclass
@@ -56,7 +63,7 @@ class HoldUps:
         self._counts: dict[tuple[int, HoldUp], _Count] = {}
         self._last_look: dict[str, float] = {}  # waiter -> when it last looked
         self._grace: dict[tuple[str, int], float] = {}  # (waiter, user) -> grace left
-        self._apart: dict[int, tuple[float, float, HoldUp]] = {}  # user that may only seem to hold this up
+        self._apart: dict[tuple[str, int], _Apart] = {}  # (waiter, user that may only seem to hold it up)
         self._lock = threading.Lock()
 
     def look(
@@ -66,7 +73,7 @@ class HoldUps:
         hold_budget_s: float,
         now: float | None = None,
         steady: bool = True,
-        seeming: Collection[int] = (),
+        seeming: dict[int, HoldUp] | None = None,
     ) -> None:
         """``waiter`` (a ticket's file name, or this process for a pick without one) looked and found the users
         of ``holding_up`` keeping it from GPUs it could take: count the time since its last look against each,
@@ -74,10 +81,14 @@ class HoldUps:
         not look ``steady`` (picks without a ticket, tried now and then) counts only when it looked again within
         ``LOOK_CAP_S``: what happened between two tries minutes apart is not known.
 
-        The users of ``seeming`` may only seem to hold it up (their own waiters may be waiting behind a user
-        this process passes over): their time is kept apart for as long as theirs would take to pass that one
-        over (grace and budget), and counted only if they still hold it up then; dropped if they stop."""
+        The users of ``seeming`` may only seem to hold it up: their own waiters may be waiting behind a user this
+        process leaves out (``seeming[uid]``: passed over, or no longer held for). For as long as such a waiter
+        needs to leave that one out too (grace and that budget), from when this waiter first saw the user so,
+        their time is kept apart: counted if they still hold it up then, dropped whenever they stop. The first
+        sight is kept until they have not been seen so for ``APART_RESET_S``, so hold-ups broken off now and
+        then do not start it again."""
         now = time.monotonic() if now is None else now
+        seeming = seeming or {}
         with self._lock:
             self.budgets[HoldUp.HOLDS] = hold_budget_s
             last = self._last_look.get(waiter)
@@ -86,21 +97,27 @@ class HoldUps:
             if gap is None or (not steady and gap > LOOK_CAP_S):
                 gap = 0.0
             elapsed = min(gap, LOOK_CAP_S)
-            for uid in [u for u in self._apart if u not in holding_up or u not in seeming]:
-                since, kept, how = self._apart.pop(uid)
-                if uid in holding_up:  # no longer only seeming: its time counts
-                    self._charge(uid, how, kept, now)
+            for key in [k for k, apart in self._apart.items() if now - apart.seen > APART_RESET_S]:
+                del self._apart[key]
+            for (who, uid), apart in self._apart.items():
+                if who == waiter and uid not in holding_up:
+                    apart.kept = 0.0  # it stopped: what was kept apart is dropped
             for uid, how in holding_up.items():
                 grace = self._grace.get((waiter, uid), GRACE_S)
                 spent = min(grace, elapsed)
                 self._grace[waiter, uid] = grace - spent
+                counted = elapsed - spent
+                apart = self._apart.get((waiter, uid))
                 if uid in seeming:
-                    since, kept, _ = self._apart.get(uid, (now, 0.0, how))
-                    self._apart[uid] = (since, kept + elapsed - spent, how)
-                    if now - since > GRACE_S + self.budgets[how] + LOOK_CAP_S:  # its waiter has had its time
-                        self._charge(uid, how, self._apart.pop(uid)[1], now)
-                elif elapsed > spent:
-                    self._charge(uid, how, elapsed - spent, now)
+                    apart = self._apart.setdefault((waiter, uid), _Apart(first=now, seen=now))
+                    apart.seen = now
+                    if now - apart.first <= GRACE_S + self.budgets[seeming[uid]] + LOOK_CAP_S:
+                        apart.kept += counted
+                        continue
+                if apart is not None and apart.kept:  # its waiter has had its time, or it is no longer seeming
+                    counted, apart.kept = counted + apart.kept, 0.0
+                if counted > 0:
+                    self._charge(uid, how, counted, now)
             if len(self._last_look) > _KEPT_WAITERS:
                 for key in sorted(self._last_look, key=self._last_look.get)[: _KEPT_WAITERS // 2]:
                     del self._last_look[key]

@@ -714,14 +714,16 @@ def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> li
     now = time.time_ns()
     lapsed_ns = now - (min(provisional_s, OTHERS_PROVISIONAL_S) + ticket_checks.CLOCK_SLACK_S) * 1e9
     doubtful = []  # locked by the wrong process: looked at again once, together, 20 ms later
-    reading = _worth_reading(directory, names, holders, lapsed_ns)
-    kept = set(reading)
-    for name in [n for n in _checked_tickets if n not in kept]:
-        del _checked_tickets[name]  # files no longer there, or no longer read: the cache holds this look's only
-    for name in reading:
+    global _checked_tickets
+    parsed: dict[str, tuple[tuple[int, ...], dict | str]] = {}  # this look's, replacing the last look's at its end
+    for name in _worth_reading(directory, names, holders, lapsed_ns):
         uid = int(name.split(".")[1])
         path = directory / name
-        read = _read_shared(path, uid, lambda fd, info, uid=uid, name=name: _ticket_fields(fd, info, uid, name))
+
+        def fields(fd: int, info: os.stat_result, uid: int = uid, name: str = name) -> dict:
+            return _ticket_fields(fd, info, uid, name, parsed)
+
+        read = _read_shared(path, uid, fields)
         if read is None:
             continue
         data, info, locked = read
@@ -750,6 +752,7 @@ def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> li
                     ticket.path.unlink()
             else:
                 shared_files.note_ignored(ticket.path.name, problem)
+    _checked_tickets = parsed  # a whole new dict: another thread reading the last one is not disturbed
     return found
 
 
@@ -792,9 +795,11 @@ def _worth_reading(
 _checked_tickets: dict[str, tuple[tuple[int, ...], dict | str]] = {}
 
 
-def _ticket_fields(fd: int, info: os.stat_result, uid: int, name: str) -> dict:
-    """A ticket's checked fields (``ticket_checks.checked_ticket``) from its open file; a file not changed since
-    it was last read is not parsed again.
+def _ticket_fields(
+    fd: int, info: os.stat_result, uid: int, name: str, parsed: dict[str, tuple[tuple[int, ...], dict | str]]
+) -> dict:
+    """A ticket's checked fields (``ticket_checks.checked_ticket``) from its open file, noted in ``parsed``; a
+    file not changed since the last look read it is not parsed again.
 
     Raises:
         Untrusted: it is not a ticket gpumagic can use.
@@ -810,7 +815,7 @@ def _ticket_fields(fd: int, info: os.stat_result, uid: int, name: str) -> dict:
             data = str(why)
         except (TypeError, ValueError, OverflowError):  # a check the file's values outwitted: still not a ticket
             data = "a ticket with malformed fields"
-        _checked_tickets[name] = (key, data)
+    parsed[name] = (key, data)
     if isinstance(data, str):
         raise Untrusted(data)
     return data

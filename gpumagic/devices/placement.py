@@ -399,7 +399,7 @@ class Placement:
     total: int
     served: tuple[Served, ...] = ()
     blocking: dict[int, HoldUp] = dataclasses.field(default_factory=dict)
-    seeming: set[int] = dataclasses.field(default_factory=set)  # of ``blocking``: perhaps waiting themselves
+    seeming: dict[int, HoldUp] = dataclasses.field(default_factory=dict)  # of ``blocking``: perhaps waiting
     holding_up: tuple[tuple[str, HoldUp, float], ...] = ()
     ignored: tuple[str, ...] = ()
 
@@ -459,7 +459,7 @@ def place(
     good, reasons = choose(request, state, own=keep_own)
     chosen = _chosen(request, good, state)
     blocking: dict[int, HoldUp] = {}
-    seeming: set[int] = set()
+    seeming: dict[int, HoldUp] = {}
     if (mine is not None or waiting) and not chosen:
         blocking, seeming = _holding_up(request, inventory, view, earlier, served, (passed, unheld), keep_own)
     gpus, qualify = tuple(s.gpu for s in chosen), tuple(s.gpu for s in good)
@@ -500,9 +500,10 @@ def _holding_up(
     served: list[Served],
     left_out: tuple[set[int], set[int]],
     keep_own: bool,
-) -> tuple[dict[int, HoldUp], set[int]]:
+) -> tuple[dict[int, HoldUp], dict[int, HoldUp]]:
     """The other users without whose tickets ``request`` would be placed now, and how theirs hold it up (tickets
-    that could start, or GPUs held for a job); and those of them that may only seem to.
+    that could start, or GPUs held for a job); and those of them that may only seem to, with why (``STARTS``:
+    a user ahead is passed over; ``HOLDS``: one's holds are no longer kept).
 
     One user at a time, all their tickets taken away; if no one user's are enough, all of them together; and if
     that is not enough either, the users whose tickets start once those are gone, and so on (one person's second
@@ -526,12 +527,15 @@ def _holding_up(
             break
         behind = set(_active_users(result, me)) - gone
         if not behind:
-            return {}, set()
+            return {}, {}
         gone |= behind
-    if not found or not any(left_out):
-        return found, set()
-    as_others_see = _serve_earlier(earlier, slots(inventory, view), set(), set())
-    return found, set(found) - set(_active_users(as_others_see, me))
+    passed, unheld = left_out
+    seeming: dict[int, HoldUp] = {}
+    for kind, restored in ((HoldUp.HOLDS, (passed, set())), (HoldUp.STARTS, (set(), unheld))):
+        if found and (passed if kind is HoldUp.STARTS else unheld):
+            as_others_see = _serve_earlier(earlier, slots(inventory, view), *restored)
+            seeming.update(dict.fromkeys(set(found) - set(_active_users(as_others_see, me)), kind))
+    return found, seeming
 
 
 def _active_users(served: list[Served], me: int) -> dict[int, HoldUp]:

@@ -2,10 +2,12 @@
 this checkout beside a baseline revision, in one run. Needs root (it makes two real users, as the tests do).
 
     python benchmarks/tickets.py [--repeats 3] [--wait 60s] [--baseline REV] [--tickets 1000] [--only attacks]
+                                 [--attacks held,rotate]
 
-1. For each attack of ``tests/ticket_attacks.py`` (``rotate``, ``old-ticket``, ``fake-runner``), on a simulated
-   server of 4 free A100s: the seconds from the start of Alice's ``pick(1, wait=WAIT)`` to her GPU, or
-   ``failed`` when she got none within WAIT. Median and worst of the repeats.
+1. For each attack of ``tests/ticket_attacks.py`` (``rotate``, ``held``, ``old-ticket``, ``fake-runner``; or
+   ``--attacks``), on a simulated server of 4 free A100s: the seconds from the start of Alice's
+   ``pick(1, wait=WAIT)`` to her GPU, or ``failed`` when she got none within WAIT. Median and worst of the
+   repeats.
 2. Reading the queue when Bob holds ``--tickets`` forged tickets (each locked by his process, of the largest
    size a ticket may have: 64 UUIDs, 64 excluded GPUs): Alice's ``%gpu status`` and one look of a waiting pick
    (``place`` with her ticket), median of 20, ms.
@@ -72,7 +74,7 @@ print(json.dumps({"status": timed(gpumagic.status), "look": timed(look)}))
 """
 
 
-def attacks(repeats: int, wait: str, baseline: str | None) -> None:
+def attacks(repeats: int, wait: str, baseline: str | None, which: tuple[str, ...]) -> None:
     print(f"a waiting pick(1, wait={wait!r}) on 4 free simulated A100s, under each attack; seconds to a GPU,")
     print(f"median and worst of {repeats} (failed: none within {wait}):")
     for label, env in _packages(baseline):
@@ -83,7 +85,7 @@ def attacks(repeats: int, wait: str, baseline: str | None) -> None:
             server = ticket_attacks.server_file(shared, bob.name)
             for user in (alice, bob):
                 user.base_env.update(GPUMAGIC_SIMULATE=str(server), GPUMAGIC_LEASE_DIR=str(leases))
-            for attack in ticket_attacks.ATTACKS:
+            for attack in which:
                 seconds = []
                 for _ in range(repeats):
                     answer = ticket_attacks.run(attack, alice, bob, wait=wait)
@@ -134,11 +136,12 @@ def main() -> None:
     parser.add_argument("--baseline", metavar="REV", help="also with gpumagic as it was at this git revision")
     parser.add_argument("--tickets", type=int, default=1000, help="forged tickets for the reading cost")
     parser.add_argument("--only", choices=["attacks", "reading"], help="run only this scenario")
+    parser.add_argument("--attacks", default=",".join(ticket_attacks.ATTACKS), help="which attacks, comma-separated")
     options = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("needs root: it makes two real users (useradd, runuser, userdel), as the shared-server tests do")
     if options.only != "reading":
-        attacks(options.repeats, options.wait, options.baseline)
+        attacks(options.repeats, options.wait, options.baseline, tuple(options.attacks.split(",")))
     if options.only != "attacks":
         read_cost(options.tickets, options.baseline)
 

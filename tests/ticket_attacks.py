@@ -6,8 +6,9 @@ Each attack starts in Bob's process, prints ``ready`` once its tickets are in pl
 
 - ``rotate``: a ticket of round 2^20 (the highest a ticket may carry), so that Alice's ticket takes that round;
   once hers is there, two tickets of rounds 0 and 1 asking for every GPU, made anew under new names every 2 s.
-- ``old-ticket``: two tickets asking for every GPU, made before Alice waits and held by Bob's process as a
-  waiting kernel holds its own, while a new process of Bob's takes a lease every second.
+- ``held``: two tickets asking for every GPU, made before Alice waits and held by Bob's process as a waiting
+  kernel holds its own, never taken up: what the hold-up budget bounds.
+- ``old-ticket``: the same, while a new process of Bob's takes a lease every second.
 - ``fake-runner``: a job's ticket held by a process that passes for that job's gpumagic runner (``python -m
   gpumagic.jobs.runner RUN_DIR``, his own module), asking for every GPU with all but 512 MiB of their memory
   free (Bob's own processes use more): it cannot start, and waits past the backfill bound (1 s for Alice here).
@@ -19,7 +20,7 @@ import json
 import time
 from pathlib import Path
 
-ATTACKS = ("rotate", "old-ticket", "fake-runner")
+ATTACKS = ("rotate", "held", "old-ticket", "fake-runner")
 BOUND = "1s"  # Alice's backfill bound: the fake runner's ticket is past it at once
 
 _TICKET = """
@@ -58,6 +59,15 @@ while True:
     for held in current:
         drop(held)
     current = new
+"""
+)
+
+HELD = (
+    _TICKET
+    + """
+held = [ticket(0), ticket(1)]
+print("ready", flush=True)
+time.sleep(600)
 """
 )
 
@@ -121,7 +131,7 @@ def run(attack: str, alice, bob, wait: str = "30s") -> dict:
         argv = [bob.python, "-m", "gpumagic.jobs.runner", str(bob.home / "runs" / "run-b")]  # as a runner's
         env = {"PYTHONPATH": f"{bob.home / 'fake'}:{bob.base_env['PYTHONPATH']}", "TOTAL": str(80 << 30)}
     else:
-        argv = [bob.python, "-c", ROTATE if attack == "rotate" else OLD_TICKET]
+        argv = [bob.python, "-c", {"rotate": ROTATE, "held": HELD, "old-ticket": OLD_TICKET}[attack]]
         env = {}
     attacker = bob.popen(argv, **env)
     try:

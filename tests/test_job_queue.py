@@ -843,6 +843,23 @@ def test_the_hold_up_count_has_a_grace_second_is_earned_back_and_counts_again_at
     assert counts.seconds(7, HoldUp.STARTS, now=300.0) == pytest.approx(before)
 
 
+def test_a_user_behind_a_released_hold_is_kept_apart_as_long_as_behind_a_passed_over_one():
+    """Review of #24: a user whose jobs would start once this waiter stopped holding GPUs for another's large job
+    was kept apart for the whole backfill bound, then charged all of it (passed over for hours). Its window is
+    that of any such user (13 s), and no count passes its budget."""
+    from gpumagic.devices.hold_ups import GRACE_S, LOOK_CAP_S, HoldUp, HoldUps
+
+    counts = HoldUps(start_budget_s=10)
+    behind = {5: HoldUp.STARTS}
+    for k in range(4 * 20):
+        counts.look("w", behind, 600, now=k / 4, seeming={5: HoldUp.HOLDS})
+        if counts.passed_over(5, now=k / 4):
+            break
+    assert GRACE_S + 10 + LOOK_CAP_S < k / 4 < GRACE_S + 10 + LOOK_CAP_S + 0.5
+    assert counts.seconds(5, HoldUp.STARTS, now=k / 4) == 10  # not the 13 s kept apart: 5 minutes to half
+    assert not counts.passed_over(5, now=k / 4 + LOOK_CAP_S + 301)
+
+
 def test_holds_of_a_job_past_the_default_bound_are_counted_up_to_it_and_only_holds_stop():
     """Review of #24: holds were earned back as fast as they were counted at the default 10 minute bound, so a
     job that never runs held GPUs for ever. They are earned back only while nobody is held up."""

@@ -83,10 +83,10 @@ class HoldUps:
 
         The users of ``seeming`` may only seem to hold it up: their own waiters may be waiting behind a user this
         process leaves out (``seeming[uid]``: passed over, or no longer held for). For as long as such a waiter
-        needs to leave that one out too (grace and that budget), from when this waiter first saw the user so,
-        their time is kept apart: counted if they still hold it up then, dropped whenever they stop. The first
-        sight is kept until they have not been seen so for ``APART_RESET_S``, so hold-ups broken off now and
-        then do not start it again."""
+        needs to pass a user over (grace and budget for tickets that could start), from when this waiter first
+        saw the user so, their time is kept apart, and counted if they still hold it up then. The first sight
+        and what was kept are forgotten once they have not been seen so for ``APART_RESET_S``, so hold-ups
+        broken off now and then start nothing again."""
         now = time.monotonic() if now is None else now
         seeming = seeming or {}
         with self._lock:
@@ -99,9 +99,6 @@ class HoldUps:
             elapsed = min(gap, LOOK_CAP_S)
             for key in [k for k, apart in self._apart.items() if now - apart.seen > APART_RESET_S]:
                 del self._apart[key]
-            for (who, uid), apart in self._apart.items():
-                if who == waiter and uid not in holding_up:
-                    apart.kept = 0.0  # it stopped: what was kept apart is dropped
             for uid, how in holding_up.items():
                 grace = self._grace.get((waiter, uid), GRACE_S)
                 spent = min(grace, elapsed)
@@ -111,7 +108,7 @@ class HoldUps:
                 if uid in seeming:
                     apart = self._apart.setdefault((waiter, uid), _Apart(first=now, seen=now))
                     apart.seen = now
-                    if now - apart.first <= GRACE_S + self.budgets[seeming[uid]] + LOOK_CAP_S:
+                    if now - apart.first <= GRACE_S + self.budgets[HoldUp.STARTS] + LOOK_CAP_S:
                         apart.kept += counted
                         continue
                 if apart is not None and apart.kept:  # its waiter has had its time, or it is no longer seeming
@@ -161,7 +158,7 @@ class HoldUps:
 
     def _charge(self, uid: int, how: HoldUp, seconds: float, now: float) -> None:
         count = self._settled(uid, how, now)
-        count.seconds += seconds
+        count.seconds = min(count.seconds + seconds, self.budgets[how])  # earned back to half in 5 minutes
         count.charged = now
         if count.seconds >= self.budgets[how]:
             count.passed_over = True

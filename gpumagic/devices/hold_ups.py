@@ -25,6 +25,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from gpumagic.devices.shared_files import owner_name
+
 START_BUDGET_S = 10.0  # hold-up another user's tickets that could start may cost a waiter before they are passed over
 GRACE_S = 1.0  # per user and waiter, not counted: a runner or kernel that is just starting
 RECOVERY_S = 600.0  # a full budget is earned back in this long
@@ -141,6 +143,10 @@ class HoldUps:
         with self._lock:
             starts = [uid for uid, how in self._counts if how is HoldUp.STARTS]
             return sorted(uid for uid in starts if self._settled(uid, HoldUp.STARTS, now).passed_over)
+
+    def passed_over_names(self) -> tuple[str, ...]:
+        """Whose tickets this process passes over now, by user name."""
+        return tuple(owner_name(uid) for uid in self.passed_over_users())
 
     def left(self, uid: int, how: HoldUp, now: float | None = None) -> float:
         """Seconds of hold-up of kind ``how`` that ``uid``'s tickets may still cost (0 once passed over), the

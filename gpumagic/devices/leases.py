@@ -476,11 +476,12 @@ class LeaseBook:
 
 @dataclass(frozen=True)
 class LeaseView:
-    """The lease directory at one moment: every live lease of every GPU (this process's marked ``mine``), and
-    every live ticket. Read under ``pick_lock()`` for a consistent view."""
+    """The lease directory at one moment: every live lease of every GPU (this process's marked ``mine``), every
+    live ticket, and the users owning tickets it ignored. Read under ``pick_lock()`` for a consistent view."""
 
     leases: dict[str, tuple[Lease, ...]]
     tickets: tuple[TicketFile, ...]
+    ignored_ticket_owners: tuple[str, ...] = ()  # by the files' owners, whatever their names say
 
     def on(self, uuid: str) -> tuple[Lease, ...]:
         """The leases on ``uuid``: one holder's whole lease, or the jobs sharing it (none: free)."""
@@ -503,7 +504,20 @@ def read_view(mine: LeaseBook, provisional_s: float = PROVISIONAL_S) -> LeaseVie
             leases[uuid] = tuple(sorted(live, key=lambda lease: (lease.since, lease.pid)))
     for uuid in own - set(leases):  # our record was removed under us: we still hold the GPU
         leases[uuid] = (mine.as_lease(uuid),)
-    return LeaseView(leases, tuple(_live_tickets(directory, listing.tickets, provisional_s)))
+    tickets = tuple(_live_tickets(directory, listing.tickets, provisional_s))
+    return LeaseView(leases, tickets, _ignored_ticket_owners(directory))
+
+
+def _ignored_ticket_owners(directory: Path) -> tuple[str, ...]:
+    """The owners of the queue tickets in ``directory`` that gpumagic ignores (``shared_files.ignored``), as
+    the files' owners are: a file planted under another user's uid names its planter."""
+    found, _ = shared_files.ignored(limit=0)
+    uids = set()
+    for name in found:
+        if TICKET_NAME.match(name):
+            with contextlib.suppress(OSError):
+                uids.add(os.lstat(directory / name).st_uid)
+    return tuple(sorted(shared_files.owner_name(uid) for uid in uids))
 
 
 @dataclass(frozen=True)
@@ -708,13 +722,13 @@ def _live_tickets(directory: Path, names: list[str], provisional_s: float) -> li
     kernel's, which it locks as it makes it). Another user's ticket counts only if every field and its holder
     pass ``ticket_checks``. This user's dead tickets are removed; other users' suspicious ones are noted as
     ignored."""
+    global _checked_tickets
     found = []
     holders = shared_files.flock_holders()
     checks = ticket_checks.TicketHolders(provisional_s)
     now = time.time_ns()
     lapsed_ns = now - (min(provisional_s, OTHERS_PROVISIONAL_S) + ticket_checks.CLOCK_SLACK_S) * 1e9
     doubtful = []  # locked by the wrong process: looked at again once, together, 20 ms later
-    global _checked_tickets
     parsed: dict[str, tuple[tuple[int, ...], dict | str]] = {}  # this look's, replacing the last look's at its end
     for name in _worth_reading(directory, names, holders, lapsed_ns):
         uid = int(name.split(".")[1])

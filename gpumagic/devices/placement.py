@@ -25,7 +25,6 @@ GPUs, as a kernel does.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import os
@@ -463,7 +462,7 @@ def place(
     if (mine is not None or waiting) and not chosen:
         blocking, seeming = _holding_up(request, inventory, view, earlier, served, (passed, unheld), keep_own)
     gpus, qualify = tuple(s.gpu for s in chosen), tuple(s.gpu for s in good)
-    total, ignored = len(inventory.gpus), _ignored_ticket_owners()
+    total, ignored = len(inventory.gpus), view.ignored_ticket_owners
     return Placement(request, gpus, qualify, reasons, total, tuple(served), blocking, seeming, (), ignored)
 
 
@@ -477,19 +476,6 @@ def count_hold_ups(placed: Placement, waiter: str, steady: bool = True) -> Place
     counted = sorted((uid, how) for uid, how in placed.blocking.items() if uid not in placed.seeming)
     holding_up = tuple((name(uid), how, counts.left(uid, how)) for uid, how in counted)
     return dataclasses.replace(placed, holding_up=holding_up)
-
-
-def _ignored_ticket_owners() -> tuple[str, ...]:
-    """The owners of the queue tickets last read and ignored (``shared_files.ignored``), as the files' owners
-    are, whatever their names say."""
-    found, _ = shared_files.ignored(limit=0)
-    uids = set()
-    directory = leasing.lease_dir()
-    for name in found:
-        if leasing.TICKET_NAME.match(name):
-            with contextlib.suppress(OSError):
-                uids.add(os.lstat(directory / name).st_uid)
-    return tuple(sorted(shared_files.owner_name(uid) for uid in uids))
 
 
 def _holding_up(

@@ -185,11 +185,9 @@ class PickOutlook:
         if self.passed_over:
             lines.append(f"⚠ {passing_over(self.passed_over)}")
         if self.ignored:
-            from gpumagic.devices.shared_files import one_line
+            from gpumagic.devices.shared_files import describe_ignored
 
-            listed = "; ".join(f"{one_line(name, 60)} ({why})" for name, why in sorted(self.ignored.items()))
-            more = f"; and {self.ignored_more} more" if self.ignored_more else ""
-            lines.append(f"⚠ ignored in the lease directory: {listed}{more}")
+            lines.append(f"⚠ ignored in the lease directory: {describe_ignored(self.ignored, self.ignored_more)}")
         return "\n".join(lines)
 
     _repr_pretty_ = lambda self, printer, cycle: printer.text(repr(self))  # noqa: E731 - IPython hook
@@ -215,8 +213,7 @@ def why(
     with leasing.pick_lock(exclusive=False):
         placed = place(request, inventory, leasing.read_view(leasing.book()))
         ignored, more = shared_files.ignored(limit=10)
-    passed = tuple(shared_files.owner_name(uid) for uid in hold_ups().passed_over_users())
-    return PickOutlook(placed, placed.served, passed, ignored, more, inventory.simulated)
+    return PickOutlook(placed, placed.served, hold_ups().passed_over_names(), ignored, more, inventory.simulated)
 
 
 def _lease(gpus: Iterable[GpuInfo]) -> bool:

@@ -77,6 +77,15 @@ def one_line(value: object, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def describe_ignored(found: dict[str, str], more: int, shown: int | None = None) -> str:
+    """``ignored()``'s files as ``%gpu`` shows them, on one line: ``name (why); ...; and 3 more`` (the first
+    ``shown`` by name, all with None; ``more``: files left out of ``found`` already)."""
+    listed = sorted(found.items())
+    kept = listed if shown is None else listed[:shown]
+    left = len(listed) - len(kept) + more
+    return "; ".join(f"{one_line(name, 60)} ({why})" for name, why in kept) + (f"; and {left} more" if left else "")
+
+
 def finite(value: object) -> float | None:
     """``value`` if it is a finite number a float holds (a time, a size from another user's record), else None:
     ``1e999`` is Infinity, and a whole number of 400 digits no float holds."""

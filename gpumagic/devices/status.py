@@ -40,6 +40,5 @@ def gather_status() -> GpuStatus:
                 ignored, more = shared_files.ignored(limit=5)
         except LeaseDirectoryError as err:
             problem = str(err)
-    passed = tuple(shared_files.owner_name(uid) for uid in hold_ups().passed_over_users())
-    visible = current_visibility(inventory)
+    visible, passed = current_visibility(inventory), hold_ups().passed_over_names()
     return GpuStatus(inventory, held, visible, cuda_initialized(), problem, ignored, more, passed)

@@ -48,13 +48,10 @@ def notes(status: GpuStatus) -> list[str]:
     if status.lease_problem:
         result.append(f"⚠ leases unavailable: {status.lease_problem}")
     if status.ignored:
-        from gpumagic.devices.shared_files import one_line
+        from gpumagic.devices.shared_files import describe_ignored
 
-        shown = sorted(status.ignored.items())
-        listed = "; ".join(f"{one_line(name, 60)} ({why})" for name, why in shown[:5])
-        left = len(shown) - 5 + status.ignored_more
-        more = f"; and {left} more" if left > 0 else ""
-        result.append(f"⚠ ignored in the lease directory: {listed}{more}")
+        listed = describe_ignored(status.ignored, status.ignored_more, shown=5)
+        result.append(f"⚠ ignored in the lease directory: {listed}")
     if status.passed_over:
         from gpumagic.devices.placement import passing_over
 

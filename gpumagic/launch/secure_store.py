@@ -324,7 +324,22 @@ def connect(address: str, timeout_s: float, key: bytes | None = None) -> Any:
         StoreRefused: the server there does not hold this user's key.
         TimeoutError: nobody served ``address`` in time.
     """
-    return _client_class()(address, timeout_s, store_key() if key is None else key)
+    client = _client_class()(address, timeout_s, store_key() if key is None else key)
+    _IN_USE.append(client)
+    return client
+
+
+# Every client stays referenced here until ``forget_clients`` (or its ``close``): a process group keeps only the
+# C++ half of a store made in Python, and once the Python object is collected torch cannot reach its methods
+# ("fn INTERNAL ASSERT FAILED ... Not implemented"). gloo meets only while init_process_group runs; NCCL meets
+# at the first collective and dist.new_group later, which failed so on every rank.
+_IN_USE: list[Any] = []
+
+
+def forget_clients() -> None:
+    """Close every client of this process (the process groups that used them are destroyed)."""
+    while _IN_USE:
+        _IN_USE.pop().close()
 
 
 _CLIENT: type | None = None
@@ -454,6 +469,8 @@ class _ClientMethods:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self._connection.close()
+        with contextlib.suppress(ValueError):
+            _IN_USE.remove(self)
 
 
 def _bytes(value: Any) -> bytes:

@@ -105,15 +105,17 @@ def __getattr__(name: str) -> Any:
 
 def load_ipython_extension(ipython: Any) -> None:
     """Called by ``%load_ext gpumagic``: registers ``%gpu``, ``%%launch_ddp``, ``%ddp``/``%%ddp``,
-    ``%%launch_bg`` and ``%jobs``."""
+    ``%%launch_bg`` and ``%jobs``; in a Jupyter kernel, has the ranks end before the kernel does."""
     from gpumagic.ddp_magics import DdpMagics
     from gpumagic.job_magics import JobMagics
+    from gpumagic.launch.kernel_end import watch_kernel_end
     from gpumagic.magics import GpuMagics, LaunchMagics
 
     ipython.register_magics(GpuMagics)
     ipython.register_magics(LaunchMagics)
     ipython.register_magics(DdpMagics)
     ipython.register_magics(JobMagics)
+    watch_kernel_end(ipython)
 
 
 def gpus() -> Inventory:

@@ -206,7 +206,7 @@ class Escalation:
 
     def start(self) -> Escalation:
         if self.alive or self.groups:
-            _send(self.alive, self.groups, self.first)
+            signal_processes(self.alive, self.groups, self.first)
             self.used = signal.Signals(self.first).name
         self._deadline = time.monotonic() + self.grace_s
         return self
@@ -217,11 +217,11 @@ class Escalation:
         now = time.monotonic()
         if not self.alive:
             if not self._killed:
-                _send([], self.groups, signal.SIGKILL)  # what they left behind in their groups
+                signal_processes([], self.groups, signal.SIGKILL)  # what they left behind in their groups
                 self._killed = True
             return True
         if not self._killed and now >= self._deadline:
-            _send(self.alive, self.groups, signal.SIGKILL)
+            signal_processes(self.alive, self.groups, signal.SIGKILL)
             self._killed, self.used, self._deadline = True, "SIGKILL", now + 5.0
         return self._killed and now >= self._deadline
 
@@ -241,7 +241,8 @@ def end_processes(
     return escalation.used
 
 
-def _send(pids: list[int], groups: list[int], how: int) -> None:
+def signal_processes(pids: list[int], groups: list[int], how: int) -> None:
+    """Send ``how`` to each process group of ``groups``, then to each of ``pids``; what is gone is skipped."""
     for group in groups:
         with contextlib.suppress(OSError):
             os.killpg(group, how)

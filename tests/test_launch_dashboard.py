@@ -1,11 +1,15 @@
 """The dashboard under %%launch_ddp, in a real kernel: per-rank curves of logged metrics, per-rank resources,
-updates while the ranks run, --no-dashboard, --no-wait with its Stop button."""
+updates while the ranks run, --no-dashboard, --no-wait with its Stop button. In this process: a curve holds a
+bounded number of points and keeps its whole shape, and a group's dashboard stays the same size and quiet over
+hundreds of cells (issue 25; tests/test_long_session.py runs such a session in a kernel)."""
 
+import math
 import time
+from array import array
 
 import pytest
 
-pytestmark = pytest.mark.kernel
+from gpumagic.telemetry import store
 
 TRAIN = (
     "import time\n"
@@ -29,6 +33,7 @@ def inspect(kernel, expression):
     return kernel.ok(f"d = LaunchMagics.last_dashboard\nprint({expression})").stdout.strip()
 
 
+@pytest.mark.kernel
 def test_the_dashboard_shows_each_ranks_metrics_and_resources(kernel):
     out = kernel.ok("STEPS = 150\n", timeout=60)
     out = kernel.ok("%%launch_ddp -n 2\n" + TRAIN, timeout=120)
@@ -49,6 +54,7 @@ def test_the_dashboard_shows_each_ranks_metrics_and_resources(kernel):
     assert "0/2 ranks alive" in status and "step 149 (" in status and "steps/s)" in status
 
 
+@pytest.mark.kernel
 def test_no_dashboard(kernel):
     kernel.ok("LaunchMagics.last_dashboard = None")
     out = kernel.ok("%%launch_ddp -n 2 --no-dashboard\npass")
@@ -56,6 +62,7 @@ def test_no_dashboard(kernel):
     assert inspect(kernel, "d") == "None"
 
 
+@pytest.mark.kernel
 def test_no_wait_returns_at_once_streams_while_running_and_sets_the_variable(kernel):
     kernel.ok("STEPS = 400\nresult = 'not yet'")
     started = time.monotonic()
@@ -72,6 +79,7 @@ def test_no_wait_returns_at_once_streams_while_running_and_sets_the_variable(ker
     assert inspect(kernel, "d.state") == "finished"
 
 
+@pytest.mark.kernel
 def test_the_stop_button_stops_a_background_launch(kernel):
     kernel.ok("result = None")
     kernel.ok("%%launch_ddp -n 2 --no-wait -o result\nimport time\ntime.sleep(60)")
@@ -85,3 +93,80 @@ def test_the_stop_button_stops_a_background_launch(kernel):
     assert time.monotonic() - started < 6
     assert "stopped from the dashboard" in inspect(kernel, "result")
     assert inspect(kernel, "d.state") == "interrupted"
+
+
+def test_a_curve_holds_at_most_its_limit_points_and_keeps_its_whole_shape():
+    from gpumagic.widgets.plots import StepCurve
+
+    line = StepCurve(limit=400)
+    values = [1.0 / (step + 1) + 0.1 * math.sin(step / 300) for step in range(10_000)]
+    values[1234] = 50.0  # a spike, long ago
+    values[2345] = float("nan")  # a diverged step: passed over where its span has numbers
+    for first in range(0, 10_000, 97):  # batches as a push reads them
+        line.stream(list(range(first, min(first + 97, 10_000))), values[first : first + 97])
+        assert len(line.source.data["step"]) <= 400
+    steps, kept = line.source.data["step"], line.source.data["value"]
+    assert steps[0] == 0 and steps[-1] == 9_999 and steps == sorted(steps)
+    assert steps[-200:] == list(range(9_800, 10_000))  # the latest half as logged
+    assert 50.0 in kept  # the spike is not thinned away
+    lowest = min(v for v in kept if not math.isnan(v))
+    assert lowest == pytest.approx(min(v for v in values if not math.isnan(v)), rel=0.01)
+    old = [v for s, v in zip(steps, kept, strict=True) if 3_000 <= s < 4_000]
+    assert old and max(old) - min(old) > 0.1  # the slow wave is still drawn there
+
+
+def write_cell(run_dir, step: int, count: int) -> None:
+    """Rank 0's and rank 1's points of one cell: ``loss`` and ``lr`` from ``step`` on, as ``gpumagic.log`` writes."""
+    metrics = run_dir / "metrics"
+    for rank in (0, 1):
+        (metrics / f"rank-{rank}.names").write_text("loss\nlr\n")
+        points = array("d")
+        for at in range(step, step + count):
+            points.extend((time.time(), at, 0, 1.0 / (at + 1) + rank, time.time(), at, 1, 0.1))
+        with open(metrics / f"rank-{rank}.bin", "ab") as handle:
+            handle.write(store.encode_batch(points))
+
+
+def wait_for(condition, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_a_groups_dashboard_stays_the_same_size_over_hundreds_of_cells_and_is_quiet_between_them(tmp_path):
+    from gpumagic.widgets.launch_dashboard import LaunchDashboard
+
+    (tmp_path / "metrics").mkdir()
+    dashboard = LaunchDashboard(history=300, push_interval=0.05, live_after=0.0, title="%ddp group")
+    dashboard.attach(tmp_path, [None, None])  # ranks elsewhere: their metrics only
+    try:
+        sizes = {}
+        for cell in range(1, 401):
+            dashboard.mark(f"In[{cell}]")
+            write_cell(tmp_path, 13 * (cell - 1), 13)
+            if cell in (20, 400):
+                assert wait_for(lambda cell=cell: dashboard.points == 2 * 2 * 13 * cell)
+                assert wait_for(lambda cell=cell: len(dashboard.cell_marks) == cell)
+                sizes[cell] = len(dashboard.layout.document.models)
+            time.sleep(0.002)
+        assert sizes[400] == sizes[20]  # the marks are rows of one source, not models per cell
+        assert [step for _, step in list(dashboard.cell_marks)[:3]] == [0, 12, 25]  # the last step before each
+        assert len(dashboard.marks.data["step"]) == 400
+        assert all(len(source.data["step"]) <= 300 for source in dashboard.metric_sources.values())
+        assert dashboard.metric_sources[("loss", 0)].data["step"][-1] == 13 * 400 - 1
+
+        # nothing changes: nothing is sent, not even the status line's clock
+        changes: list = []
+        dashboard.layout.document.on_change(changes.append)
+        dashboard.status.observe(changes.append, "value")
+        assert wait_for(lambda: "idle since" in dashboard.status.value)
+        changes.clear()
+        time.sleep(1.0)
+        assert changes == []
+        write_cell(tmp_path, 13 * 400, 13)  # the next cell: drawn at once
+        assert wait_for(lambda: changes and "idle" not in dashboard.status.value, within=2.0)
+    finally:
+        dashboard.finish("finished")
+        dashboard.join()
+    assert not dashboard.running and "%ddp group" in dashboard.snapshot

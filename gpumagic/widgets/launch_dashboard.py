@@ -6,13 +6,21 @@ process's resident memory and CPU use.
 It updates from its own thread while the cell blocks (the kernel's event loop cannot run then): one sampler
 thread tails the run's metric files and samples the rank processes, and is the only writer of the bokeh
 document, under the plots' lock, which a page that connects later takes to read the plots whole; each source
-gets at most one ``stream(batch, rollover)`` per push, and only points at a step after its last one.
+gets at most one stream per push, and only points at a step after its last one.
+
+Its cost does not grow with a session (a ``%ddp`` group's dashboard lives for hundreds of cells): each source
+holds at most ``history`` points (``stream_within``: the whole curve, its older part thinned), the cells'
+marks are rows of one source every metric plot shares (the latest ``MARKS``) rather than models per cell, and
+while nothing changes (no new metric bytes, no mark, no busy rank) its thread reads two file sizes and a few
+``/proc`` entries per push and sends nothing: a rank's resources are drawn again when it works again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +29,7 @@ from gpumagic.devices.processes import is_running
 from gpumagic.launch.output import in_kernel
 from gpumagic.widgets.plots import (
     FIRST_REFRESH_S,
+    MUTED,
     NO_WIDGET,
     PALETTE,
     SteadySpan,
@@ -33,12 +42,18 @@ from gpumagic.widgets.plots import (
     live_model,
     log_tabs,
     loss_like,
+    stream_within,
     styled_figure,
     unsynced,
 )
 
 MIB = float(1 << 20)
 RESOURCE_WIDTH, RESOURCE_HEIGHT = 300, 130  # each resource plot beside the metrics, px
+MARKS = 500  # cells marked on the metric plots: the latest ones
+MARK_LABELS = 8  # of them, the latest written on the plots (every one has its label under the mouse)
+RESOURCE_INTERVAL = 0.5  # s at least between samples of the ranks' resources, whatever the push interval
+IDLE_BUSY = 5.0  # % of a CPU (or of a GPU) under which a rank idles: 2 clock ticks (20 ms) in 0.5 s read as 4 %
+IDLE_MEMORY = 1.0  # MiB a rank's memory moves by before it is drawn again
 
 
 class LaunchDashboard:
@@ -48,7 +63,8 @@ class LaunchDashboard:
     Light on a launch: until the ranks have run ``live_after`` seconds it is a status line; then its thread
     builds the live plots (a bokeh widget) under it. ``stoppable`` (``--no-wait``) adds a Stop button.
     Finished, it turns into a static copy of its last state, curves included, and closes its widgets: a
-    notebook that launches hundreds of times keeps no live widget per launch.
+    notebook that launches hundreds of times keeps no live widget per launch. ``history``: the most points a
+    curve or a rank's resources hold; past that their older part is thinned, so the whole run stays drawn.
     """
 
     def __init__(
@@ -82,6 +98,7 @@ class LaunchDashboard:
         self._metrics_column: Any = None
         self._spans: dict[str, SteadySpan] = {}
         self._curves: dict[tuple[str, int], StepCurve] = {}
+        self._hovers: dict[int, Any] = {}  # id(metric figure) -> its hover tool
         self._plots_lock = threading.RLock()
         self.plots: Any = None
         self.status: Any = None
@@ -94,14 +111,22 @@ class LaunchDashboard:
         self._note = ""
         self._figures_html = ""  # the static copy's plots
         self._steps: list[tuple[float, float]] = []  # (time, step) of rank 0's first and latest points
-        self._rank0_points: list[tuple[float, float]] = []  # (time, step) of rank 0's recent points
-        self._pending_marks: list[tuple[str, float]] = []  # cells started, not drawn yet: (label, time)
-        self.cell_marks: list[tuple[str, float]] = []  # (label, step) drawn on every metric plot
+        self._rank0_points: deque[tuple[float, float]] = deque(maxlen=history)  # (time, step), rank 0's latest
+        self._pending_marks: deque[tuple[str, float]] = deque()  # cells started, not drawn yet: (label, time)
+        self.cell_marks: deque[tuple[str, float]] = deque(maxlen=MARKS)  # (label, step) on every metric plot
+        self.marks: Any = None  # the cells' marks, a source every metric plot draws (and one of their labels)
+        self._mark_labels: Any = None
         self._readers: list[Any] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._processes: dict[int, Any] = {}
         self._samples: dict[int, dict[str, list[float]]] = {}  # resources sampled before the plots exist
+        self._drawn: dict[int, tuple[float, float]] = {}  # each rank's last (memory, busy) drawn
+        self._held: dict[int, dict[str, list[float]]] = {}  # an idle rank's latest sample, not drawn (yet)
+        self._changed = time.time()  # when something was last drawn
+        self._idle_since: float | None = None  # when nothing changed any more (time.time()), while it lasts
+        self._sampled = -RESOURCE_INTERVAL  # when the ranks' resources were last sampled (since attached)
+        self._moved = False  # metrics drawn since that sample
         self._attached = self.started  # when the ranks started: the 0 of the resource plots' time
         self._loader_display: Any = None
 
@@ -232,17 +257,19 @@ class LaunchDashboard:
                     self._go_live()  # the launch runs on: the plots, with what was sampled so far
                     live = True
                     went_live = time.monotonic()
+                changed = False
                 try:
-                    self._push_resources(self._processes)
                     if live:
-                        self._push_metrics()
+                        changed = self._push_metrics()
                         if not caught_up and time.monotonic() - went_live >= FIRST_REFRESH_S:
                             self.plots.catch_up()  # once: a view built after the first pushes missed them
                             caught_up = True
+                    changed = self._push_resources(self._processes, moved=changed) or changed
                 except Exception:  # noqa: BLE001 - a dashboard hiccup must never break the launch
                     pass
-                if self.status is not None:
-                    self.status.value = self._status_text()
+                if self._show_status(changed):
+                    with contextlib.suppress(Exception):
+                        self._draw_held()  # the ranks' resources up to when the group went quiet, once
         except Exception:  # noqa: BLE001 - a dashboard hiccup must never break the launch
             self._stop.wait()
         finally:
@@ -251,6 +278,22 @@ class LaunchDashboard:
             except Exception:  # noqa: BLE001
                 pass
 
+    def _show_status(self, changed: bool) -> bool:
+        """Set the status line where what it says changed. While something changes it counts the seconds; once
+        nothing has for a while (two samples of the ranks' resources), it says since when, once: an idle group
+        sends nothing. Whether it went quiet now."""
+        now = time.time()
+        if changed:
+            self._changed = now
+        was_quiet = self._idle_since is not None
+        quiet = now - self._changed > max(2 * RESOURCE_INTERVAL, 1.5 * self.push_interval)
+        self._idle_since = self._changed if quiet else None
+        if self.status is not None:
+            text = self._status_text()
+            if text != self.status.value:
+                self.status.value = text
+        return quiet and not was_quiet
+
     def _conclude(self) -> None:
         """The last update, then the static copy in place of the live widgets, which are closed."""
         if self._concluded or not self._shown:
@@ -258,10 +301,11 @@ class LaunchDashboard:
         self._concluded = True
         self._build_figures()
         try:
-            self._push_metrics()
-            self._push_resources(self._processes)
+            self._push_resources(self._processes, moved=self._push_metrics())
+            self._draw_held()  # the copy's resources run to its end
         except Exception:  # noqa: BLE001 - the copy shows what there is
             pass
+        self._idle_since = None  # the copy says how long it ran
         if self.status is not None:
             self.status.value = self._status_text()
         with self._plots_lock:
@@ -307,21 +351,25 @@ class LaunchDashboard:
     def _status_html(self) -> str:
         return f"<div class='gpumagic-launch-dashboard'>{self._status_text()}</div>"
 
-    def _push_metrics(self) -> None:
+    def _push_metrics(self) -> bool:
+        """Draw the points logged since the last push, then the cells started meanwhile; whether anything was."""
+        drew = False
         for rank, reader in enumerate(self._readers):
+            if _size(reader.bin_path) <= reader.offset:
+                continue  # nothing new: not even opened
             for name, series in reader.read().items():
                 key = (name, rank)
                 if key not in self._curves:
                     self._add_metric(name, rank)
                 with self._plots_lock:
-                    drawn = self._curves[key].stream(series.steps, series.values, rollover=self.history)
-                    self._spans[name].feed(drawn)
+                    drawn = self._curves[key].stream(series.steps, series.values)
+                    self._spans[name].feed(drawn, series=rank)
                 self.points += len(drawn)
+                drew = drew or bool(drawn)
                 if rank == 0 and series.steps:  # the first and the latest: enough for the step rate
                     self._steps[1:] = [(series.times[-1], series.steps[-1])]
-                    latest = list(zip(series.times, series.steps, strict=True))
-                    self._rank0_points = [*self._rank0_points, *latest][-self.history :]
-        self._draw_marks()
+                    self._rank0_points.extend(zip(series.times, series.steps, strict=True))
+        return self._draw_marks() or drew
 
     @property
     def points_behind(self) -> int:
@@ -333,59 +381,103 @@ class LaunchDashboard:
         dashboard: its curves continue across cells). Drawn by the dashboard's thread."""
         self._pending_marks.append((label, time.time()))
 
-    def _draw_marks(self) -> None:
+    def _draw_marks(self) -> bool:
         """Place the cells started since the last push: at the last step rank 0 logged before each started (its
-        points up to then are on disk: a rank writes them out when a cell ends)."""
+        points up to then are on disk: a rank writes them out when a cell ends). One stream into the marks'
+        source, whatever the number of plots; whether there were any."""
+        batch: dict[str, list[Any]] = {"step": [], "label": []}
         while self._pending_marks:
-            label, started = self._pending_marks.pop(0)
-            before = [step for when, step in self._rank0_points if when <= started]
-            self.cell_marks.append((label, before[-1] if before else 0))
-            with self._plots_lock:
-                for plots in self.metric_figures.values():
-                    for plot in plots:
-                        unsynced(_draw_mark(plot, *self.cell_marks[-1]))
+            label, started = self._pending_marks.popleft()
+            step = next((step for when, step in reversed(self._rank0_points) if when <= started), 0)
+            self.cell_marks.append((label, step))
+            batch["step"].append(step)
+            batch["label"].append(label)
+        if not batch["step"]:
+            return False
+        with self._plots_lock:
+            self._mark_sources()
+            self.marks.stream(batch, rollover=MARKS)
+            self._mark_labels.stream(batch, rollover=MARK_LABELS)
+        return True
+
+    def _mark_sources(self) -> None:
+        from bokeh.models import ColumnDataSource
+
+        if self.marks is None:
+            self.marks = ColumnDataSource({"step": [], "label": []})
+            self._mark_labels = ColumnDataSource({"step": [], "label": []})
+
+    def _draw_marks_on(self, plot: Any) -> None:
+        """The cells' marks on ``plot``: a dashed line each, the latest labelled, each named under the mouse."""
+        from bokeh.models import HoverTool, LabelSet
+
+        self._mark_sources()
+        lines = plot.vspan(
+            x="step", source=self.marks, line_color="#999999", line_dash="dashed", line_width=1, name="cell"
+        )
+        plot.add_layout(
+            LabelSet(
+                x="step",
+                y=4,
+                y_units="screen",
+                x_offset=2,
+                text="label",
+                source=self._mark_labels,
+                text_font_size="8pt",
+                text_color=MUTED,
+            )
+        )
+        plot.add_tools(HoverTool(renderers=[lines], tooltips=[("cell", "@label"), ("from step", "@step{0,0}")]))
 
     def _add_metric(self, name: str, rank: int) -> None:
+        document = self.layout.document
+        # the document walks all its models after each change to their graph: once, after the figure is whole
         with self._plots_lock:
-            plots = self.metric_figures.get(name)
-            if plots is None:
-                if loss_like(name):  # a loss spans decades: a log-y tab beside the linear one
-                    shown, *plots = log_tabs(name, 220, x_label="step")
-                else:
-                    shown = styled_figure(name, 200, x_label="step")
-                    plots = [shown]
-                for plot in plots:
-                    hover(plot, "step")
-                    for mark in self.cell_marks:
-                        _draw_mark(plot, *mark)
-                self.metric_figures[name] = plots
-                self._spans[name] = SteadySpan(plots[0])  # the linear view
-                self._metrics_column.children.append(shown)
-                if self._metrics_column not in self.layout.children:
-                    self.layout.children.insert(0, self._metrics_column)  # the metrics first, resources beside
-            self._curves[(name, rank)] = line = StepCurve()
-            self.metric_sources[(name, rank)] = line.source
-            for plot in plots:
-                curve(
-                    plot,
-                    line.source,
-                    "step",
-                    "value",
-                    label=f"rank {rank}",
-                    color=PALETTE[rank % len(PALETTE)],
-                    smooth="smooth",
-                )
+            with document.models.freeze() if document is not None else contextlib.nullcontext():
+                self._add_curve(name, rank)
             unsynced(self.layout)  # the new figure, source and lines too
 
-    def _push_resources(self, processes: dict[int, Any]) -> None:
+    def _add_curve(self, name: str, rank: int) -> None:
+        plots = self.metric_figures.get(name)
+        if plots is None:
+            if loss_like(name):  # a loss spans decades: a log-y tab beside the linear one
+                shown, *plots = log_tabs(name, 220, x_label="step")
+            else:
+                shown = styled_figure(name, 200, x_label="step")
+                plots = [shown]
+            for plot in plots:
+                self._hovers[id(plot)] = hover(plot, "step")
+                self._draw_marks_on(plot)
+            self.metric_figures[name] = plots
+            self._spans[name] = SteadySpan(plots[0])  # the linear view
+            self._metrics_column.children.append(shown)
+            if self._metrics_column not in self.layout.children:
+                self.layout.children.insert(0, self._metrics_column)  # the metrics first, resources beside
+        self._curves[(name, rank)] = line = StepCurve(limit=self.history)
+        self.metric_sources[(name, rank)] = line.source
+        for plot in plots:
+            color = PALETTE[rank % len(PALETTE)]
+            curve(plot, line.source, "step", "value", label=f"rank {rank}", color=color, smooth="smooth")
+            tool = self._hovers[id(plot)]  # the values of the curves under the mouse, not of the marks
+            tool.renderers = [r for r in plot.renderers if r.name != "cell"]
+
+    def _push_resources(self, processes: dict[int, Any], moved: bool = False) -> bool:
+        """Sample each rank's memory and CPU (or GPU) use and draw it, unless the rank idles as it did when last
+        drawn and no metric ``moved`` since the last sample (then the sample is held back, and drawn before the
+        rank's next one: the line stays flat over the idle time). Whether anything was drawn."""
         import psutil
 
+        self._moved = self._moved or moved
         now = time.monotonic() - self._attached  # seconds since the ranks started, drawn as 0:42
+        if now - self._sampled < 0.99 * RESOURCE_INTERVAL:  # over less, a clock tick of CPU reads as busy
+            return False
+        self._sampled, moved, self._moved = now, self._moved, False
         gpus = {}
         if self.use_gpus:
             from gpumagic.devices.inventory import read_inventory
 
             gpus = {g.uuid: g for g in read_inventory().gpus}
+        drew = False
         for rank, process in processes.items():
             try:
                 if self.use_gpus and rank < len(self.gpu_uuids) and self.gpu_uuids[rank] in gpus:
@@ -398,13 +490,32 @@ class LaunchDashboard:
             except psutil.Error:
                 continue
             sample = {"time": [now], "memory": [memory], "busy": [busy]}
-            if rank in self.resource_sources:
-                with self._plots_lock:
-                    self.resource_sources[rank].stream(sample, rollover=self.history)
-            else:  # not live yet: kept for the plots
-                kept = self._samples.setdefault(rank, {"time": [], "memory": [], "busy": []})
-                for key, values in sample.items():
-                    kept[key] = (kept[key] + values)[-self.history :]
+            drawn = self._drawn.get(rank)
+            idle = drawn is not None and max(busy, drawn[1]) < IDLE_BUSY and abs(memory - drawn[0]) < IDLE_MEMORY
+            if idle and not moved:
+                self._held[rank] = sample
+                continue
+            held = self._held.pop(rank, None)
+            if held is not None:
+                sample = {key: held[key] + values for key, values in sample.items()}
+            self._drawn[rank] = (memory, busy)
+            self._draw_sample(rank, sample)
+            drew = True
+        return drew
+
+    def _draw_held(self) -> None:
+        """Draw the samples held back (the ranks idled until the end)."""
+        for rank in list(self._held):
+            self._draw_sample(rank, self._held.pop(rank))
+
+    def _draw_sample(self, rank: int, sample: dict[str, list[float]]) -> None:
+        if rank in self.resource_sources:
+            with self._plots_lock:
+                stream_within(self.resource_sources[rank], sample, "time", ("memory", "busy"), self.history)
+        else:  # not live yet: kept for the plots
+            kept = self._samples.setdefault(rank, {"time": [], "memory": [], "busy": []})
+            for key, values in sample.items():
+                kept[key] = (kept[key] + values)[-self.history :]
 
     def _status_text(self) -> str:
         elapsed = time.monotonic() - self.started
@@ -423,19 +534,14 @@ class LaunchDashboard:
         )
         if self.state == "starting":
             return f"<b>{self.title}</b> · starting the ranks · {elapsed:,.1f}s" + self._note
+        clock = f"{elapsed:,.1f}s"
+        if self._idle_since is not None and self.state == "running":
+            clock = f"idle since {time.strftime('%H:%M:%S', time.localtime(self._idle_since))}"
         return (
-            f"<b>{self.title}</b> · {self.state} · {alive}/{self.nprocs} ranks alive{progress} · {elapsed:,.1f}s"
+            f"<b>{self.title}</b> · {self.state} · {alive}/{self.nprocs} ranks alive{progress} · {clock}"
             + note
             + self._note
         )
-
-
-def _draw_mark(plot: Any, label: str, step: float) -> Any:
-    from bokeh.models import Label, Span
-
-    plot.add_layout(Span(location=step, dimension="height", line_color="#999999", line_dash="dashed"))
-    plot.add_layout(Label(x=step, y=4, y_units="screen", text=label, text_font_size="8pt", text_color="#8a8a8a"))
-    return plot
 
 
 def _size(path: Path) -> int:

@@ -14,7 +14,7 @@ import functools
 import json
 import math
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
@@ -101,8 +101,9 @@ def _style(plot: Any) -> None:
         grid.grid_line_alpha = 0.2
 
 
-def hover(plot: Any, x_name: str, elapsed: bool = False) -> None:
-    """Values under the mouse on every line of ``plot``: the line's name, x (``0:42`` when ``elapsed``) and y."""
+def hover(plot: Any, x_name: str, elapsed: bool = False) -> Any:
+    """Values under the mouse on every line of ``plot``: the line's name, x (``0:42`` when ``elapsed``) and y.
+    Returns the tool (its ``renderers`` narrow it to some lines)."""
     from bokeh.models import CustomJSHover, HoverTool
 
     formatters: dict[str, Any] = {}
@@ -110,13 +111,13 @@ def hover(plot: Any, x_name: str, elapsed: bool = False) -> None:
     if elapsed:
         formatters["$snap_x"] = CustomJSHover(code=ELAPSED_FORMAT.replace("tick", "value"))
         x_field = "$snap_x{custom}"
-    plot.add_tools(
-        HoverTool(
-            tooltips=[("", "$name"), (x_name, x_field), ("value", "$snap_y{0,0.[0000]}")],
-            formatters=formatters,
-            line_policy="nearest",
-        )
+    tool = HoverTool(
+        tooltips=[("", "$name"), (x_name, x_field), ("value", "$snap_y{0,0.[0000]}")],
+        formatters=formatters,
+        line_policy="nearest",
     )
+    plot.add_tools(tool)
+    return tool
 
 
 def curve(
@@ -151,17 +152,21 @@ def log_tabs(title: str, height: int, **options: Any) -> tuple[Any, Any, Any]:
 class SteadySpan:
     """Keeps a linear y axis from magnifying a flat series (a constant learning rate drawn on -1..1, 162.0 to
     162.5 MiB filling the plot): the axis spans at least 10 % of the values' magnitude. Changed only when the
-    magnitude moves by 2x, so the browser gets a handful of updates per run."""
+    magnitude moves by 2x, so the browser gets a handful of updates per run. Several curves on one plot: each
+    feeds its own ``series`` (the plot's magnitude is the largest of their latest ones; a rank at 0.01 and one at
+    1 would otherwise change the axis at every push)."""
 
     def __init__(self, plot: Any) -> None:
         self.plot = plot
         self.magnitude = 0.0
+        self._latest: dict[Hashable, float] = {}  # series -> the magnitude of its latest values
 
-    def feed(self, values: Iterable[float]) -> None:
+    def feed(self, values: Iterable[float], series: Hashable = None) -> None:
         finite = [abs(v) for v in values if math.isfinite(v)]
         if not finite:
             return
-        magnitude = max(finite)
+        self._latest[series] = max(finite)
+        magnitude = max(self._latest.values())
         if magnitude > 0 and not (self.magnitude / 2 <= magnitude <= self.magnitude * 2):
             self.magnitude = magnitude
             self.plot.y_range.min_interval = 0.1 * magnitude
@@ -238,11 +243,13 @@ def forward_only(source: Any, x: str) -> Any:
 class StepCurve:
     """One curve's source, fed (step, value) batches: only points at or after its last step are drawn
     (``Forward``, in the kernel and in the browser), with the smoothed column beside the raw one
-    (``Smoother``). ``dropped`` counts the points not drawn."""
+    (``Smoother``). ``dropped`` counts the points not drawn. With ``limit``, the source never holds more
+    than ``limit`` points however long the run (``stream_within``): the whole curve, its older part thinned."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
         from bokeh.models import ColumnDataSource
 
+        self.limit = limit
         self.source = forward_only(ColumnDataSource({"step": [], "value": [], "smooth": []}), "step")
         self.reset()
 
@@ -257,13 +264,67 @@ class StepCurve:
         return self._forward.dropped
 
     def stream(self, steps: Sequence[float], values: Sequence[float], rollover: int | None = None) -> list[float]:
-        """Append the points not behind the last step (the caller holds the plots' lock); returns their values."""
+        """Append the points not behind the last step (the caller holds the plots' lock); returns their values.
+        ``rollover``: keep only the latest points (ignored with a ``limit``, which keeps the whole curve)."""
         kept = self._forward.keep(steps)
         if not kept:
             return []
         columns = pick({"step": steps, "value": values}, kept)
-        self.source.stream({**columns, "smooth": self._smoother.feed(columns["value"])}, rollover=rollover)
+        batch = {**columns, "smooth": self._smoother.feed(columns["value"])}
+        if self.limit is None:
+            self.source.stream(batch, rollover=rollover)
+        else:
+            stream_within(self.source, batch, "step", ("value",), self.limit)
         return columns["value"]
+
+
+def stream_within(source: Any, batch: dict[str, list[Any]], x: str, ys: Sequence[str], limit: int) -> None:
+    """Append ``batch`` to ``source`` (rows in increasing ``x``), which never holds more than ``limit`` rows:
+    while they fit, a ``stream`` (the new rows alone reach the browser); past that, the source is replaced by
+    its rows ``thinned`` (about three quarters of ``limit``: the next thinning is a quarter of ``limit`` rows
+    away, so each point costs a few rows sent at most). The caller holds the plots' lock."""
+    if len(source.data[x]) + len(batch[x]) <= limit:
+        source.stream(batch)
+        return
+    merged = {name: [*values, *batch[name]] for name, values in source.data.items()}
+    source.data = thinned(merged, x, ys, limit)
+
+
+def thinned(columns: dict[str, list[Any]], x: str, ys: Sequence[str], limit: int) -> dict[str, list[Any]]:
+    """``columns`` (rows in increasing ``x``) in at most ``3 * limit // 4`` rows: the latest ``limit // 2`` as
+    they are; the older ones cut into equal spans of ``x`` (``limit // (8 * len(ys))`` of them), each kept as its
+    rows of the lowest and highest of each of ``ys`` (a spike stays; a NaN is passed over unless a span holds
+    nothing else), and the first row stays. The whole history keeps its shape in a bounded number of rows.
+
+    >>> thinned({"x": list(range(10)), "y": [0, 5, 1, 1, 1, 1, 1, 1, 1, 1]}, "x", ["y"], 8)["x"]
+    [0, 1, 6, 7, 8, 9]
+    """
+    import numpy
+
+    rows = len(columns[x])
+    recent = limit // 2
+    if rows <= limit:
+        return columns
+    old = rows - recent
+    spans = max(1, limit // (8 * len(ys)))
+    xs = numpy.asarray(columns[x][:old], dtype=float)
+    width = xs[-1] - xs[0]
+    if width > 0 and numpy.isfinite(width):
+        span = numpy.minimum(((xs - xs[0]) / width * spans).astype(int), spans - 1)
+    else:
+        span = numpy.zeros(old, dtype=int)
+    keep = [numpy.zeros(1, dtype=int)]  # where the curve starts
+    for y in ys:
+        values = numpy.asarray(columns[y][:old], dtype=float)
+        missing = numpy.isnan(values)
+        for sign in (1, -1):  # the lowest, then the highest (a NaN sorts after every number)
+            order = numpy.lexsort((numpy.where(missing, numpy.inf, sign * values), span))
+            sorted_span = span[order]
+            keep.append(order[numpy.r_[True, sorted_span[1:] != sorted_span[:-1]]])
+    kept = numpy.unique(numpy.concatenate(keep))
+    if len(kept) + recent > 3 * limit // 4:  # more spans than fit (a tiny limit): every n-th of them
+        kept = kept[:: -(-len(kept) // max(1, 3 * limit // 4 - recent))]
+    return {name: [values[i] for i in kept.tolist()] + list(values[old:]) for name, values in columns.items()}
 
 
 def pick(columns: dict[str, Sequence[Any]], indices: list[int]) -> dict[str, list[Any]]:
@@ -275,7 +336,8 @@ def unsynced(model: Any) -> Any:
     """Mark ``model`` and what it refers to as never sent back by the browser (no events for the kernel);
     for models added to a live dashboard after it is shown."""
     for part in model.references():
-        part.syncable = False
+        if part.syncable:  # a set is a property change, notified: only where it changes
+            part.syncable = False
     return model
 
 

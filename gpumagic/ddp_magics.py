@@ -39,8 +39,17 @@ def _parsers() -> dict[str, _Parser]:
         "free": "Collect garbage and empty the CUDA cache on every rank; says what was released.",
         "watch": "Show the group's live dashboard (loss curves across cells, each rank's resources) here.",
         "kept": "The names gpumagic.keep registered: what a replaced rank gets back.",
+        "check": "Compare the replicas: DDP models, optimizers, schedulers, kept names, step counters.",
     }
-    parsers = {"start": start}
+    sync = _Parser(
+        "%ddp sync",
+        "Make the replicas alike again: copy the named state (default: every DDP model, its optimizers and\n"
+        "schedulers, the kept names, and what %ddp check found different) from one rank to every other.\n"
+        "Example: %ddp sync --from 0",
+    )
+    sync.add_argument("names", nargs="*", metavar="NAME", help="only these names")
+    sync.add_argument("--from", dest="source", type=int, default=0, metavar="RANK", help="the rank to copy (0)")
+    parsers = {"start": start, "sync": sync}
     parsers.update({name: _Parser(f"%ddp {name}", text) for name, text in simple.items()})
     return parsers
 
@@ -65,6 +74,8 @@ _OVERVIEW = (
     "%ddp SUBCOMMAND — a DDP group that lives across cells.\n\n"
     "  %ddp start [-n N] [--gpus SPEC|auto] [--gpus-per-rank K] [--backend B] [--timeout D] [--grace D]\n"
     "  %%ddp [--ranks 0] [-o VAR] [--timeout D]   run the cell on every rank (or some)\n"
+    "  %ddp check                          are the replicas alike (models, optimizers, step counters)?\n"
+    "  %ddp sync [--from R] [NAME ...]     make them alike again, from rank R (0)\n"
     "  %ddp status | free | watch | kept | restart | stop\n\n"
     "Python API: group = gpumagic.ranks(2); group.exec(code); group.run(fn); group.pull('model'); group.close()"
 )
@@ -137,6 +148,7 @@ class DdpMagics(Magics):
         group.close()
         if DdpMagics.dashboard is not None:
             DdpMagics.dashboard.finish("finished")
+            DdpMagics.dashboard.join(5)  # its thread gone when the cell returns
             DdpMagics.dashboard = None
         DdpMagics.group = None
         print(f"[gpumagic] stopped {len(pids)} ranks (pids {', '.join(map(str, pids))}) and what they started")
@@ -199,6 +211,24 @@ class DdpMagics(Magics):
         if not names:
             return _Help("nothing is kept: in a %%ddp cell, gpumagic.keep(model, optimizer) registers state")
         return _Help("kept (restored on a replaced rank): " + ", ".join(names))
+
+    def _check(self, args: argparse.Namespace) -> _Help:
+        group = self._require()
+        divergence = group.check()
+        if divergence:
+            return _Help(
+                f"the replicas differ: {divergence.describe()}\n%ddp sync makes every rank like rank 0 "
+                "(%ddp sync --from R: like rank R)"
+            )
+        checked = ", ".join(divergence.checked) or "nothing to compare (no DDP model, optimizer or kept name)"
+        return _Help(f"the replicas are alike: {checked}")
+
+    def _sync(self, args: argparse.Namespace) -> _Help:
+        group = self._require()
+        names = group.sync(args.source, args.names or None)
+        if not names:
+            return _Help("nothing to sync: no DDP model, optimizer, kept name or difference found")
+        return _Help(f"every rank now has rank {args.source}'s {', '.join(names)}")
 
     # --- the cell ----------------------------------------------------------------------------------------
 
@@ -266,6 +296,7 @@ class DdpMagics(Magics):
         group = self._require()
         if DdpMagics.dashboard is not None:
             DdpMagics.dashboard.finish("finished")
+            DdpMagics.dashboard.join(5)
         dashboard = LaunchDashboard(title="%ddp group")
         dashboard.attach(group.run_dir, group.pids, rank_gpus=group.rank_gpus, use_gpus=group.use_cuda)
         DdpMagics.dashboard = dashboard

@@ -14,6 +14,7 @@ imported at module level.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import queue
@@ -25,6 +26,7 @@ import time
 import types
 from typing import Any
 
+from gpumagic.launch import replay, replicas
 from gpumagic.launch.plan import LaunchPlan
 from gpumagic.launch.rank import (
     RankSetup,
@@ -44,6 +46,7 @@ from gpumagic.launch.rank import (
     plan_setup,
     rank_namespace,
 )
+from gpumagic.launch.sync_points import SyncPoints, track_ddp_forwards
 
 COLLECTIVES = (
     "all_reduce",
@@ -67,6 +70,7 @@ COLLECTIVES = (
     "recv",
 )
 
+POINT_TO_POINT = ("send", "recv")  # tracked, but no sync point: only some ranks make them
 _kept: dict[str, None] = {}  # names registered with gpumagic.keep, in registration order
 _this_rank: GroupRank | None = None
 
@@ -120,6 +124,8 @@ class GroupRank:
         self.group_sockets: dict[int, int] = {}  # fd -> inode of the process group's connections
         self.broken = False
         self.to_wrap: dict[str, dict[str, Any]] = {}  # kept DDP models a fresh rank got as modules
+        self.sync = SyncPoints()  # where the rank is, for an interrupt that stops every rank at one point
+        self.before: dict[str, Any] = {}  # the plain numbers of the namespace when the last cell started
 
     # --- the loop --------------------------------------------------------------------------------------
 
@@ -143,28 +149,39 @@ class GroupRank:
             if kind == "close":
                 self.send(("done", ident, None))
                 return 0
-            self.send(self._handle(kind, ident, args))
+            reply = self._handle(kind, ident, args)
+            self.send(reply)
+            if reply[0] != "done":  # what the failed code held (DataLoader workers...) ends now, not mid-cell
+                gc.collect()
 
     def _handle(self, kind: str, ident: int, args: list[Any]) -> tuple:
         """Do one request; the reply. An interrupt meant for the user's code that arrives late (while the
         reply is made) is absorbed here: it must never end the loop."""
+        cell = kind in ("exec", "call")
+        if cell:
+            self.sync.start_cell(ident)
         while True:
             try:
                 try:
                     return ("done", ident, getattr(self, f"do_{kind}")(*args))
                 except KeyboardInterrupt:
                     collective = self.collective
-                    return ("interrupted", ident, collective[0] if collective else None, self.collectives)
+                    name = collective[0] if collective else None
+                    return ("interrupted", ident, name, self.collectives, self.sync.stopped_at)
                 except BaseException as err:  # noqa: BLE001 - every failure goes back to the kernel
                     self.executing = None
                     return ("failed", ident, {**failure_report("user code", err), "collectives": self.collectives})
                 finally:
                     self.executing = None  # before the reply: a late interrupt must not hit the loop
                     self.collective = None
+                    if cell:
+                        self.sync.end_cell()
+                        if signal.getsignal(signal.SIGINT) != self._on_interrupt:  # a cell took it over
+                            signal.signal(signal.SIGINT, self._on_interrupt)
                     flush()
             except KeyboardInterrupt:
-                if kind in ("exec", "call"):
-                    return ("interrupted", ident, None, self.collectives)
+                if cell:
+                    return ("interrupted", ident, None, self.collectives, None)
 
     def send(self, message: tuple) -> None:
         with self.sending:
@@ -193,6 +210,14 @@ class GroupRank:
                 return
             if message[0] == "break":
                 self.break_group()
+            elif message[0] == "pause":  # ("pause", request, cell): where the rank is, held at its next point
+                where = self.sync.pause(message[2])
+                inside = self.collective  # (name, since): waiting there may be for a peer that never comes
+                if where is not None and inside is not None:
+                    where["inside"] = time.time() - inside[1]
+                self.send(("paused", message[1], where))
+            elif message[0] == "stop_at":  # ("stop_at", request, cell, point)
+                self.sync.stop_at(message[2], message[3])
             else:
                 self.jobs.put(message)
 
@@ -208,6 +233,8 @@ class GroupRank:
         _seed_from_environment()
         _accept_the_users_own_set_up(setup.backend or "gloo", setup.world_size, setup.rank, made_by="%ddp start")
         self._track_collectives()
+        track_ddp_forwards(self.sync)
+        _end_stuck_data_loader_workers_soon()
         self.device = torch.device("cpu")
         if setup.use_cuda:
             torch.cuda.set_device(0)
@@ -223,13 +250,18 @@ class GroupRank:
 
     def _track_collectives(self) -> None:
         """Note which collective the rank is in, and since when (for ``status`` and interrupts)."""
+        import torch.distributed as dist
 
         def wrap(original: Any) -> Any:
             name = original.__name__
+            # every rank makes the default group's collectives alike; not so a send, a recv or a subgroup's
+            counted = name not in POINT_TO_POINT
 
             def collective(*args: Any, **kwargs: Any) -> Any:
                 outer = self.collective
                 if outer is None:
+                    if counted and kwargs.get("group") in (None, dist.GroupMember.WORLD):
+                        self.sync.enter()  # an interrupt meant for every rank at once stops here
                     self.collective = (name, time.time())
                     self.collectives += 1
                 try:
@@ -272,6 +304,7 @@ class GroupRank:
         self.group_sockets = {fd: inode for fd, inode in _socket_inodes().items() if inode not in before}
         self.broken = False
         self.collectives = 0  # counted from this group's start, the same on every rank
+        self.sync.reset()
         return address
 
     def do_leave(self) -> None:
@@ -296,6 +329,9 @@ class GroupRank:
         # (kept, each cost rank 0 four threads and 14 descriptors).
         del _ENDED_PROCESS_GROUPS[kept:]
         gc.collect()
+        from gpumagic.launch import secure_store
+
+        secure_store.forget_clients()  # after the group that used them is gone
 
     def break_group(self) -> None:
         """End every connection of the process group now, from any thread: a collective waiting on a peer fails
@@ -353,9 +389,7 @@ class GroupRank:
 
         payload = cloudpickle.loads(packed)
         payload.prepare()
-        for name, value in payload.names.items():
-            self.shipped[name] = id(value)
-        self.namespace.update(payload.names)
+        self.receive(payload.names)
         self._start(label)
         value = payload.run(self._context(), self.namespace)
         return (_dumps_to_cpu(value), *self.names(), self.collectives)
@@ -366,23 +400,64 @@ class GroupRank:
 
         payload = cloudpickle.loads(packed)
         payload.prepare()
-        fn = payload.fn
-        if isinstance(fn, types.FunctionType):  # run in the rank's namespace: it sees rank, dist, what cells made
-            for name, value in fn.__globals__.items():
-                held = name in self.namespace and self.shipped.get(name) != id(self.namespace[name])
-                if not name.startswith("__") and not held:
-                    self.namespace[name] = value
-                    self.shipped[name] = id(value)
-            rebound = types.FunctionType(fn.__code__, self.namespace, fn.__name__, fn.__defaults__, fn.__closure__)
-            rebound.__kwdefaults__ = fn.__kwdefaults__
-            fn = rebound
+        fn = self._in_namespace(payload.fn)
         self._start(label)
         value = fn(*payload.args, **payload.kwargs)
         return (_dumps_to_cpu(value), *self.names(), self.collectives)
 
+    def receive(self, names: dict[str, Any]) -> None:
+        """Take the notebook's names (their values as the kernel sent them) into the namespace."""
+        for name, value in list(names.items()):
+            names[name] = self._in_namespace(value)
+            self.shipped[name] = id(names[name])
+        self.namespace.update(names)
+
+    def _in_namespace(self, value: Any, seen: dict[int, Any] | None = None) -> Any:
+        """A notebook function (or class) as if defined here: its globals are the rank's namespace, so it sees
+        what the cells made on the rank (``model``), as the notebook's own functions see the notebook's names.
+        The notebook names it refers to (sent along with it) join the namespace, made at home there the same
+        way, unless the rank made its own. ``seen``: what this call made already (functions refer to each
+        other, and to themselves)."""
+        seen = {} if seen is None else seen
+        if id(value) in seen:
+            return seen[id(value)]
+        if isinstance(value, type) and value.__module__ == "__main__":
+            seen[id(value)] = value
+            for cls in value.__mro__:  # its notebook base classes' methods too
+                if cls.__module__ != "__main__" or cls is object:
+                    continue
+                for attribute, member in list(vars(cls).items()):
+                    rebound = _rebind(member, lambda function: self._in_namespace(function, seen))
+                    if rebound is not member:
+                        setattr(cls, attribute, rebound)
+            return value
+        if not isinstance(value, types.FunctionType) or value.__module__ != "__main__":
+            return value  # an importable function keeps its module's globals
+        if value.__globals__ is self.namespace:
+            return value
+        function = types.FunctionType(
+            value.__code__, self.namespace, value.__name__, value.__defaults__, value.__closure__
+        )
+        for attribute in ("__kwdefaults__", "__qualname__", "__doc__", "__module__", "__annotations__"):
+            setattr(function, attribute, getattr(value, attribute))
+        function.__dict__.update(value.__dict__)
+        seen[id(value)] = function
+        for name, known in value.__globals__.items():
+            held = name in self.namespace and self.shipped.get(name) != id(self.namespace[name])
+            if not name.startswith("__") and not held:
+                self.namespace[name] = self._in_namespace(known, seen)
+                self.shipped[name] = id(self.namespace[name])
+        return function
+
     def _start(self, label: str) -> None:
         self.executing = label
         self.executing_since = time.time()
+        self.before = self.numbers()
+
+    def numbers(self) -> dict[str, Any]:
+        """The rank's own plain numbers (``steps``): compared between ranks after an interrupt."""
+        sent = {n for n, i in self.shipped.items() if id(self.namespace.get(n)) == i}  # the notebook's: alike
+        return replicas.scalars_of(self.namespace, self.provided | sent)
 
     def _context(self) -> dict[str, Any]:
         return {k: self.namespace.get(k) for k in ("rank", "local_rank", "world_size", "device", "dist", "gpumagic")}
@@ -438,20 +513,56 @@ class GroupRank:
         }
         return dumps((state, wrapped, list(_kept), modules)), missing
 
-    def do_import(self, packed: bytes) -> list[str]:
-        """Take the state another rank exported (tensors land on this rank's own device); the names set."""
+    def do_restore(self, names: bytes, definitions: list[replay.Definition], state: bytes | None) -> dict[str, Any]:
+        """A fresh rank that replaces a dead one takes back what it can: the notebook's names the dead rank was
+        sent (``names``, pickled), its cells' imports and definitions (``definitions``, run again), and the state
+        another rank exported (``state``: the kept names, tensors landing on this rank's device, and that
+        rank's imported modules). What it got, and why anything could not be redone."""
         import importlib
 
         import cloudpickle
 
-        state, wrapped, kept, modules = cloudpickle.loads(packed)
-        for name, module in modules.items():  # the healthy rank's imports: cheap to redo, never "lost"
-            with contextlib.suppress(ImportError):
-                self.namespace.setdefault(name, importlib.import_module(module))
-        self.namespace.update(state)
-        self.to_wrap.update(wrapped)  # wrapped with the others' (a collective), in do_rewrap
-        _kept.update(dict.fromkeys(kept))
-        return sorted(state), sorted(n for n in modules if n in self.namespace)
+        received = cloudpickle.loads(names)
+        self.receive(received)
+        replayed, failed, why = replay.replay(self.namespace, definitions)
+        kept: list[str] = []
+        modules: list[str] = []
+        if state is not None:
+            values, wrapped, registered, imported = cloudpickle.loads(state)
+            for name, module in imported.items():  # the healthy rank's imports: cheap to redo, never "lost"
+                with contextlib.suppress(ImportError):
+                    self.namespace.setdefault(name, importlib.import_module(module))
+                    modules.append(name)
+            self.namespace.update(values)
+            self.to_wrap.update(wrapped)  # wrapped with the others' (a collective), in do_rewrap
+            _kept.update(dict.fromkeys(registered))
+            kept = sorted(values)
+        if failed:  # a definition may need what the kept state brought (a default argument, a base class)
+            again, failed, why = replay.replay(self.namespace, failed)
+            replayed += again
+        return {
+            "notebook": sorted(received),
+            "replayed": sorted(set(replayed)),
+            "kept": kept,
+            "modules": sorted(set(modules)),
+            "failed": why,
+        }
+
+    def do_describe(self) -> dict[str, Any]:
+        """This rank's fingerprints of the state replicas keep alike (``replicas.describe``)."""
+        return replicas.describe(self.namespace, _kept, self.before)
+
+    def do_replicated(self) -> list[str]:
+        """The names of the state replicas keep alike here (models, optimizers, schedulers, kept names)."""
+        return sorted(replicas.replicated(self.namespace, _kept))
+
+    def do_kinds(self, names: list[str]) -> dict[str, Any]:
+        """How this rank holds ``names`` (``replicas.plan_kinds``), for the kernel's sync plan."""
+        return replicas.plan_kinds(self.namespace, names)
+
+    def do_sync(self, source: int, plan: list[tuple[str, str]]) -> list[str]:
+        """Make ``plan``'s names equal to rank ``source``'s (a collective every rank makes)."""
+        return replicas.sync_from(self.namespace, source, plan)
 
     def do_kept(self) -> list[str]:
         return list(_kept)
@@ -484,9 +595,47 @@ class GroupRank:
         }
 
 
+def sync_here(source: int, plan: list[tuple[str, str]]) -> list[str]:
+    """``replicas.sync_from`` on this rank's namespace (what ``RankGroup.sync`` runs on every rank); the numbers
+    compared after it are those it left."""
+    rank = _this_rank
+    if rank is None:
+        raise RuntimeError("sync_here runs on a rank of a persistent group")
+    synced = replicas.sync_from(rank.namespace, source, plan)
+    rank.before = rank.numbers()
+    return synced
+
+
 def _hidden(name: str) -> bool:
     """Python's own names in a namespace (``__builtins__``, ``__warningregistry__``): never the user's state."""
     return name.startswith("__") and name.endswith("__")
+
+
+def _rebind(member: Any, rebind: Any) -> Any:
+    """A class attribute with its functions rebound by ``rebind`` (methods, static and class methods, properties,
+    cached properties); the attribute itself where it holds none."""
+    if isinstance(member, types.FunctionType):
+        return rebind(member)
+    if isinstance(member, (staticmethod, classmethod)):
+        return type(member)(rebind(member.__func__))
+    if isinstance(member, property):
+        parts = [rebind(f) if isinstance(f, types.FunctionType) else f for f in (member.fget, member.fset, member.fdel)]
+        return type(member)(*parts, member.__doc__)
+    if isinstance(member, functools.cached_property):
+        cached = functools.cached_property(rebind(member.func))
+        cached.attrname, cached.__doc__ = member.attrname, member.__doc__
+        return cached
+    return member
+
+
+def _end_stuck_data_loader_workers_soon() -> None:
+    """A DataLoader whose worker raised leaves its other workers waiting for work that never comes (torch 2.13):
+    ending the iterator joins each for ``MP_STATUS_CHECK_INTERVAL`` (5 s) before terminating it, which held a
+    failed rank 10 s and got it killed. Joined for 0.25 s each, they are terminated at once. Only the rank's
+    joins change: the workers poll with the value they imported."""
+    from torch.utils.data import _utils
+
+    _utils.MP_STATUS_CHECK_INTERVAL = min(_utils.MP_STATUS_CHECK_INTERVAL, 0.25)
 
 
 def _wrapping_of(model: Any) -> dict[str, Any]:

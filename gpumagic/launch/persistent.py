@@ -36,10 +36,13 @@ from typing import Any
 
 from gpumagic.errors import GpumagicError, InvalidArgument
 from gpumagic.launch.failures import LaunchError, RankOutcome, root_cause
-from gpumagic.launch.output import OUTPUT_MODES, RankOutput
+from gpumagic.launch.output import OUTPUT_MODES, ProgressLines, RankOutput, progress_lines
 from gpumagic.launch.plan import LaunchPlan, assign_gpus, check_backend, check_timeout
 from gpumagic.launch.rank import make_launch_directories, remove_launch_directories
+from gpumagic.launch.replay import Definition, ReplayLog, definitions
+from gpumagic.launch.replicas import Divergence, compare, sync_plan
 from gpumagic.launch.shipping import CellPayload, FunctionPayload, ShippingError, dumps, pack, ship_cell, ship_function
+from gpumagic.launch.value_keys import IMMUTABLE, change_key
 from gpumagic.telemetry.run_files import RunFiles
 
 DEFAULT_GRACE_S = 5.0
@@ -88,6 +91,7 @@ class _Member:
     killed: bool = False  # by gpumagic, because it stayed stuck
     sending: frozenset[str] = frozenset()  # the kernel names the current cell sends it
     lost: set[str] = field(default_factory=set)  # what the rank it replaced held
+    sent_before: frozenset[str] = frozenset()  # the notebook names the rank it replaced had been sent
 
     @property
     def alive(self) -> bool:
@@ -130,6 +134,18 @@ class _Failed(Exception):
     """A rank's cell failed while others still run it."""
 
 
+_open_groups: set[RankGroup] = set()  # every group of this process not closed yet, for close_open_groups
+
+
+def close_open_groups(status: str = "finished") -> int:
+    """Close every group of ranks this process has open (the kernel is ending); how many were open."""
+    groups = list(_open_groups)
+    for group in groups:
+        with contextlib.suppress(Exception):
+            group.close(status)
+    return len(groups)
+
+
 class RankGroup:
     """N ranks with a process group, kept across calls. Use as a context manager, or ``close()`` it.
 
@@ -168,6 +184,7 @@ class RankGroup:
         from gpumagic.launch.ddp import _stdout_writer
 
         self.write = write or _stdout_writer()
+        self._bars = write is None  # progress bars as one line per rank, updated in place (in a notebook)
         self.on_note = on_note or (lambda text: self.write(text + "\n"))
         self.members: list[_Member] = []
         self.closed = True
@@ -179,8 +196,12 @@ class RankGroup:
         self._between_cells: list[tuple[int, bytes]] = []
         self._mailbox: dict[tuple[int, int], tuple] = {}  # (rank, request) -> its reply
         self._partial: dict[int, tuple] = {}
-        self._fingerprints: dict[str, tuple[Any, int | None, str]] = {}  # name -> (value, tensor version, digest)
+        self._fingerprints: dict[str, tuple[Any, list[Any], str]] = {}  # name -> (change key, its objects, digest)
         self._needs_reform = False  # a re-form was cut short: the next call makes it
+        self._namespace: Mapping[str, Any] = {}  # the notebook's names, as the last cell saw them
+        self._hidden: set[str] = set()
+        self._replay = ReplayLog()  # the cells' imports and definitions, for a rank that replaces a dead one
+        self.divergence = Divergence()  # what differed between the replicas when last compared
         self._stack = contextlib.ExitStack()
         self._start()
 
@@ -220,6 +241,7 @@ class RankGroup:
             timeout_s=self.timeout_s,
         )
         self.closed = False
+        _open_groups.add(self)
         atexit.register(self.close)
         try:
             self.context = self._stack.enter_context(forkserver_context())  # held: the server is not restarted
@@ -227,15 +249,22 @@ class RankGroup:
             self._await_ready(self.members)
             self._form()
         except _Died as died:
-            self.close(status="failed")
+            self._forget()
             member = self.members[died.ranks[0]]
             raise GroupError(f"rank {member.rank} {_death(member)} while the group was starting") from None
         except BaseException:
-            self.close(status="failed")
+            self._forget()
             raise
+
+    def _forget(self) -> None:
+        """A start that failed: its ranks end and it leaves no run behind (the error says what went wrong)."""
+        self.close(status="failed")
+        shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _spawn(self, rank: int) -> _Member:
         from gpumagic.launch.group_rank import serve_group_rank
+
+        self._check_open()  # closed meanwhile (the kernel is ending): no rank may start now
 
         reader, writer = self.context.Pipe(duplex=False)
         ours, theirs = self.context.Pipe()
@@ -287,6 +316,7 @@ class RankGroup:
         if self.closed:
             return
         self.closed = True
+        _open_groups.discard(self)
         atexit.unregister(self.close)
         from gpumagic.devices.processes import end_processes
         from gpumagic.telemetry import store
@@ -352,8 +382,12 @@ class RankGroup:
         self._deadline(timeout)  # a bad timeout is refused before anything else
         self._recover_dead()
         targets = self._targets(ranks)
+        self._namespace, self._hidden = namespace, set(hidden)  # what a replaced rank is sent again
+        for name in [n for n in self._fingerprints if n not in namespace]:  # deleted: hold none of it
+            del self._fingerprints[name]
         packed, digests = self._pack_for(payload, targets, namespace, hidden)
-        return self._run("exec", filename, packed, targets, self._deadline(timeout), digests)
+        found = definitions(code, filename)
+        return self._run("exec", filename, packed, targets, self._deadline(timeout), digests, found)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[int, Any]:
         """Call ``fn(*args, **kwargs)`` on every rank (in its namespace: globals it defines persist);
@@ -417,6 +451,56 @@ class RankGroup:
         self._check_open()
         return list(self._request(self.members[0], "kept"))
 
+    def check(self) -> Divergence:
+        """Compare the replicas: their DistributedDataParallel models, the optimizers and schedulers of those,
+        the kept names, and the plain numbers that were equal on every rank when the last cell started (a step
+        counter). What differs (empty: nothing); ``sync`` makes them alike.
+
+        Raises:
+            GroupError: the group is closed, or a rank could not describe its state.
+        """
+        self._check_open()
+        self._recover_dead()
+        replies = self._ask(self.members, "describe", within=START_TIMEOUT_S)
+        refused = {r: reply[2] for r, reply in replies.items() if reply[0] != "done"}
+        if refused:
+            rank, report = min(refused.items())
+            raise GroupError(f"rank {rank} could not describe its state: {report.get('type')}: {report.get('message')}")
+        self.divergence = compare({r: reply[2] for r, reply in replies.items()})
+        return self.divergence
+
+    def sync(self, source: int = 0, names: Iterable[str] | None = None) -> list[str]:
+        """Make every rank's ``names`` equal to rank ``source``'s, over the process group: models and tensors in
+        place, optimizers and schedulers by their state, other values replaced. Default names: every rank's
+        replicated state (DDP models, their optimizers and schedulers, the kept names) and whatever the last
+        ``check`` (or the last interrupt's) found different. The names synced.
+
+        Raises:
+            InvalidArgument: ``source`` is not a rank, or it lacks a name. CellFailed, CellInterrupted.
+        """
+        (member,) = self._targets([source])
+        if names is None:
+            wanted = set(self._request(member, "replicated")) | set(self.divergence.names)
+        else:
+            wanted = {names} if isinstance(names, str) else set(names)
+            bad = sorted(repr(n) for n in wanted if not isinstance(n, str) or not n.isidentifier())
+            if bad:
+                raise InvalidArgument(f"sync needs variable names, got {', '.join(bad)}")
+        if not wanted:
+            return []
+        kinds = {r: reply[2] for r, reply in self._ask(self.members, "kinds", sorted(wanted)).items()}
+        try:
+            plan = sync_plan(sorted(wanted), kinds, source)
+        except KeyError as err:
+            raise InvalidArgument(f"{err.args[0]!r} is not defined on rank {source}: nothing to copy") from None
+        except ValueError as err:
+            raise InvalidArgument(str(err)) from None
+        from gpumagic.launch.group_rank import sync_here  # the ranks' module: not imported by a kernel until here
+
+        self.run(sync_here, source, plan)
+        self.divergence = Divergence()
+        return [name for name, _ in plan]
+
     # --- the request machinery -----------------------------------------------------------------------
 
     def _next(self) -> int:
@@ -433,10 +517,13 @@ class RankGroup:
         self._check_open()
         if ranks is None:
             return list(self.members)
-        chosen = sorted(set(ranks))
+        asked = list(ranks)
+        chosen = sorted(set(asked))
         bad = [r for r in chosen if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.nprocs]
         if bad or not chosen:
-            raise InvalidArgument(f"ranks must be among 0..{self.nprocs - 1}, got {list(ranks)!r}")
+            raise InvalidArgument(f"ranks must be among 0..{self.nprocs - 1}, got {asked!r}")
+        if len(chosen) < len(asked):
+            raise InvalidArgument(f"each rank once: {asked!r} names a rank twice")
         return [self.members[r] for r in chosen]
 
     def _deadline(self, timeout: str | float | None) -> float | None:
@@ -629,28 +716,30 @@ class RankGroup:
         targets: list[_Member],
         deadline: float | None,
         digests: dict[str, str],
+        found: list[Definition] | None = None,
     ) -> dict[int, Any]:
         import cloudpickle
 
-        self._sink = _CellOutput(self.write, self.output if len(targets) > 1 else "all", self.nprocs)
+        bars = progress_lines() if self._bars else None
+        self._sink = _CellOutput(self.write, self.output if len(targets) > 1 else "all", self.nprocs, bars)
         self._show_between_cells()
         ident = self._next()
         self._partial = {}
         reformed = self.reformed
         notes: list[str] = []
         why = None
+        point = None
         try:
             try:
                 for member in targets:
                     member.busy = label
                     member.send((kind, ident, label, packed[member.rank]))
                 replies = self._wait(ident, targets, deadline, stop_on_failure=True)
-            except KeyboardInterrupt:
-                why = "interrupted"
-                replies = self._recover(ident, targets, why, notes)
-            except _Expired:
-                why = "timed out"
-                replies = self._recover(ident, targets, why, notes)
+            except (KeyboardInterrupt, _Expired) as stopped:
+                why = "interrupted" if isinstance(stopped, KeyboardInterrupt) else "timed out"
+                replies = dict(self._partial)
+                point = self._stop_together(ident, targets, replies)
+                replies = self._recover(ident, targets, why, notes, replies)
             except (_Died, _Failed):
                 replies = self._recover(ident, targets, None, notes)
             else:
@@ -686,22 +775,82 @@ class RankGroup:
                     if name in digests:  # a function's call sends no names
                         member.shipped[name] = digests[name]
             member.sending = frozenset()
+        self._replay.record(found or [], [r for r, reply in replies.items() if reply[0] == "done"])
         failed = {r: m for r, m in replies.items() if m[0] in ("failed", "interrupted")}
         dead = [m for m in targets if m.rank not in replies]
+        if why is not None or failed or dead:
+            notes.extend(self._replicas_after(replies, targets, point, quiet=why is None))
         if why is not None:
             raise CellInterrupted("; ".join([f"{why}: the cell was stopped on every rank", *notes]))
         if failed or dead:
             raise self._failure(targets, replies, notes)
         return {rank: cloudpickle.loads(reply[2][0]) for rank, reply in sorted(replies.items())}
 
+    def _stop_together(self, ident: int, targets: list[_Member], replies: dict[int, tuple]) -> int | None:
+        """Stop every busy rank at one sync point (``sync_points``): before the same collective or DDP training
+        forward, so that the replicas stay in step. The point asked for, or ``None`` where the ranks cannot
+        agree on one (a rank made no sync point in this cell, one finished it, one waits in a collective for a
+        peer that is not coming, one did not answer): the caller then interrupts them the usual way, which also
+        ends their waiting."""
+        busy = [m for m in targets if m.rank not in replies and m.alive]
+        if len(busy) < 2 or len(busy) < len(targets):
+            return None
+        try:
+            ask = self._next()
+            for member in busy:
+                member.send(("pause", ask, ident))
+            answers: dict[int, tuple] = {}
+            self._gather(ask, busy, answers, 1.0, kinds=("paused",))
+            where = {rank: answer[2] for rank, answer in answers.items()}
+            if len(where) < len(busy) or any(not _may_stop_together(w) for w in where.values()):
+                return None
+            point = max(w["made"] for w in where.values()) + 1
+            for member in busy:
+                member.send(("stop_at", ask, ident, point))
+        except KeyboardInterrupt:  # interrupted again: paused ranks wait for nobody, the signal frees them
+            self._interrupt(busy)
+            raise
+        slowest = max((point - w["made"]) * (w["gap"] or w["since"]) for w in where.values())
+        self._gather(ident, busy, replies, min(self.grace_s, max(1.0, 3 * slowest)))
+        return point
+
+    def _replicas_after(
+        self, replies: dict[int, tuple], targets: list[_Member], point: int | None, quiet: bool = False
+    ) -> list[str]:
+        """After an interrupt or a failure: are the replicas still alike? What to tell the user (``quiet``, after
+        a failure: only that they differ)."""
+        together = point is not None and all(
+            len(r := replies.get(m.rank, ())) > 4 and r[0] == "interrupted" and r[4] is not None for m in targets
+        )
+        stopped_at = {replies[m.rank][4] for m in targets} if together else set()
+        if len(stopped_at) > 1:
+            together = False
+        if self.nprocs < 2 or self.closed or not all(m.alive for m in self.members):
+            return []
+        try:
+            divergence = self.check()
+        except (GroupError, _Died, _Expired, KeyboardInterrupt):
+            return ["the replicas could not be compared (%ddp check compares them)"]
+        compared = ", ".join(divergence.checked)
+        if divergence:
+            return [
+                f"the replicas differ now: {divergence.describe()}; %ddp sync makes every rank like rank 0 "
+                "(group.sync() from Python)"
+            ]
+        if quiet:
+            return []
+        if together:
+            nth = _nth(stopped_at.pop() + 1)
+            where = f"every rank stopped before the same collective or DDP forward (the cell's {nth})"
+            return [where + (f"; the replicas are alike: {compared}" if compared else "")]
+        return [f"the replicas are alike: {compared}"] if compared else []
+
     def _failure(self, targets: list[_Member], replies: dict[int, tuple], notes: list[str]) -> CellFailed:
         outcomes = []
         for member in targets:
             reply = replies.get(member.rank)
-            if reply is not None and reply[0] == "interrupted" and member.alive:
-                outcomes.append(
-                    RankOutcome(member.rank, member.pid, 1, "user code", "KeyboardInterrupt", "", timestamp=time.time())
-                )
+            if reply is not None and reply[0] == "interrupted" and member.alive:  # gpumagic freed it: a peer failed
+                outcomes.append(RankOutcome(member.rank, member.pid, -int(signal.SIGINT), stopped_by_launcher=True))
                 continue
             if reply is None:
                 if not member.alive:
@@ -739,18 +888,21 @@ class RankGroup:
         return CellFailed(outcomes, cause, "\n".join(notes))
 
     def _digest(self, name: str, value: Any) -> str:
-        """``_digest``, skipped for the same immutable object or the same tensor unchanged since (its version)."""
-        version = None
+        """``_digest``, pickled again only when the value's change key (``value_keys``) is not the one it had: a
+        notebook class or function a cell uses costs microseconds a cell, not a pickle."""
         torch = sys.modules.get("torch")
-        if torch is not None and isinstance(value, torch.Tensor):
-            version = value._version
-        elif not isinstance(value, (int, float, complex, str, bytes, bool, type(None))):
+        keyed = isinstance(value, (types.FunctionType, type, tuple, frozenset, *IMMUTABLE))
+        if not keyed and not (torch is not None and isinstance(value, torch.Tensor)):
+            return _digest(name, value)
+        try:
+            key, held = change_key(value, lambda part: _digest(name, part))
+        except ShippingError:  # a part cannot travel alone (the value's own pickle may manage): no cheap key
             return _digest(name, value)
         known = self._fingerprints.get(name)
-        if known is not None and known[0] is value and known[1] == version:
+        if known is not None and known[0] == key:
             return known[2]
         digest = _digest(name, value)
-        self._fingerprints[name] = (value, version, digest)
+        self._fingerprints[name] = (key, held, digest)
         return digest
 
     def _show_between_cells(self) -> None:
@@ -774,33 +926,29 @@ class RankGroup:
     ) -> dict[int, tuple]:
         """Bring the group back after an interrupt, a timeout, a failure or a death; the replies gathered.
 
-        Busy ranks get SIGINT; those still busy after the grace period, the group's connections shut on every
-        rank (and the group re-formed); those still busy after that, SIGKILL. Dead ranks are replaced.
+        Interrupted or timed out: busy ranks get SIGINT; those still busy after the grace period, the group's
+        connections shut on every rank (and the group re-formed); those still busy after that, SIGKILL. A rank
+        failed or died: its peers wait for it (in a collective, or in a DDP backward, which is out of sight),
+        so they are freed at once: the group's connections shut, SIGINT to those not in a collective. Dead
+        ranks are replaced.
         """
         replies = dict(self._partial if replies is None else replies)
         busy = [m for m in targets if m.rank not in replies and m.alive]
         broken = False
         stuck_in: dict[int, Any] = {}
-        steps = ["interrupt", "break"]
-        if busy and why is None:  # a rank failed or died: are the others waiting for it in a collective?
+        if busy and why is None:
             stuck_in = self._collectives_of(busy)
-            if any(not m.alive for m in self.members) or all(stuck_in.get(m.rank) for m in busy):
-                steps.reverse()  # break the group first: interrupting would wait the grace period for nothing
-        for step in steps:
-            if not busy and step == "interrupt":
-                continue
-            if step == "interrupt":
-                for member in busy:
-                    with contextlib.suppress(OSError):
-                        os.kill(member.pid, signal.SIGINT)
-            else:
-                if not busy and all(m.alive for m in self.members):
-                    continue
-                stuck_in = {**self._collectives_of(busy), **{r: c for r, c in stuck_in.items() if c}}
-                for member in self.members:
-                    if member.alive:
-                        member.send(("break", ident))
-                broken = True
+            self._interrupt([m for m in busy if not stuck_in.get(m.rank)])
+            self._break(ident)
+            broken = True
+            busy = self._gather(ident, busy, replies, self.grace_s)
+        elif busy:
+            self._interrupt(busy)
+            busy = self._gather(ident, busy, replies, self.grace_s)
+        if not broken and (busy or any(not m.alive for m in self.members)):
+            stuck_in = {**self._collectives_of(busy), **{r: c for r, c in stuck_in.items() if c}}
+            self._break(ident)
+            broken = True
             busy = self._gather(ident, busy, replies, self.grace_s)
         if any(r[0] == "interrupted" and r[2] for r in replies.values()):
             broken = True  # a rank was interrupted inside a collective: its peers' sequence no longer matches
@@ -813,6 +961,17 @@ class RankGroup:
                 notes.append("stuck in a collective: " + ", ".join(stuck))
             self._reform(notes, stuck_in)
         return replies
+
+    def _interrupt(self, members: list[_Member]) -> None:
+        for member in members:
+            with contextlib.suppress(OSError):
+                os.kill(member.pid, signal.SIGINT)
+
+    def _break(self, ident: int) -> None:
+        """Shut the process group's connections on every living rank: whatever waits on a peer fails now."""
+        for member in self.members:
+            if member.alive:
+                member.send(("break", ident))
 
     def _kill(self, member: _Member) -> None:
         """SIGKILL a rank that stays stuck, with what it started (it leads its process group)."""
@@ -848,11 +1007,12 @@ class RankGroup:
         self._check_open()
         waiting = {m.rank: m for m in self.members if m.alive}
         self._pump(0.0, waiting, {}, (), ())
+        for member in self.members:  # gone, though its pidfd may not say so yet (its threads still ending)
+            if member.alive and not _running(member.pid):
+                self._mark_dead(member)
         if self._needs_reform or any(not m.alive for m in self.members):
             notes: list[str] = []
-            for member in self.members:
-                if member.alive:
-                    member.send(("break", -2))
+            self._break(-2)
             self._reform(notes, {})
             for note in notes:
                 self.on_note(note)
@@ -903,32 +1063,96 @@ class RankGroup:
         dead.release()
         fresh = self._spawn(dead.rank)
         fresh.lost = set(dead.own)
+        fresh.sent_before = frozenset(dead.shipped)
         self.members[dead.rank] = fresh
         self.replaced += 1
 
     def _restore(self, dead: list[_Member], healthy: list[_Member], notes: list[str]) -> None:
+        """Give fresh ranks back what can be had: the notebook's names the dead ranks were sent, their cells'
+        imports and definitions (run again), and the kept state of a healthy rank; list what is lost."""
         fresh = [self.members[m.rank] for m in dead]
-        if not healthy:
-            lost = sorted(set().union(*(m.lost for m in fresh)))
-            notes.append("every rank was replaced: all their state is lost" + (f" ({', '.join(lost)})" if lost else ""))
-            return
-        source = healthy[0]
-        state, missing = self._request(source, "export", recover=False)
-        restored = self._ask(fresh, "import", state, within=START_TIMEOUT_S)
+        source = healthy[0] if healthy else None
+        state, missing = self._request(source, "export", recover=False) if source is not None else (None, [])
+        ident = self._next()
+        sent: dict[int, dict[str, str]] = {}
         for member in fresh:
-            reply = restored.get(member.rank)
-            names, modules = (set(reply[2][0]), set(reply[2][1])) if reply and reply[0] == "done" else (set(), set())
-            member.own = names | modules
-            member.present = set(member.own)
-            lost = sorted((member.lost or set(source.own)) - names - modules)
-            kept = f"restored {', '.join(sorted(names))} (gpumagic.keep) from rank {source.rank}" if names else ""
-            gone = f"lost on rank {member.rank}: {', '.join(lost)}" if lost else ""
-            if kept or gone:
-                notes.append("; ".join(p for p in (kept, gone) if p))
-            if reply is not None and reply[0] != "done":
-                notes.append(f"rank {member.rank} could not take the kept state: {reply[2].get('message')}")
+            names, sent[member.rank] = self._notebook_names(member.sent_before)
+            member.send(("restore", ident, names, self._replay.for_rank(member.rank), state))
+        try:
+            restored = self._wait(ident, fresh, time.monotonic() + START_TIMEOUT_S)
+        except _Died as died:  # the fresh rank died too: the next call replaces it again
+            self._needs_reform = True
+            raise GroupError(f"rank {died.ranks[0]} died while taking back its state; the next call retries") from None
+        for member in fresh:
+            reply = restored[member.rank]
+            if reply[0] != "done":
+                notes.append(f"rank {member.rank} could not take back its state: {reply[2].get('message')}")
+                continue
+            got = reply[2]
+            member.shipped = {n: d for n, d in sent[member.rank].items() if n in got["notebook"]}
+            member.own = set(got["replayed"]) | set(got["kept"]) | set(got["modules"])
+            member.present = member.own | set(got["notebook"])
+            parts = []
+            if got["kept"]:
+                parts.append(f"{_names(got['kept'])} (gpumagic.keep) from rank {source.rank if source else '?'}")
+            if got["replayed"]:
+                parts.append(f"{_names(got['replayed'])} (its cells' imports and definitions, run again)")
+            if got["notebook"]:
+                parts.append(f"{_names(got['notebook'])} (sent from the notebook)")
+            if parts:
+                notes.append(f"restored on rank {member.rank}: " + "; ".join(parts))
+            lost = sorted(member.lost - member.present - {"_"})  # a loop's throwaway is no loss
+            if lost:
+                notes.append(f"lost on rank {member.rank}: {_names(lost)}")
+            unsent = sorted(member.sent_before - member.present)
+            if unsent:
+                notes.append(
+                    f"not sent to rank {member.rank} again (gone from the notebook, or no longer picklable): "
+                    f"{_names(unsent)}"
+                )
+            for name, why in sorted(got["failed"].items()):
+                notes.append(f"rank {member.rank} could not define {name} again: {why}")
+        if source is None and any(m.lost for m in fresh):
+            notes.append("every rank was replaced: the kept state is lost with them")
         if missing:
             notes.append(f"kept names no longer defined on rank {source.rank}: {', '.join(missing)}")
+
+    def _notebook_names(self, names: Collection[str]) -> tuple[bytes, dict[str, str]]:
+        """The notebook's current values of ``names`` (those it still has and that can travel), pickled
+        together, and their digests."""
+        values = {}
+        for name in sorted(names):
+            value = self._namespace.get(name)
+            if name in self._namespace and not isinstance(value, types.ModuleType) and name not in self._hidden:
+                values[name] = value
+        digests = {}
+        for name, value in list(values.items()):
+            try:
+                digests[name] = self._digest(name, value)
+            except ShippingError:
+                del values[name]  # it cannot travel any more: lost, and said so
+        return dumps(values), digests
+
+
+def _nth(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n:,}{suffix}"
+
+
+def _may_stop_together(where: dict[str, Any] | None) -> bool:
+    """A rank's answer to ``pause``: it made sync points in this cell and is not waiting in a collective for
+    longer than its sync points usually take (a peer it waits for would not come)."""
+    if where is None or where["made"] == 0:
+        return False
+    usual = 3 * where["gap"] if where["gap"] else 1.0
+    return where.get("inside", 0.0) <= max(1.0, usual)
+
+
+def _names(names: Collection[str], shown: int = 12) -> str:
+    """Names for a note: the first ``shown``, then how many more."""
+    ordered = sorted(names)
+    more = len(ordered) - shown
+    return ", ".join(ordered[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 _REPLIES = ("done", "failed", "interrupted")
@@ -1029,11 +1253,11 @@ class _CellOutput:
     live; the other ranks' lines at the end, where they differ from rank 0's, else "(same on ranks 1–3)".
     ``none``: nothing (failures still show their traceback)."""
 
-    def __init__(self, write: Callable[[str], None], mode: str, nprocs: int) -> None:
+    def __init__(self, write: Callable[[str], None], mode: str, nprocs: int, bars: ProgressLines | None = None) -> None:
         self.write = write
         self.mode = mode
         self.nprocs = nprocs
-        self.live = RankOutput(write, "all" if mode == "all" else ("none" if mode == "none" else "all"), nprocs)
+        self.live = RankOutput(write, "none" if mode == "none" else "all", nprocs, bars)
         self.lines: dict[int, list[str]] = {}
         self.partial: dict[int, str] = {}
         self.decoders: dict[int, Any] = {}

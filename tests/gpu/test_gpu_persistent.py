@@ -12,6 +12,7 @@ import signal
 import time
 
 import pytest
+from test_persistent import LOOP  # the CPU tests' DDP training loop
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kernel, pytest.mark.usefixtures("real_gpu")]
 
@@ -25,13 +26,6 @@ torch.manual_seed(1 + rank)
 x, y = torch.randn(64, 256, device=device), torch.randn(64, 1, device=device)
 steps = 0
 gpumagic.keep(model, optimizer)
-"""
-LOOP = """
-while True:
-    optimizer.zero_grad()
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    optimizer.step()
-    steps += 1
 """
 STEPS = """
 for _ in range(n):

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.kernel
 
 def rank_processes(kernel_pid: int) -> list[psutil.Process]:
     """The kernel's descendants other than multiprocessing's two helpers, which stay on purpose: the warm
-    forkserver (it makes relaunches fast) and the resource tracker. Both end with the kernel."""
+    forkserver (it makes relaunches fast) and the resource tracker. Both end with the kernel. The ranks the
+    forkserver forked show its command line too: only the kernel's own children are helpers."""
     try:
         children = psutil.Process(kernel_pid).children(recursive=True)
     except psutil.NoSuchProcess:
@@ -27,7 +28,8 @@ def rank_processes(kernel_pid: int) -> list[psutil.Process]:
     for child in children:
         try:
             command = " ".join(child.cmdline())
-            helper = "multiprocessing.forkserver" in command or "multiprocessing.resource_tracker" in command
+            kind = "multiprocessing.forkserver" in command or "multiprocessing.resource_tracker" in command
+            helper = kind and child.ppid() == kernel_pid
             if not helper and child.status() != psutil.STATUS_ZOMBIE:
                 result.append(child)
         except psutil.NoSuchProcess:

@@ -215,13 +215,14 @@ class DdpMagics(Magics):
     def _check(self, args: argparse.Namespace) -> _Help:
         group = self._require()
         divergence = group.check()
+        unseen = "".join(f"\nnot compared: {name} ({why})" for name, why in sorted(divergence.uncomparable.items()))
         if divergence:
             return _Help(
                 f"the replicas differ: {divergence.describe()}\n%ddp sync makes every rank like rank 0 "
-                "(%ddp sync --from R: like rank R)"
+                "(%ddp sync --from R: like rank R)" + unseen
             )
         checked = ", ".join(divergence.checked) or "nothing to compare (no DDP model, optimizer or kept name)"
-        return _Help(f"the replicas are alike: {checked}")
+        return _Help(f"the replicas are alike: {checked}" + unseen)
 
     def _sync(self, args: argparse.Namespace) -> _Help:
         group = self._require()

@@ -304,7 +304,6 @@ class GroupRank:
         self.group_sockets = {fd: inode for fd, inode in _socket_inodes().items() if inode not in before}
         self.broken = False
         self.collectives = 0  # counted from this group's start, the same on every rank
-        self.sync.reset()
         return address
 
     def do_leave(self) -> None:
@@ -559,10 +558,6 @@ class GroupRank:
     def do_kinds(self, names: list[str]) -> dict[str, Any]:
         """How this rank holds ``names`` (``replicas.plan_kinds``), for the kernel's sync plan."""
         return replicas.plan_kinds(self.namespace, names)
-
-    def do_sync(self, source: int, plan: list[tuple[str, str]]) -> list[str]:
-        """Make ``plan``'s names equal to rank ``source``'s (a collective every rank makes)."""
-        return replicas.sync_from(self.namespace, source, plan)
 
     def do_kept(self) -> list[str]:
         return list(_kept)

@@ -41,8 +41,17 @@ from gpumagic.launch.plan import LaunchPlan, assign_gpus, check_backend, check_t
 from gpumagic.launch.rank import make_launch_directories, remove_launch_directories
 from gpumagic.launch.replay import Definition, ReplayLog, definitions
 from gpumagic.launch.replicas import Divergence, compare, sync_plan
-from gpumagic.launch.shipping import CellPayload, FunctionPayload, ShippingError, dumps, pack, ship_cell, ship_function
-from gpumagic.launch.value_keys import IMMUTABLE, change_key
+from gpumagic.launch.shipping import (
+    CellPayload,
+    FunctionPayload,
+    ShippingError,
+    dumps,
+    pack,
+    parse_cell,
+    ship_cell,
+    ship_function,
+)
+from gpumagic.launch.value_keys import change_key, has_cheap_key
 from gpumagic.telemetry.run_files import RunFiles
 
 DEFAULT_GRACE_S = 5.0
@@ -378,7 +387,8 @@ class RankGroup:
             namespace = sys._getframe(1).f_globals
         self.cells += 1
         filename = filename or f"<ddp cell {self.cells}>"
-        payload = ship_cell(code, namespace, filename, hidden)
+        tree = parse_cell(code, filename)  # once, for what the cell needs and what a replaced rank redoes
+        payload = ship_cell(code, namespace, filename, hidden, tree)
         self._deadline(timeout)  # a bad timeout is refused before anything else
         self._recover_dead()
         targets = self._targets(ranks)
@@ -386,7 +396,7 @@ class RankGroup:
         for name in [n for n in self._fingerprints if n not in namespace]:  # deleted: hold none of it
             del self._fingerprints[name]
         packed, digests = self._pack_for(payload, targets, namespace, hidden)
-        found = definitions(code, filename)
+        found = definitions(code, filename, tree)
         return self._run("exec", filename, packed, targets, self._deadline(timeout), digests, found)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[int, Any]:
@@ -890,9 +900,7 @@ class RankGroup:
     def _digest(self, name: str, value: Any) -> str:
         """``_digest``, pickled again only when the value's change key (``value_keys``) is not the one it had: a
         notebook class or function a cell uses costs microseconds a cell, not a pickle."""
-        torch = sys.modules.get("torch")
-        keyed = isinstance(value, (types.FunctionType, type, tuple, frozenset, *IMMUTABLE))
-        if not keyed and not (torch is not None and isinstance(value, torch.Tensor)):
+        if not has_cheap_key(value):
             return _digest(name, value)
         try:
             key, held = change_key(value, lambda part: _digest(name, part))

@@ -28,7 +28,7 @@ class Definition:
     filename: str
     index: int
     source: str  # the whole cell: for the statement, at its own lines and columns, and for tracebacks
-    text: str  # the statement's own source (a repeated one keeps its place in the log)
+    text: str  # the statement's lines (a repeated one keeps its place in the log)
 
     def code(self) -> Any:
         """The statement alone (not the rest of its line: ``import os; print()``), compiled at its lines."""
@@ -36,12 +36,15 @@ class Definition:
         return compile(ast.Module(body=[statement], type_ignores=[]), self.filename, "exec")
 
 
-def definitions(source: str, filename: str) -> list[Definition]:
-    """The replayable statements of a cell, in order (none if it does not parse)."""
-    try:
-        tree = ast.parse(source, filename)
-    except SyntaxError:
-        return []
+def definitions(source: str, filename: str, tree: ast.Module | None = None) -> list[Definition]:
+    """The replayable statements of a cell, in order (none if it does not parse). ``tree``: the cell parsed
+    already (a cell is parsed once on its way to the ranks)."""
+    if tree is None:
+        try:
+            tree = ast.parse(source, filename)
+        except SyntaxError:
+            return []
+    lines = source.splitlines(True)
     found = []
     for index, node in enumerate(tree.body):
         if not isinstance(node, REPLAYED):
@@ -50,7 +53,9 @@ def definitions(source: str, filename: str) -> list[Definition]:
             names = tuple((a.asname or a.name).split(".")[0] for a in node.names)
         else:
             names = (node.name,)
-        found.append(Definition(names, filename, index, source, ast.unparse(node)))
+        first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", ()))])
+        text = "".join(lines[first - 1 : node.end_lineno or node.lineno])  # its lines, to know it repeated
+        found.append(Definition(names, filename, index, source, text))
     return found
 
 

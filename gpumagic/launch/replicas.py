@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 COUNTERS = (int,)  # the plain numbers compared: step and epoch counters (a float like a running loss is per rank)
-REPLICATED_KINDS = ("ddp", "optimizer", "scheduler")
 
 
 # --- the ranks' side ----------------------------------------------------------------------------------------

@@ -99,20 +99,35 @@ class FunctionPayload:
         return self.fn(*self.args, **self.kwargs)
 
 
-def ship_cell(source: str, namespace: Mapping[str, Any], filename: str, hidden: Collection[str] = ()) -> CellPayload:
+def parse_cell(source: str, filename: str) -> ast.Module:
+    """The cell's syntax tree.
+
+    Raises:
+        ShippingError: the cell is not valid Python.
+    """
+    try:
+        return ast.parse(source, filename)
+    except SyntaxError as err:
+        raise ShippingError(f"the cell is not valid Python: {err.msg} (line {err.lineno})") from None
+
+
+def ship_cell(
+    source: str,
+    namespace: Mapping[str, Any],
+    filename: str,
+    hidden: Collection[str] = (),
+    tree: ast.Module | None = None,
+) -> CellPayload:
     """The payload for running ``source`` (plain Python) with the names it uses from ``namespace``.
 
-    ``hidden`` names (IPython's ``In``, ``Out``, ``_``, ``get_ipython``, ...) are never shipped.
+    ``hidden`` names (IPython's ``In``, ``Out``, ``_``, ``get_ipython``, ...) are never shipped. ``tree``: the
+    cell parsed already (``parse_cell``), by a caller that reads it too.
 
     Raises:
         ShippingError: the cell is not valid Python, or uses IPython magics. (``pack`` tells which name
             cannot be pickled.)
     """
-    try:
-        tree = ast.parse(source, filename)
-    except SyntaxError as err:
-        raise ShippingError(f"the cell is not valid Python: {err.msg} (line {err.lineno})") from None
-    used = _needed_names(tree)
+    used = _needed_names(tree if tree is not None else parse_cell(source, filename))
     if "get_ipython" in used:
         raise ShippingError("magics and !shell commands do not run in launched cells; use plain Python there")
     payload = CellPayload(source, filename)

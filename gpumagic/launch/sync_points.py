@@ -31,9 +31,8 @@ class SyncPoints:
 
     def __init__(self) -> None:
         self._lock = threading.Condition()
-        self.count = 0  # sync points entered since the process group formed
         self._cell: int | None = None  # the request number of the cell running, None between cells
-        self._cell_start = 0  # the count when the cell started
+        self._made = 0  # sync points entered in this cell
         self._last = 0.0  # monotonic time of the last sync point
         self._gap: float | None = None  # the usual time between sync points in this cell, seconds
         self._pausing = False
@@ -42,7 +41,7 @@ class SyncPoints:
 
     def start_cell(self, ident: int) -> None:
         with self._lock:
-            self._cell, self._cell_start, self._gap = ident, self.count, None
+            self._cell, self._made, self._gap = ident, 0, None
             self._pausing, self._stop_at, self.stopped_at = False, None, None
 
     def end_cell(self) -> None:
@@ -50,27 +49,21 @@ class SyncPoints:
             self._cell, self._pausing, self._stop_at = None, False, None
             self._lock.notify_all()
 
-    def reset(self) -> None:
-        """A fresh process group: its sync points are counted from 0 on every rank."""
-        with self._lock:
-            self.count = self._cell_start = 0
-
     def enter(self) -> None:
         """At a sync point: wait while paused, raise KeyboardInterrupt at the stop, else count it."""
         with self._lock:
             while self._pausing and self._stop_at is None:
                 self._lock.wait()  # the kernel's SIGINT still raises here
-            made = self.count - self._cell_start
-            if self._stop_at is not None and made + 1 >= self._stop_at:
-                self.stopped_at = made
+            if self._stop_at is not None and self._made + 1 >= self._stop_at:
+                self.stopped_at = self._made
                 self._stop_at, self._pausing = None, False  # the user's handler may make collectives
                 raise KeyboardInterrupt
             now = time.monotonic()
-            if self.count > self._cell_start:
+            if self._made:
                 gap = now - self._last
                 self._gap = gap if self._gap is None else max(gap, 0.7 * self._gap + 0.3 * gap)
             self._last = now
-            self.count += 1
+            self._made += 1
 
     def pause(self, cell: int) -> dict[str, Any] | None:
         """Hold the rank at its next sync point; where it is (``None``: it runs no such cell any more): sync
@@ -79,7 +72,7 @@ class SyncPoints:
             if cell != self._cell:
                 return None
             self._pausing = True
-            return {"made": self.count - self._cell_start, "gap": self._gap, "since": time.monotonic() - self._last}
+            return {"made": self._made, "gap": self._gap, "since": time.monotonic() - self._last}
 
     def stop_at(self, cell: int, point: int) -> None:
         """Raise KeyboardInterrupt on reaching the cell's sync point ``point`` (1: its first)."""

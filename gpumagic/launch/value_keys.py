@@ -22,6 +22,15 @@ _SKIPPED_CLASS_ATTRIBUTES = frozenset({"__dict__", "__weakref__", "__module__", 
 _GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"})
 
 
+def has_cheap_key(value: Any) -> bool:
+    """Whether ``change_key`` tells ``value``'s changes without pickling all of it (a notebook function or class,
+    a tensor, a number or string, a tuple of such); for anything else its pickle is the only test."""
+    torch = sys.modules.get("torch")
+    return isinstance(value, (types.FunctionType, type, tuple, frozenset, *IMMUTABLE)) or (
+        torch is not None and isinstance(value, torch.Tensor)
+    )
+
+
 def change_key(value: Any, other: Callable[[Any], Hashable]) -> tuple[Hashable, list[Any]]:
     """The key of ``value`` (``other(v)`` keys the values without a cheap key of their own: a pickle digest),
     and the objects the key names by identity: keep them with the key, so that no new object takes the

@@ -339,3 +339,19 @@ def start_kernel(isolated_leases):
             kernel.shutdown()
         except Exception:  # noqa: BLE001 - a kernel a test killed on purpose cannot shut down cleanly
             pass
+
+
+@pytest.fixture
+def jupyterlab(tmp_path):
+    """Start JupyterLab serving a notebook of the given cells: ``url = jupyterlab(cells, theme=..., **env)``."""
+    from tests.browser import jupyterlab_servers
+
+    yield from jupyterlab_servers(tmp_path)
+
+
+@pytest.fixture
+def artifacts():
+    """Where screenshots go (kept by CI)."""
+    from tests.browser import artifacts_folder
+
+    return artifacts_folder()

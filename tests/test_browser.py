@@ -4,85 +4,22 @@ back in time; a reloaded page draws the running dashboard and new ones; the dark
 boxes; %jobs watch streams and its Kill button works. Screenshots go to artifacts/."""
 
 import itertools
-import os
-import secrets
-import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 
-import nbformat
 import pytest
-from conftest import ROOT
-from nbformat.v4 import new_code_cell, new_notebook
+
+from tests.browser import (
+    PLOT_TITLES,
+    PLOTTED,
+    WHERE_BACKWARDS,
+    bokeh_trouble,
+    near_white,
+    open_and_run,
+    points_grow,
+    save_and_reload,
+)
 
 pytestmark = pytest.mark.kernel
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-LOGGED_POINTS = """() => {
-    const bokeh = window.Bokeh;
-    if (!bokeh || !bokeh.documents) return -1;
-    let points = 0;
-    for (const doc of bokeh.documents)
-        for (const model of doc.all_models)
-            if (model.data && model.data.value) points += model.data.value.length;
-    return points;
-}"""
-
-
-PLOTTED = """() => {
-    const seen = {documents: 0, series: 0, points: 0, backwards: 0};
-    if (!window.Bokeh || !window.Bokeh.documents) return seen;
-    seen.documents = window.Bokeh.documents.length;
-    for (const doc of window.Bokeh.documents)
-        for (const model of doc.all_models) {
-            if (model.type !== "GlyphRenderer") continue;
-            const x = model.glyph.x, data = model.data_source && model.data_source.data;
-            if (!data || !x || typeof x !== "object" || !("field" in x)) continue;
-            const xs = data instanceof Map ? data.get(x.field) : data[x.field];
-            if (!xs) continue;
-            seen.series += 1;
-            seen.points += xs.length;
-            for (let i = 1; i < xs.length; i++) if (xs[i] < xs[i - 1]) seen.backwards += 1;
-        }
-    return seen;
-}"""
-WHERE_BACKWARDS = """() => {
-    const found = [];
-    window.Bokeh.documents.forEach((doc, number) => {
-        for (const model of doc.all_models) {
-            if (model.type !== "GlyphRenderer" || !model.data_source) continue;
-            const x = model.glyph.x, data = model.data_source.data;
-            const xs = data instanceof Map ? data.get(x.field) : data[x.field];
-            if (!xs) continue;
-            for (let i = 1; i < xs.length; i++)
-                if (xs[i] < xs[i - 1])
-                    found.push({document: number, x: x.field, y: model.glyph.y.field, at: i, of: xs.length,
-                                around: Array.from(xs.slice(Math.max(0, i - 3), i + 3))});
-        }
-    });
-    return found.slice(0, 8);
-}"""
-BOKEH_TROUBLE = ("inconsistent lengths", "Failed to create view", "Bokeh", "bokeh", "Cannot read properties")
-
-
-PLOT_TITLES = """() => {
-    const titles = [];
-    for (const doc of window.Bokeh.documents)
-        for (const model of doc.all_models)
-            if (model.type === "Title") titles.push(model.text);
-    return titles;
-}"""
-
 
 LAUNCH_CELLS = [
     "%load_ext gpumagic",
@@ -96,117 +33,6 @@ JOB_CELLS = [
     "jobs = [gpumagic.submit(train, k, gpus=0, name=f'variant{k}') for k in range(2)]",
     "%jobs watch --interval 0.5",
 ]
-
-
-@pytest.fixture
-def jupyterlab(tmp_path):
-    """Start JupyterLab on 127.0.0.1 serving a notebook of the given cells; returns its URL."""
-    servers = []
-
-    def start(cells: list[str], theme: str | None = None, **env_extra: str) -> str:
-        notebook = new_notebook(
-            cells=[new_code_cell(cell) for cell in cells],
-            metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
-        )
-        nbformat.write(notebook, tmp_path / "live.ipynb")
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        token = secrets.token_hex(16)
-        env = dict(
-            os.environ,
-            JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
-            JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
-            **env_extra,
-        )
-        settings = tmp_path / "config/lab/user-settings/@jupyterlab/apputils-extension"
-        settings.mkdir(parents=True, exist_ok=True)
-        (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
-        if theme is not None:
-            (settings / "themes.jupyterlab-settings").write_text(f'{{"theme": "{theme}"}}')
-        log = open(tmp_path / "server.log", "w")
-        server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "jupyterlab",
-                "--no-browser",
-                "--allow-root",
-                "--ip",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                f"--IdentityProvider.token={token}",
-                f"--ServerApp.root_dir={tmp_path}",
-                "--LabApp.news_url=",
-                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-            ],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        servers.append((server, log))
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.3)
-        return f"http://127.0.0.1:{port}/lab/tree/live.ipynb?token={token}"
-
-    yield start
-    for server, log in servers:
-        server.terminate()
-        server.wait(15)
-        log.close()
-
-
-@pytest.fixture
-def artifacts():
-    """Where screenshots go (kept by CI)."""
-    folder = ROOT / "artifacts"
-    folder.mkdir(exist_ok=True)
-    return folder
-
-
-def save_and_reload(page) -> None:
-    """Save the notebook (outputs included), reload the page and wait for its kernel."""
-    page.keyboard.press("Control+s")
-    page.wait_for_timeout(1500)
-    page.reload()
-    page.wait_for_selector("text=Python 3 (ipykernel) | Idle", timeout=60_000)
-
-
-def open_and_run(playwright, url: str, cells: int, console: list[str] | None = None) -> tuple:
-    """Chromium on the notebook; run its first ``cells`` cells in order. Returns (browser, page). The page's
-    console messages and errors are appended to ``console``."""
-    browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
-    page = browser.new_page(viewport={"width": 1300, "height": 1000})
-    if console is not None:
-        page.on("console", lambda message: console.append(f"{message.type}: {message.text}"))
-        page.on("pageerror", lambda error: console.append(f"pageerror: {error}"))
-    page.goto(url)
-    page.wait_for_selector(".jp-Notebook .jp-Cell .jp-InputArea-editor", timeout=60_000)
-    page.wait_for_selector("text=Python 3 (ipykernel) | Idle", timeout=60_000)
-    page.click(".jp-Cell .jp-InputArea-editor")
-    for number in range(cells):
-        page.keyboard.press("Shift+Enter")
-        if number < cells - 1:
-            page.wait_for_selector(
-                f".jp-Cell >> nth={number} >> .jp-InputPrompt:has-text('[{number + 1}]')", timeout=60_000
-            )
-    return browser, page
-
-
-def points_grow(page, within_s: float = 60) -> list[int]:
-    """The number of points in the page's Bokeh documents, sampled until it grew twice (or ``within_s``)."""
-    seen: list[int] = []
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline and not (len(seen) >= 3 and seen[-1] > seen[-3] > 0):
-        seen.append(page.evaluate(LOGGED_POINTS))
-        time.sleep(0.7)
-    return seen
 
 
 def test_the_launch_dashboard_streams_in_a_real_browser(jupyterlab, artifacts):
@@ -266,16 +92,6 @@ def test_jobs_watch_streams_and_its_kill_button_works_in_a_real_browser(jupyterl
                     job.kill(grace_s=1)
 
 
-def bokeh_trouble(console: list[str]) -> list[str]:
-    """Errors of Bokeh or of its views, and Bokeh's warning about sources with columns of different lengths."""
-    return [
-        line
-        for line in console
-        if (line.startswith(("error:", "pageerror:")) and any(word in line for word in BOKEH_TROUBLE))
-        or "inconsistent lengths" in line
-    ]
-
-
 GPU_WATCH_CELLS = ["%load_ext gpumagic", "%gpu use 1,3\n%gpu watch --interval 0.5s"]
 
 
@@ -310,15 +126,6 @@ def test_gpu_watch_keeps_updating_for_a_minute_with_no_bokeh_error_and_reads_on_
             assert near_white(shot, page.locator(".jp-Cell >> nth=1 >> canvas").first.bounding_box()) < 0.2
         finally:
             browser.close()
-
-
-def near_white(screenshot, box) -> float:
-    """The share of a screenshot's pixels in ``box`` that are near white."""
-    from PIL import Image
-
-    area = (int(box["x"]), int(box["y"]), int(box["x"] + box["width"]), int(box["y"] + box["height"]))
-    histogram = Image.open(screenshot).convert("L").crop(area).histogram()
-    return sum(histogram[200:]) / max(1, sum(histogram))
 
 
 RELOAD_CELLS = [

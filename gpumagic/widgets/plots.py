@@ -17,7 +17,12 @@ import threading
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
-PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+# 20 colours told apart side by side (10 hues, then the same hues darker and turned a little), each at least 3:1
+# against white and against JupyterLab's dark backgrounds (#111111, #212121): WCAG's contrast for graphics
+PALETTE = (
+    "#468de5", "#d6673f", "#47a34e", "#be67b7", "#b58300", "#00a5b0", "#d66077", "#8c79e0", "#8a9600", "#00a87e",
+    "#5e6eba", "#a8601e", "#058a60", "#a65481", "#827600", "#0084a3", "#b0554b", "#885faa", "#588333", "#008a81",
+)  # fmt: skip
 MUTED = "#8a8a8a"  # text, axes and grid: readable on a white and on a near-black background
 TOOLS = "pan,wheel_zoom,box_zoom,reset,save"
 SMOOTHING = 0.6  # weight of the exponential moving average, TensorBoard's default

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from gpumagic.launch.seeding import SeedReport
     from gpumagic.telemetry.log import log
     from gpumagic.widgets.compare import Comparison
+    from gpumagic.widgets.job_watch import JobWatch
     from gpumagic.widgets.status_table import StatusTable
 
 __version__ = "0.1.0"
@@ -70,12 +71,14 @@ __all__ = [
     "release",
     "runs",
     "seed",
+    "select_jobs",
     "spawn",
     "status",
     "submit",
     "sweep",
     "use",
     "visible_gpus",
+    "watch_jobs",
     "why",
 ]
 
@@ -344,3 +347,24 @@ def list_jobs() -> list[Job]:
     from gpumagic.jobs.api import list_jobs as _list_jobs
 
     return _list_jobs()
+
+
+def select_jobs(names: Any = None, states: Any = None) -> list[Job]:
+    """Your jobs (oldest first) whose name matches ``names`` (a name or pattern, ``"A-*"``, or a list of them) and
+    whose status is one of ``states`` (``"running,queued"``); None: any. Raises InvalidArgument for an unknown
+    state, naming the valid ones."""
+    from gpumagic.jobs.api import select_jobs as _select_jobs
+
+    return _select_jobs(names, states)
+
+
+def watch_jobs(
+    names: Any = None, states: Any = None, *, metric: str = "loss", interval: float = 1.0, history: int = 5000
+) -> JobWatch:
+    """``%jobs watch``: a live table of the jobs ``names`` and ``states`` choose (as ``select_jobs``; jobs
+    submitted later that match join it) with Kill and Logs buttons and why each waits in one line, and every
+    job's curve of ``metric`` in one plot; refreshed every ``interval`` seconds. ``close()`` stops it and leaves
+    a static copy of its last state where it was shown. Raises InvalidArgument for an unknown state."""
+    from gpumagic.widgets.job_watch import JobWatch as _JobWatch
+
+    return _JobWatch(metric=metric, interval=interval, history=history, names=names, states=states)

@@ -295,8 +295,8 @@ class DdpMagics(Magics):
         from gpumagic.widgets.launch_dashboard import LaunchDashboard
 
         group = self._require()
-        if DdpMagics.dashboard is not None:
-            DdpMagics.dashboard.finish("finished")
+        if DdpMagics.dashboard is not None:  # it keeps its last picture; the group goes on in the new one
+            DdpMagics.dashboard.finish("superseded")
             DdpMagics.dashboard.join(5)
         dashboard = LaunchDashboard(title="%ddp group")
         dashboard.attach(group.run_dir, group.pids, rank_gpus=group.rank_gpus, use_gpus=group.use_cuda)

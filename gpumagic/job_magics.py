@@ -44,6 +44,9 @@ def _launch_bg_parser() -> _Parser:
     return parser
 
 
+WATCH_STATES = "queued, running, finished, failed, killed, cancelled, lost"  # jobs.api.STATES (not imported here)
+
+
 def _jobs_parsers() -> dict[str, _Parser]:
     listing = _Parser("%jobs list", "Every job: name, status (and why it waits), GPUs, elapsed, latest metrics.")
     logs = _Parser("%jobs logs", "A job's output (stdout and stderr); -f follows it until the job ends.")
@@ -60,8 +63,15 @@ def _jobs_parsers() -> dict[str, _Parser]:
     remove = _Parser("%jobs rm", "Delete ended jobs: their output, metrics and result.")
     remove.add_argument("names", nargs="+", metavar="name")
     watch = _Parser(
-        "%jobs watch", "A live table of jobs with Kill and Logs buttons, and every job's curve in one plot."
+        "%jobs watch",
+        "A live table of jobs with Kill and Logs buttons (why each waits, in one line), and every job's curve in\n"
+        "one plot, a colour per job. Closed (watch.close()) or re-run, it keeps its last picture.\n"
+        "Example: %jobs watch A-* --state running,queued --metric loss",
     )
+    watch.add_argument(
+        "names", nargs="*", metavar="name", help="jobs by name or pattern (A-* matches A-1, A-2); default all"
+    )
+    watch.add_argument("--state", metavar="S[,S]", help=f"only jobs in these states: {WATCH_STATES}")
     watch.add_argument("--metric", default="loss", help="the metric to compare (default loss)")
     watch.add_argument("--interval", default="1s", metavar="DURATION", help="refresh period (1s)")
     compare = _Parser(
@@ -111,7 +121,7 @@ _OVERVIEW = (
     "  %jobs wait NAME...         block until they end\n"
     "  %jobs result NAME          the result (x = %jobs result A1)\n"
     "  %jobs rm NAME...           delete ended jobs\n"
-    "  %jobs watch [--metric M]   live table with actions and every job's curve\n"
+    "  %jobs watch [NAME...]      live table with actions and every job's curve (A-*; --state, --metric)\n"
     "  %jobs compare [NAME...]    table and curves side by side (A-* for a sweep; --metric, --x, --sort-by)\n"
     "  %jobs help SUBCOMMAND      details"
 )
@@ -256,6 +266,7 @@ def _remove(args: argparse.Namespace) -> Any:
 
 
 def _watch(args: argparse.Namespace) -> Any:
+    import gpumagic
     from gpumagic.units import parse_duration
 
     interval = parse_duration(args.interval)
@@ -264,12 +275,12 @@ def _watch(args: argparse.Namespace) -> Any:
     if not args.metric.strip():
         raise UsageError("%jobs watch: --metric needs a metric name")
     if not in_kernel():
-        return _list(args)
-    from gpumagic.widgets.job_watch import JobWatch
+        from gpumagic.widgets.job_table import JobTable
 
+        return JobTable(gpumagic.select_jobs(args.names or None, args.state))
+    watch = gpumagic.watch_jobs(args.names or None, args.state, metric=args.metric, interval=interval)
     while _WATCHES:
-        _WATCHES.pop().close()
-    watch = JobWatch(metric=args.metric, interval=interval)
+        _WATCHES.pop().close()  # replaced: it keeps its last picture, as a static copy
     _WATCHES.append(watch)
     return watch
 

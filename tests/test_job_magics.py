@@ -110,10 +110,121 @@ def test_a_zombie_runner_reads_as_dead_at_once(shell, zombie):
     assert jobs(shell, "rm undead") == "Removed undead"
 
 
+def forever():
+    import time
+
+    while True:
+        time.sleep(0.1)
+
+
+def wait_until(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_jobs_watch_chooses_jobs_by_name_pattern_and_state(shell, simulated):
+    """`%jobs watch 'A-*' --state running` (and gpumagic.watch_jobs, which it calls) shows only the running jobs
+    whose name matches; a job that leaves the state leaves the table and the plot; a colour per job."""
+    a1, b1 = (gpumagic.submit(forever, gpus=0, name=name) for name in ("A-1", "B-1"))
+    a2 = gpumagic.submit(sum, [1, 2], gpus=0, name="A-2")
+    assert a2.wait("30s") == "finished"
+    assert wait_until(lambda: a1.status == b1.status == "running")
+    table = jobs(shell, "watch 'A-*' --state running")  # no kernel: a table
+    assert [row.name for row in table.rows] == ["A-1"]
+    html = table._repr_html_()  # the status in the theme's text colour after a dot of its hue; one line a cell
+    assert "<span style='color:#2ea043'>●</span> running</b>" in html and "color:#1a7f37" not in html
+    assert html.count("white-space:nowrap") == len(table.rows[0].cells()) * 2  # headings and the row
+    assert [j.name for j in gpumagic.select_jobs("A-*", "running,queued")] == ["A-1"]
+    assert [j.name for j in gpumagic.select_jobs(["A-*", "B-1"])] == ["A-1", "B-1", "A-2"]  # submission order
+    watch = gpumagic.watch_jobs("A-*", "running", interval=0.2)
+    try:
+        assert [p.name for p in watch.shown] == [a1.path.name] and list(watch.rows) == [a1.path]
+        assert "1 background job</b> (A-* · running)" in watch.header.value
+        everyone = gpumagic.watch_jobs(interval=0.2)
+        assert len(set(everyone.colours.values())) == 3  # a colour per job (PALETTE: 20 before any repeats)
+        assert [everyone.rows[p]["box"].children[0].layout.border_left for p in everyone.rows] == [
+            f"4px solid {c}" for c in everyone.colours.values()
+        ]  # the job's colour in the plot, beside its name in the table
+        everyone.close()
+        a1.kill(grace_s=1)
+        watch.update()
+        assert watch.shown == [] and watch.rows[a1.path]["box"].layout.display == "none"
+        assert not any(r.visible for r in watch.rows[a1.path]["renderers"])  # its curve hidden with its row
+        assert "no job matches A-* · running yet" in watch.header.value
+    finally:
+        watch.close()
+
+
+def test_the_watch_says_why_a_job_waits_in_one_line_with_its_place_in_the_queue(shell, simulated):
+    gpumagic.use("GPU:*")  # every GPU held here: the jobs wait, in submission order
+    queued = [gpumagic.submit(sum, [1], gpus=2, name=f"Q{n}") for n in range(3)]
+    watch = gpumagic.watch_jobs("Q*", interval=0.2)
+    try:
+
+        def lines():
+            watch.update()
+            return [watch._texts[job.path][4] for job in queued]
+
+        assert wait_until(lambda: "GPU 0:" in queued[2].reason and lines()[2].endswith("(2 jobs ahead)")), lines()
+        assert lines() == [
+            "waiting for 2 GPUs (next in the queue)",
+            "waiting for 2 GPUs (1 job ahead)",
+            "waiting for 2 GPUs (2 jobs ahead)",
+        ]
+        why = watch._texts[queued[2].path][5]
+        assert why == queued[2].reason and "GPU 0:" in why and "GPU 3:" in why  # whole, under the mouse
+        cell = watch.rows[queued[2].path]["box"].children[4].value
+        assert "white-space:nowrap" in cell and "text-overflow:ellipsis" in cell and "\n" not in cell
+    finally:
+        watch.close()
+
+
+@pytest.mark.kernel
+def test_a_replaced_or_closed_jobs_watch_keeps_its_last_picture(start_kernel, simulated):
+    """In a kernel, a second %jobs watch turns the first into a static copy of its last state where it was
+    shown (the table, each job's status and one-line why, and the plot as HTML), its widgets closed; so does
+    close()."""
+    from tests.test_widgets import WIDGET, outputs
+
+    kernel = start_kernel(GPUMAGIC_SIMULATE=simulated)
+    kernel.ok("%load_ext gpumagic\nimport gpumagic\ngpumagic.submit(sum, [1], gpus=0, name='A-1').wait('30s')")
+    first = outputs(kernel, "%jobs watch 'A-*' --interval 0.2")
+    shown = first[-1][1]
+    assert WIDGET in first[-1][2]
+    second = outputs(kernel, "%jobs watch --state running --interval 0.2")
+    frozen = [data for kind, display_id, data in second if kind == "update_display_data" and display_id == shown]
+    assert len(frozen) == 1 and WIDGET not in frozen[0]
+    copy = frozen[0]["text/html"]
+    assert "gpumagic-job-watch" in copy and "<b>A-1</b>" in copy and "●</span> finished" in copy
+    assert "closed at" in copy and "Bokeh.embed.embed_items" in copy and "loss per job" in copy
+    assert (
+        "no job matches running yet"
+        in kernel.ok("from gpumagic.job_magics import _WATCHES\nw = _WATCHES[-1]\nprint(w.header.value)").stdout
+    )
+    closing = outputs(kernel, "w.close()\nprint(w.running, w.plots.comm, w.widget.comm)")
+    assert any(kind == "update_display_data" and "text/html" in data for kind, _, data in closing)
+    assert kernel.ok("print(w.running, w.plots.comm, w.widget.comm)").stdout.split() == ["False", "None", "None"]
+
+
+def test_one_line_why_is_one_short_line():
+    from gpumagic.jobs.queue import one_line_why
+
+    assert one_line_why("ZeroDivisionError: division by zero\n  more\n  lines") == "ZeroDivisionError: division by zero"
+    long = one_line_why("x" * 500)
+    assert len(long) == 80 and long.endswith("…")
+    assert one_line_why("") == ""
+
+
 def test_help_everywhere(shell):
     assert "%jobs logs NAME [-f]" in jobs(shell, "help") and "%jobs watch" in jobs(shell, "--help")
     assert "--min-free SIZE" in launch_bg(shell, "--help") and "--min-free SIZE" in jobs(shell, "help launch_bg")
     assert "-f, --follow" in jobs(shell, "logs --help") and "--metric" in jobs(shell, "help watch")
+    from gpumagic.job_magics import WATCH_STATES
+    from gpumagic.jobs.api import STATES
+
+    assert WATCH_STATES == ", ".join(STATES) and "--state S[,S]" in jobs(shell, "help watch")
     assert "%%launch_bg" in shell.find_cell_magic("launch_bg").__doc__
     assert "%jobs kill" in shell.find_line_magic("jobs").__doc__
 
@@ -126,6 +237,7 @@ def test_help_everywhere(shell):
         ("logs A --tail x", "--tail needs a number of lines"),
         ("wait A --timeout soon", "no job named 'A'"),
         ("watch --interval 0", "at least 100ms"),
+        ("watch A-* --state runing", "unknown job state 'runing'; use one of: queued, running, finished, failed"),
         ("help nothing", "no subcommand 'nothing'"),
         ("logs 'A", "No closing quotation"),
     ],

@@ -46,12 +46,15 @@ def test_the_dashboard_shows_each_ranks_metrics_and_resources(kernel):
     first = inspect(kernel, "[d.metric_sources[('loss', r)].data['value'][0] for r in (0, 1)]")
     assert first == "[1.0, 2.0]"
     rss = inspect(kernel, "min(min(d.resource_sources[r].data['memory']) for r in (0, 1)) > 10")
-    assert rss == "True"  # resident memory of each rank, MiB
+    assert rss == "True", inspect(kernel, "{r: dict(d.resource_sources[r].data) for r in (0, 1)}")
     assert inspect(kernel, "d.running, d.state, d.stop_button") == "False finished None"  # Stop: --no-wait
     # finished, it is a static copy of itself (kept on reload) and its widgets are closed
     assert inspect(kernel, "'loss' in d.snapshot and 'Bokeh' in d.snapshot, d.widget.comm is None") == "True True"
     status = inspect(kernel, "d.snapshot")
-    assert "0/2 ranks alive" in status and "step 149 (" in status and "steps/s)" in status
+    assert "0/2 ranks alive" in status and "step 149 ·" in status and "steps/s" in status
+    # the frame it showed in holds the copy too (a page reloaded later draws it), BokehJS's loader first
+    outputs = inspect(kernel, "[sorted(o['data']) for o in d._frame.frame.outputs], d._frame.frame.comm is not None")
+    assert outputs == "[['application/vnd.jupyter.widget-view+json', 'text/plain'], ['text/html']] True"
 
 
 @pytest.mark.kernel
@@ -170,3 +173,112 @@ def test_a_groups_dashboard_stays_the_same_size_over_hundreds_of_cells_and_is_qu
         dashboard.finish("finished")
         dashboard.join()
     assert not dashboard.running and "%ddp group" in dashboard.snapshot
+
+
+def test_a_new_metric_reaches_the_page_with_its_first_points():
+    """BokehJS draws nothing in a figure that came to the page empty (its ranges stay NaN): the document change
+    that adds a metric's figure, or a rank's curve, already holds the points."""
+    from gpumagic.widgets.launch_dashboard import LaunchDashboard
+    from gpumagic.widgets.plots import live_model
+
+    dashboard = LaunchDashboard()
+    dashboard.nprocs = 2
+    dashboard._build_figures()
+    dashboard.plots = live_model(dashboard.layout, dashboard._plots_lock)
+    seen = []
+
+    def on_change(event):  # when the figure or the line joins the document: how many points its source holds
+        for model in dashboard.layout.document.models:
+            if model.__class__.__name__ == "ColumnDataSource" and "value" in model.data:
+                seen.append(len(model.data["value"]))
+
+    dashboard.layout.document.on_change(on_change)
+    dashboard._add_metric("loss", 0, [0, 1, 2], [1.0, 0.5, 0.25])
+    dashboard._add_metric("loss", 1, [0, 1], [2.0, 1.5])
+    assert seen and 0 not in seen, f"sources on the page when it changed: {seen}"
+    assert list(dashboard.metric_sources[("loss", 1)].data["value"]) == [2.0, 1.5]
+
+
+def test_the_step_rate_is_of_the_latest_steps_and_the_eta_comes_from_total_steps():
+    """Steps/s over rank 0's points of the last 10 s (an idle hour before them does not count), none while idle;
+    with total_steps, the ETA."""
+    from gpumagic.widgets.launch_dashboard import LaunchDashboard
+
+    dashboard = LaunchDashboard()
+    dashboard.state, dashboard.nprocs = "running", 2
+    now = time.time()
+    dashboard._rank0_points.extend([(now - 3600, 0), (now - 3599, 10)])  # a cell an hour ago
+    assert dashboard.step_rate() is None  # idle since: no rate, and never "0.0 steps/s"
+    assert "steps/s" not in dashboard._status_text()
+    dashboard._rank0_points.extend((now - 4 + i * 0.1, 10 + i * 5) for i in range(40))  # 50 steps/s now
+    assert dashboard.step_rate() == pytest.approx(50, rel=0.01)
+    dashboard.total_steps = 1210.0
+    status = dashboard._status_text()
+    assert "step 205 of 1,210 · 50 steps/s · ETA 20s" in status, status
+
+
+def test_total_steps_is_recorded_once_and_not_drawn(tmp_path, monkeypatch):
+    from gpumagic.telemetry import log as log_module
+    from gpumagic.telemetry.store import RankReader
+    from gpumagic.widgets.launch_dashboard import LaunchDashboard
+
+    run_dir = store.new_run("total")
+    recorder = log_module.Recorder(run_dir, 0)
+    monkeypatch.setattr(log_module, "_recorder", recorder)
+    for step in range(5):
+        log_module.log(step=step, total_steps=100, loss=1.0 / (step + 1))
+    recorder.flush()
+    series = RankReader(run_dir / "metrics", 0).read()
+    assert list(series[log_module.TOTAL_STEPS].values) == [100.0]  # once, not at every step
+    dashboard = LaunchDashboard()
+    dashboard.nprocs = 1
+    dashboard._build_figures()
+    dashboard._readers = [RankReader(run_dir / "metrics", 0)]
+    dashboard._push_metrics()
+    assert dashboard.total_steps == 100 and set(dashboard.metric_figures) == {"loss"}
+    recorder.close()
+
+
+def test_smoothing_suits_the_density_and_the_slider_starts_there():
+    from gpumagic.widgets.plots import Smoothing, StepCurve, auto_smoothing
+
+    assert [auto_smoothing(n) for n in (10, 50, 100, 500, 100_000)] == [0.0, 0.0, 0.5, 0.9, 0.98]
+    smoothing = Smoothing()
+    sparse = StepCurve()
+    sparse.stream(list(range(20)), [float(v % 2) for v in range(20)])  # an eval metric: 20 points
+    smoothing.follow(sparse.source)
+    assert smoothing.slider.value == 0.0
+    assert list(sparse.source.data["smooth"]) == list(sparse.source.data["value"])  # raw: no lag
+    dense = StepCurve()
+    dense.stream(list(range(1000)), [float(v % 2) for v in range(1000)])
+    smoothing.follow(dense.source)
+    assert smoothing.slider.value == 0.95
+    assert 0.4 < dense.source.data["smooth"][-1] < 0.6  # the noise averaged out
+    assert smoothing._callback.args["sources"] == [sparse.source, dense.source]
+
+
+def test_elapsed_ticks_are_whole_round_times_and_step_ticks_are_short():
+    from gpumagic.widgets.plots import elapsed_ticker, styled_figure
+
+    ticker = elapsed_ticker(3)
+    assert ticker.min_interval == 1 and ticker.base == 60 and ticker.desired_num_ticks == 3
+    assert list(ticker.mantissas) == [1, 2, 5, 10, 15, 30]  # 1 s .. 30 s, 1 min .. 30 min, 1 h ..
+    steps = styled_figure("loss", 200, x_label="step")
+    assert steps.xaxis[0].formatter.format == "0.[0]a"  # 950, 12k, 1.5m
+
+
+def test_frozen_frames_keep_their_copy_and_only_the_latest_stay_alive():
+    import ipywidgets
+
+    from gpumagic.widgets import plots
+
+    frames = []
+    for number in range(plots.KEPT_FRAMES + 3):
+        frame = plots.LiveFrame(ipywidgets.HTML(f"live {number}"))
+        data = frame.frame.outputs[0]["data"]
+        assert "application/javascript" in data and "window.Bokeh" in data["application/javascript"]  # first
+        frame.freeze(f"<div>copy {number}</div>")
+        frames.append(frame)
+    assert frames[-1].frame.outputs[1]["data"]["text/html"] == f"<div>copy {plots.KEPT_FRAMES + 2}</div>"
+    alive = [frame.frame.comm is not None for frame in frames]
+    assert alive == [False] * 3 + [True] * plots.KEPT_FRAMES

@@ -134,31 +134,72 @@ def test_bad_options(simulated):
         GpuWatch(history=1)
 
 
+def outputs(kernel, code, timeout=60):
+    """Run ``code`` in ``kernel``: its display messages in order, as (type, display id, data)."""
+    seen = []
+
+    def hook(message):
+        if message["msg_type"] in ("display_data", "update_display_data", "execute_result"):
+            content = message["content"]
+            seen.append((message["msg_type"], content.get("transient", {}).get("display_id"), content["data"]))
+
+    reply = kernel.client.execute_interactive(code, timeout=timeout, output_hook=hook)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    return seen
+
+
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
 @pytest.mark.kernel
-def test_gpu_watch_in_a_kernel_shows_a_widget_and_replaces_the_previous_one(start_kernel):
+def test_gpu_watch_in_a_kernel_shows_a_widget_and_a_replaced_or_closed_one_keeps_its_last_picture(start_kernel):
+    """A second %gpu watch, or close(), turns the dashboard into a static copy of its last state where it was
+    shown: its last update is HTML with the status line, the bars and the plots (BokehJS's embed), its widgets
+    closed; its frame holds the same copy for a page reloaded later."""
     kernel = start_kernel(GPUMAGIC_SIMULATE="4xA100-80GB")
     kernel.ok("%load_ext gpumagic\nimport threading")
-    first = kernel.run("%gpu watch --interval 0.2 --history 50")
-    assert first.error is None
-    # BokehJS's loader (a hidden widget: any page showing the dashboard gets BokehJS, a reloaded one too), then
-    # the dashboard; BokehJS itself as plain output only the first time in a kernel (for static copies in a
-    # notebook reopened after its kernel ended)
-    assert first.mimetypes.count("application/vnd.jupyter.widget-view+json") == 2
-    assert first.mimetypes.count("application/javascript") == 1
+    first = outputs(kernel, "%gpu watch --interval 0.2 --history 50")
+    # BokehJS itself as plain output only the first time in a kernel (for static copies in a notebook reopened
+    # after its kernel ended), then the frame: an Output widget holding BokehJS, then the dashboard
+    assert [WIDGET in data for _, _, data in first] == [False, True]
+    assert "application/javascript" in first[0][2]
+    frame_id = first[1][1]
+    assert frame_id
     count = kernel.ok("print(threading.active_count())").stdout
-    second = kernel.ok("%gpu watch --interval 0.2")
-    assert second.mimetypes.count("application/vnd.jupyter.widget-view+json") == 2
-    assert "application/javascript" not in second.mimetypes
-    loader = kernel.ok(
-        "from gpumagic.widgets.plots import bokehjs_loader\nw = bokehjs_loader()\n"
-        "code = w.outputs[0]['data']['application/javascript']\n"
-        "print(w is bokehjs_loader(), w.layout.display, 'window.Bokeh' in code)"
-    )
-    assert loader.stdout.split() == ["True", "none", "True"]  # one per kernel, hidden, carrying BokehJS
+    inside = kernel.ok(
+        "from gpumagic.magics import _WATCHES\nf = _WATCHES[-1]._displays[0].frame\n"
+        "print([sorted(o['data']) for o in f.outputs])"
+    ).stdout.strip()
+    assert inside == f"[['application/javascript'], [{WIDGET!r}, 'text/plain']]"  # BokehJS before the plots
+    second = outputs(kernel, "%gpu watch --interval 0.2")
+    updates = {display_id: data for kind, display_id, data in second if kind == "update_display_data"}
+    frozen = updates[frame_id]["text/html"]
+    assert WIDGET not in updates[frame_id]  # a static copy: no widget left to draw
+    assert "closed at" in frozen and frozen.count("gpumagic-gpu-bar") == 4
+    assert "Bokeh.embed.embed_items" in frozen and "memory used, GiB" in frozen  # the plots, as HTML
+    kept = kernel.ok("print(f.comm is not None, f.outputs[1]['data']['text/html'] == " + repr(frozen) + ")")
+    assert kept.stdout.split() == ["True", "True"]  # for a page that reloads later
+    shown = [(display_id, data) for kind, display_id, data in second if kind == "display_data"]
+    assert [WIDGET in data for _, data in shown] == [True]  # the new frame
     assert kernel.ok("print(threading.active_count())").stdout == count  # the first dashboard's threads ended
+    closing = outputs(kernel, "from gpumagic.magics import _WATCHES\nw = _WATCHES[-1]\nw.close()")
+    last = [data for kind, display_id, data in closing if display_id == shown[0][0] and kind == "update_display_data"]
+    assert len(closing) == 1 and sorted(last[-1]) == ["text/html"]
+    assert "Bokeh.embed.embed_items" in last[-1]["text/html"] and "closed at" in last[-1]["text/html"]
+    closed = kernel.ok("print(w.running, w.plots.comm, w.widget.comm, w.pause_button.comm)").stdout.split()
+    assert closed == ["False", "None", "None", "None"]  # every widget closed
     error = kernel.run("%gpu watch --interval 0s").error
     assert error[0] == "UsageError" and "at least 50ms" in error[1]
-    kernel.ok("from gpumagic.magics import _close_previous_watch\n_close_previous_watch()")
+
+
+def test_a_closed_gpu_watch_that_was_never_shown_keeps_its_state_without_plots(simulated, watch_factory):
+    watch = watch_factory(interval=0.05, push_interval=0.05)
+    assert wait_for(lambda: watch.pushes >= 1)
+    watch.close()
+    assert "closed at" in watch.snapshot and watch.snapshot.count("gpumagic-gpu-bar") == 4
+    assert "<script" not in watch.snapshot  # shown nowhere: no plots to embed
+    assert watch.series(0, "used")  # what it drew stays readable
+    assert "var(--jp-content-font-color1)" in watch.snapshot and "#888" not in watch.snapshot
 
 
 def test_a_page_that_connects_later_gets_the_plots_as_they_are_now(simulated, watch_factory):
@@ -348,3 +389,33 @@ def test_a_flat_metric_is_not_magnified_and_the_axis_changes_rarely():
     for step in range(1000):  # a loss from 2 down to 0.002: a change per halving at most
         span.feed([2.0 / (step + 1)])
     assert 1 <= len(changes) <= 12
+
+
+def test_the_status_table_keeps_each_gpu_on_one_line_in_the_themes_colours(fake_nvml):
+    """Every cell left-aligned on one line (JupyterLab right-aligns and wraps table cells); the processes take
+    the width left and end in an ellipsis, in full under the mouse; text in the theme's colours, load as
+    coloured marks (GPU 1 at 97%: red); this kernel's row marked for light and dark themes."""
+    import re
+
+    gpumagic.use("0")
+    html = gpumagic.status()._repr_html_()
+    cells = re.findall(r"<t[dh] (?:colspan='\d+' )?style='([^']*)'", html)
+    assert len(cells) == 9 + 3 * 9 + 4  # the headings, 3 healthy GPUs, a lost one (index, cuda, name, problem)
+    assert all("text-align:left" in c and "white-space:nowrap" in c for c in cells)
+    assert all("color:var(--jp-content-font-color1)" in c for c in cells)
+    assert "table-layout:auto;width:100%" in html and "max-width:0;width:100%" in html  # processes fill the rest
+    assert not re.search(r"color:#[0-9a-f]{3,6}'>[^●]", html), "text in a fixed colour"
+    rows = html.split("<tr")
+    assert "<span style='color:#cf222e'>●</span> 97%" in rows[3]  # GPU 1
+    assert "<span style='color:#2ea043'>●</span> 3%" in rows[2]  # GPU 0
+    assert "box-shadow:inset 4px 0 #2ea043" in rows[2]  # this kernel's GPU 0
+
+
+def test_a_long_process_command_is_cut_in_the_cell_and_whole_under_the_mouse():
+    from gpumagic.devices.model import GpuProcess
+    from gpumagic.widgets.status_table import _process
+
+    command = "python train.py " + " ".join(f"--option-{n}=value" for n in range(10))
+    process = GpuProcess(pid=12, user="bob", command=command, gpu_memory=GIB, alive=True)
+    assert len(_process(process)) < 90 and _process(process).endswith("... (1.0 GiB)")
+    assert command in _process(process, cut=False)

@@ -4,11 +4,13 @@ kernel or any later one."""
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import os
 import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from gpumagic.units import format_duration, parse_duration
 
 MAX_RANKS = 256
 KILL_GRACE_S = 5.0
+STATES = (*records.ACTIVE, *records.ENDED)  # every status a job can have
 
 
 class JobFailed(GpumagicError):
@@ -367,6 +370,62 @@ def job(name: str) -> Job:
 def list_jobs() -> list[Job]:
     """Every job of this user, oldest first."""
     return [Job(path) for path in records.all_jobs()]
+
+
+@dataclass(frozen=True)
+class JobFilter:
+    """Which jobs a view shows: those whose name is one of ``names`` (each a name or a pattern: ``A-*``) and
+    whose status is one of ``states``; empty: any. ``JobFilter.of`` checks what a user typed."""
+
+    names: tuple[str, ...] = ()
+    states: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, names: str | Iterable[str] | None = None, states: str | Iterable[str] | None = None) -> JobFilter:
+        """``names``: a name or pattern, or several; ``states``: ``"running,queued"`` or a list of states.
+
+        Raises:
+            InvalidArgument: an unknown state (the message lists the valid ones), or an empty name.
+        """
+        wanted = [names] if isinstance(names, str) else list(names or ())
+        if any(not isinstance(n, str) or not n.strip() for n in wanted):
+            raise InvalidArgument(f"job names and patterns are non-empty text (A1, 'A-*'), got {wanted!r}")
+        listed = states.split(",") if isinstance(states, str) else list(states or ())
+        chosen = [str(s).strip().lower() for s in listed if str(s).strip()]
+        unknown = [s for s in chosen if s not in STATES]
+        if unknown:
+            raise InvalidArgument(f"unknown job state {', '.join(map(repr, unknown))}; use one of: {', '.join(STATES)}")
+        return cls(tuple(n.strip() for n in wanted), frozenset(chosen))
+
+    def matches(self, name: str, status: str | None = None) -> bool:
+        """Whether a job called ``name`` with ``status`` is shown (``status`` None: the name alone)."""
+        if self.names and not any(fnmatch.fnmatchcase(name, pattern) for pattern in self.names):
+            return False
+        return status is None or not self.states or status in self.states
+
+    def describe(self) -> str:
+        """``A-* · running, queued`` (empty: every job)."""
+        states = ", ".join(s for s in STATES if s in self.states)
+        return " · ".join(part for part in (" ".join(self.names), states) if part)
+
+
+def select_jobs(names: str | Iterable[str] | None = None, states: str | Iterable[str] | None = None) -> list[Job]:
+    """This user's jobs (oldest first) whose name matches one of ``names`` (a name or a pattern, ``"A-*"``) and
+    whose status is one of ``states`` (``"running,queued"``); None: any.
+
+    Raises:
+        InvalidArgument: an unknown state (the message lists the valid ones).
+    """
+    chosen = JobFilter.of(names, states)
+    selected = []
+    for path in records.all_jobs():
+        try:
+            info = records.read(path)
+            if chosen.matches(info.get("name", path.name), executors.status(info) if chosen.states else None):
+                selected.append(Job(path))
+        except (OSError, ValueError, KeyError):  # removed, or being written, meanwhile
+            continue
+    return selected
 
 
 def _create(

@@ -7,6 +7,7 @@ Placement itself (queue order, backfill and its bound, reservations, the reasons
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -15,7 +16,17 @@ from gpumagic.devices import placement
 from gpumagic.devices.model import GpuInfo, Inventory
 from gpumagic.devices.placement import Request, Ticket
 
-__all__ = ["Request", "Ticket", "place", "remove_tickets", "take", "wait_for_gpus", "waiting_tickets"]
+__all__ = [
+    "Request",
+    "Ticket",
+    "one_line_why",
+    "place",
+    "places",
+    "remove_tickets",
+    "take",
+    "wait_for_gpus",
+    "waiting_tickets",
+]
 PROVISIONAL_S = leasing.PROVISIONAL_S
 
 
@@ -29,6 +40,38 @@ def waiting_tickets() -> list[Ticket]:
     """Live tickets of every user, in queue order."""
     view = leasing.read_view(leasing.book(), PROVISIONAL_S)
     return placement.queue_order(Ticket.of(f) for f in view.tickets)
+
+
+def places() -> dict[str, tuple[int, int]]:
+    """This user's waiting jobs, by name: (tickets ahead of it in the queue, of them jobs), in serving order."""
+    result = {}
+    jobs_ahead = 0
+    for ahead, ticket in enumerate(waiting_tickets()):
+        if ticket.kind == "job" and ticket.uid == os.getuid():
+            result[ticket.name] = (ahead, jobs_ahead)
+        jobs_ahead += ticket.kind == "job"
+    return result
+
+
+def one_line_why(
+    why: str, request: Request | None = None, place: tuple[int, int] | None = None, width: int = 80
+) -> str:
+    """A job's why in one short line, for a table cell (the full text, ``why``, is for a tooltip or ``%jobs``).
+
+    A job waiting in the queue (``place``: from ``places``) reads ``waiting for 2 GPUs with 20 GiB reserved
+    (3 jobs ahead)``; anything else is the first line of ``why``, cut at ``width`` characters.
+
+    >>> one_line_why("waiting for 1 GPU — GPU 0: held by bob; GPU 1: ...", Request(1), (0, 0))
+    'waiting for 1 GPU (next in the queue)'
+    """
+    if place is not None and request is not None:
+        ahead, jobs = place
+        where = "next in the queue" if not ahead else f"{ahead} job{'s' if ahead != 1 else ''} ahead"
+        if ahead != jobs:
+            where = f"{ahead} ahead in the queue"  # kernels waiting in %gpu pick --wait among them
+        return f"waiting for {request.describe()} ({where})"
+    first = why.strip().splitlines()[0] if why.strip() else ""
+    return first if len(first) <= width else first[: width - 1].rstrip() + "…"
 
 
 def place(mine: Ticket, inventory: Inventory, book: leasing.LeaseBook) -> tuple[list[GpuInfo], str]:

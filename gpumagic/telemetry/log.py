@@ -39,6 +39,7 @@ class Recorder:
         self.points = array("d")
         self.ids: dict[str, int] = {}
         self.calls = 0
+        self.total_steps: int | None = None  # the last total_steps given to log
         self.dropped = 0  # points not written
         self._unwritten: list[str] = []  # names given ids, not yet on disk
         self._write_lock = threading.Lock()
@@ -136,8 +137,12 @@ def _current() -> Recorder:
         return _recorder
 
 
-def log(step: int | None = None, **metrics: float) -> None:
+TOTAL_STEPS = "total_steps"  # the metric name of log's total_steps: the dashboards' ETA, not a curve
+
+
+def log(step: int | None = None, *, total_steps: int | None = None, **metrics: float) -> None:
     """Record ``metrics`` (name=number) at ``step`` (default: a count of this process's ``log`` calls).
+    ``total_steps``: the step the run ends at, for the dashboards' ETA (recorded when it changes).
 
     Takes about a microsecond and never blocks on the disk. Values may be Python numbers or one-element
     tensors (``loss`` or ``loss.item()``). On a full disk the points are dropped, with one warning, until
@@ -153,6 +158,9 @@ def log(step: int | None = None, **metrics: float) -> None:
     if step is None:
         step = recorder.calls
     recorder.calls += 1
+    if total_steps is not None and total_steps != recorder.total_steps:
+        recorder.total_steps = total_steps
+        metrics = {**metrics, TOTAL_STEPS: total_steps}
     ids = recorder.ids
     for name, value in metrics.items():
         name_id = ids.get(name)

@@ -6,6 +6,9 @@ page that connects later takes to read the plots whole (the document is not thre
 thread are, in ipykernel 7.1+). Samples are buffered and each source gets
 one ``stream(batch, rollover=history)`` per push for all GPUs, whatever the sampling rate, so the browser receives a
 bounded number of messages and the memory used stays bounded however long it runs.
+
+Closed (``close()``, or a new ``%gpu watch`` replacing it), the dashboard turns into a static copy of its last
+state where it was shown (the status line, the bars and the plots as HTML), and its widgets are closed.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ from gpumagic.widgets.plots import (
     FIRST_REFRESH_S,
     PALETTE,
     Forward,
+    LiveFrame,
     close_tree,
     curve,
-    display_live,
+    embedded,
     forward_only,
+    freeze_frames,
     hover,
     live_model,
     load_colour,
@@ -34,12 +39,16 @@ from gpumagic.widgets.plots import (
 )
 
 GIB = float(1 << 30)
+# text in JupyterLab's own colours: at least 4.5:1 on its light and dark themes alike
+TEXT = "color:var(--jp-content-font-color1)"
+ERROR = "color:var(--jp-error-color1)"
 COLUMNS = ("time", "elapsed", "used", "mine", "others", "total", "utilization", "temperature")
 
 
 class GpuWatch:
     """A live GPU dashboard: a bar per GPU (memory and utilization now), then their history. ``widget`` is
-    what a notebook displays; ``stop()`` ends its threads and keeps what it drew; ``close()`` also closes it."""
+    what a notebook displays; ``stop()`` ends its threads and keeps what it drew; ``close()`` also closes the
+    widgets, leaving a static copy of the last state (``snapshot``) where it was shown."""
 
     def __init__(
         self,
@@ -75,6 +84,8 @@ class GpuWatch:
         self.refreshes = 0
         self.samples = 0
         self.problem = ""  # the last push's failure, shown in the header
+        self.snapshot = ""  # the static copy it turns into when closed (HTML)
+        self._displays: list[LiveFrame] = []  # the frames it is shown in
         title = "GPUs" + (" (SIMULATED)" if self.simulated else "")
         memory = styled_figure(
             f"{title}: memory used, GiB (solid: all users, dashed: this kernel, dotted: total)",
@@ -124,15 +135,17 @@ class GpuWatch:
         controls = ipywidgets.HBox([self.pause_button, self.stop_button, self.header])
         return _owned_box_class()([controls, self.bars, self.plots], owner=self)
 
-    def _header_text(self) -> str:
-        if self._stop.is_set():
+    def _header_text(self, closed: bool = False) -> str:
+        if closed:
+            state = f"closed at {time.strftime('%H:%M:%S')} · {self.samples} samples (a static copy)"
+        elif self._stop.is_set():
             state = f"stopped at {time.strftime('%H:%M:%S')} · {self.samples} samples"
         elif self._paused.is_set():
             state = "paused"
         else:
             state = f"live · a sample every {self.interval:g}s, the last {self.history} kept"
         label = " · SIMULATED" if self.simulated else ""
-        problem = f" · <span style='color:#cf222e'>last push failed: {html.escape(self.problem)}</span>"
+        problem = f" · <span style='{ERROR}'>last push failed: {html.escape(self.problem)}</span>"
         return f"<b>{len(self.indices)} GPUs{label}</b> · {state}" + (problem if self.problem else "")
 
     def _bars_html(self) -> str:
@@ -150,7 +163,7 @@ class GpuWatch:
                 f"{_bar(sample.utilization, 'utilization')}<span style='width:3.5em'>{sample.utilization:.0f}%</span>"
                 f"<span style='width:4em'>{sample.temperature:.0f} °C</span>{tag}</div>"
             )
-        return "<div style='font-size:12px'>" + "".join(rows) + "</div>"
+        return f"<div style='font-size:12px;{TEXT}'>" + "".join(rows) + "</div>"
 
     def pause(self, paused: bool = True) -> None:
         """Stop (or resume) sampling; what was drawn stays."""
@@ -170,22 +183,31 @@ class GpuWatch:
         self.pause_button.disabled = self.stop_button.disabled = True
 
     def close(self) -> None:
-        """Stop, and close the widgets. Safe to call twice."""
+        """Stop, and close the widgets: where the dashboard was shown, a static copy of its last state (status
+        line, bars, plots) takes their place. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
         self.stop()
+        figures = embedded(self.layout, self._plots_lock) if self._displays else ""  # shown: the copy's plots
+        self.snapshot = (
+            f"<div class='gpumagic-gpu-watch' style='{TEXT}'><div style='margin:4px 0'>"
+            f"{self._header_text(closed=True)}</div>{self._bars_html()}</div>{figures}"
+        )
         # DOMWidget.close, not BokehModel.close: jupyter_bokeh's close unhooks the document and raises when
         # ipywidgets' __del__ calls it a second time; leaving that to __del__ makes it happen exactly once.
         self._close_widget(self.plots)
         close_tree(self.widget)  # the buttons, header and bars, with their layouts and styles
+        freeze_frames(self._displays, self.layout, self.snapshot)
 
     @property
     def running(self) -> bool:
         return self._sampler_thread.is_alive() or self._pusher_thread.is_alive()
 
     def _ipython_display_(self) -> None:
-        display_live(self.widget)
+        frame = LiveFrame(self.widget, text="%gpu watch")
+        frame.show()
+        self._displays.append(frame)
 
     def _record(self, samples: list[GpuSample]) -> None:
         by_index = {s.nvml_index: s for s in samples}

@@ -18,6 +18,20 @@ STATUS_COLOURS = {
     "cancelled": "#9a6700",
     "lost": "#cf222e",
 }
+# The status's hue on a dot beside its word, which keeps the theme's text colour (4.5:1 on light and dark
+# alike): each hue is at least 3:1 against white and against JupyterLab's dark backgrounds (#111, #212121).
+STATUS_HUES = {
+    "running": "#2ea043",
+    "queued": "#b58300",
+    "finished": "#8a8a8a",
+    "failed": "#cf222e",
+    "killed": "#cf222e",
+    "cancelled": "#b58300",
+    "lost": "#cf222e",
+}
+TEXT = "color:var(--jp-content-font-color1)"
+# inline: JupyterLab right-aligns and wraps table cells; a row's cells but its why stay on one line
+CELL = f"padding:2px 8px;text-align:left;vertical-align:top;white-space:nowrap;{TEXT}"
 
 
 @dataclass(frozen=True)
@@ -28,18 +42,24 @@ class JobRow:
     elapsed: str
     why: str
     latest: str
+    line: str = ""  # the why in one short line, for a table cell (``why`` in full: its tooltip)
 
     def cells(self) -> tuple[str, ...]:
         return (self.name, self.status, self.gpus, self.elapsed, self.latest, self.why)
 
 
 def job_row(
-    job: Any, info: dict[str, Any] | None = None, latest: dict[str, tuple[float, float]] | None = None
+    job: Any,
+    info: dict[str, Any] | None = None,
+    latest: dict[str, tuple[float, float]] | None = None,
+    place: tuple[int, int] | None = None,
 ) -> JobRow:
-    """A job's row, read once from its directory (``info`` and rank 0's ``latest`` metrics if known)."""
+    """A job's row, read once from its directory (``info`` and rank 0's ``latest`` metrics if known; ``place``:
+    where it waits in the machine's queue, ``jobs.queue.places``)."""
     from gpumagic.jobs import records
     from gpumagic.jobs.api import _format_metrics
     from gpumagic.jobs.executors import executor_of
+    from gpumagic.jobs.queue import one_line_why
 
     info = info if info is not None else job.info
     runs_on = executor_of(info)
@@ -49,7 +69,23 @@ def job_row(
     shown = ""
     if status not in ("queued", "cancelled"):
         shown = _format_metrics(latest if latest is not None else job.last_metrics())
-    return JobRow(info["name"], status, gpus, format_duration(records.elapsed(info)), why, shown)
+    line = one_line_why(why, _request(info) if status == "queued" else None, place)
+    return JobRow(info["name"], status, gpus, format_duration(records.elapsed(info)), why, shown, line)
+
+
+def _request(info: dict[str, Any]) -> Any:
+    from gpumagic.devices.placement import Request
+
+    try:
+        return Request.from_json(info["request"]) if info.get("request") else None
+    except (KeyError, TypeError, ValueError):  # an older or foreign record: the why's first line instead
+        return None
+
+
+def status_html(status: str) -> str:
+    """The status word in bold, in the theme's text colour, after a dot of its hue."""
+    hue = STATUS_HUES.get(status, "#8a8a8a")
+    return f"<b style='{TEXT}'><span style='color:{hue}'>●</span> {html.escape(status)}</b>"
 
 
 class JobTable:
@@ -74,11 +110,12 @@ class JobTable:
     def _repr_html_(self) -> str:
         if not self.rows:
             return f"<p>{html.escape(repr(self))}</p>"
-        head = "".join(f"<th style='text-align:left'>{c}</th>" for c in COLUMNS)
+        head = "".join(f"<th style='{CELL}'>{c}</th>" for c in COLUMNS)
         body = []
         for row in self.rows:
             cells = [html.escape(c) for c in row.cells()]
-            colour = STATUS_COLOURS.get(row.status, "inherit")
-            cells[1] = f"<b style='color:{colour}'>{cells[1]}</b>"
-            body.append("<tr>" + "".join(f"<td style='text-align:left'>{c}</td>" for c in cells) + "</tr>")
-        return f"<table class='gpumagic-jobs'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+            cells[1] = status_html(row.status)
+            cells[-1] = f"<div style='white-space:normal;min-width:24em'>{cells[-1]}</div>"  # why: in full
+            body.append("<tr>" + "".join(f"<td style='{CELL}'>{c}</td>" for c in cells) + "</tr>")
+        table = "<table class='gpumagic-jobs' style='border-collapse:collapse;table-layout:auto;margin:0'>"
+        return f"{table}<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"

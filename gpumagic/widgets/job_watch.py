@@ -1,11 +1,13 @@
 """``%jobs watch``: a live table of background jobs with Kill and Logs buttons, and every job's curve of one
-metric in one plot, to compare variants as they train.
+metric in one plot, to compare variants as they train; a name pattern and states choose the jobs. Each job keeps
+one colour (``PALETTE``: 20) in the table and the plot; its why is one line, in full under the mouse.
 
 One thread reads the job directories (``run.json`` and rank 0's metric file, tailed) every ``interval`` and
 is the only writer of the widgets and the bokeh document (under the plots' lock, which a page that connects later
 takes to read the plots whole); each job's source gets at most one ``stream`` per refresh, of the points at a
 step after its last one, smoothed over the faint raw line. Buttons only set requests the thread carries out
-(a kill runs on its own thread: it may take seconds).
+(a kill runs on its own thread: it may take seconds). Closed, or replaced by a new ``%jobs watch``, it turns
+into a static copy of its last state (table and plot) where it was shown.
 """
 
 from __future__ import annotations
@@ -13,17 +15,23 @@ from __future__ import annotations
 import html
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from gpumagic.telemetry.run_files import RunFiles
-from gpumagic.widgets.gpu_watch import _owned_box_class
+from gpumagic.widgets.gpu_watch import ERROR, TEXT, _owned_box_class
+from gpumagic.widgets.job_table import status_html
 from gpumagic.widgets.plots import (
     FIRST_REFRESH_S,
     PALETTE,
+    LiveFrame,
+    Smoothing,
     StepCurve,
+    close_tree,
     curve,
-    display_live,
+    embedded,
+    freeze_frames,
     hover,
     live_model,
     styled_figure,
@@ -31,17 +39,37 @@ from gpumagic.widgets.plots import (
 )
 
 LOG_LINES = 30
+HEADINGS = ("name", "status", "GPUs", "elapsed", "latest / why")
+WIDTHS = ("180px", "100px", "60px", "80px", None)  # None: the rest of the row, whatever the output's width
+ONE_LINE = "white-space:nowrap;overflow:hidden;text-overflow:ellipsis"  # the full text under the mouse
+CELL = "padding:2px 8px;text-align:left;vertical-align:top;white-space:nowrap"
 
 
 class JobWatch:
-    """The live job dashboard. ``widget`` is what a notebook displays; ``close()`` stops its thread."""
+    """The live job dashboard. ``widget`` is what a notebook displays; ``close()`` stops its thread and leaves a
+    static copy of its last state where it was shown. ``names`` (names or patterns, ``"A-*"``) and ``states``
+    (``"running,queued"``) choose the jobs shown; a job that leaves those states leaves the table and the plot.
 
-    def __init__(self, metric: str = "loss", interval: float = 1.0, history: int = 5000) -> None:
+    Raises:
+        InvalidArgument: an unknown state (the message lists the valid ones).
+    """
+
+    def __init__(
+        self,
+        metric: str = "loss",
+        interval: float = 1.0,
+        history: int = 5000,
+        names: str | Iterable[str] | None = None,
+        states: str | Iterable[str] | None = None,
+    ) -> None:
         import ipywidgets
         from bokeh.layouts import column
 
+        from gpumagic.jobs.api import JobFilter
+
         if interval <= 0 or history < 2:
             raise ValueError("interval must be > 0 and history >= 2")
+        self.chosen = JobFilter.of(names, states)
         self.metric = metric
         self.interval = interval
         self.history = history
@@ -49,11 +77,14 @@ class JobWatch:
         self.pushes = 0
         self.sources: dict[Path, Any] = {}  # job directory -> its curve's source
         self.rows: dict[Path, dict[str, Any]] = {}
+        self.colours: dict[Path, str] = {}  # each job's colour, kept while the watch lives
+        self.shown: list[Path] = []  # the jobs in the table now, in submission order
+        self.snapshot = ""  # the static copy it turns into when closed (HTML)
         self._readers: dict[Path, Any] = {}
         self._curves: dict[Path, StepCurve] = {}
         self._plots_lock = threading.RLock()
         self._latest: dict[Path, dict[str, tuple[float, float]]] = {}  # rank 0's last point of each metric
-        self._texts: dict[Path, tuple[str, ...]] = {}
+        self._texts: dict[Path, tuple[str, ...]] = {}  # name, status, GPUs, elapsed, latest or why, full why
         self._log_job: Path | None = None
         self._metrics_seen: set[str] = {metric}
         self._menu_changing = False
@@ -61,13 +92,17 @@ class JobWatch:
         self._stop = threading.Event()
         self._closed = False
         self._close_widget = ipywidgets.DOMWidget.close
+        self._displays: list[LiveFrame] = []  # the frames it is shown in
+        self._queue: dict[str, tuple[int, int]] | None = None  # where this user's queued jobs wait
         self.plot = styled_figure(f"{metric} per job", 300, x_label="step")
-        hover(self.plot, "step")
-        self.layout = column(self.plot, sizing_mode="stretch_width")
+        self._hover = hover(self.plot, "step", points=True)
+        self._hover.renderers = []  # the smoothed lines, each added with its job
+        self.smoothing = Smoothing()
+        self.layout = column(self.smoothing.slider, self.plot, sizing_mode="stretch_width")
         self.header = ipywidgets.HTML()
         self.metric_menu = ipywidgets.Dropdown(options=[metric], value=metric, description="metric")
         self.metric_menu.observe(lambda change: self._switch(change["new"]), names="value")
-        self.table = ipywidgets.VBox([self._row_widgets(("name", "status", "GPUs", "elapsed", "latest / why"))])
+        self.table = ipywidgets.VBox([self._row_widgets(HEADINGS)])
         self.log_view = ipywidgets.HTML()
         self.message = ipywidgets.HTML()
         self._update_lock = threading.Lock()  # tailing readers must not be read by two threads at once
@@ -79,7 +114,9 @@ class JobWatch:
         self._thread.start()
 
     def _ipython_display_(self) -> None:
-        display_live(self.widget)
+        frame = LiveFrame(self.widget, text="%jobs watch")
+        frame.show()
+        self._displays.append(frame)
 
     @property
     def running(self) -> bool:
@@ -87,7 +124,8 @@ class JobWatch:
 
     def close(self) -> None:
         """Stop the thread, bring the table up to date one last time (no live Kill button is left on a job that
-        ended) and close the plot widget. Safe to call twice."""
+        ended) and close the widgets: where the watch was shown, a static copy of its last state (table and
+        plot) takes their place. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
@@ -100,8 +138,32 @@ class JobWatch:
             pass
         for row in self.rows.values():
             row["kill"].disabled = True
-        self.header.value = self._header_text(len(self.rows), stopped=True)
+        self.header.value = self._header_text(stopped=True)
+        figures = embedded(self.layout, self._plots_lock) if self._displays else ""  # shown: the copy's plot
+        self.snapshot = self._static_html() + figures
         self._close_widget(self.plots)
+        close_tree(self.widget)
+        freeze_frames(self._displays, self.layout, self.snapshot)
+
+    def _static_html(self) -> str:
+        """The header and the table as plain HTML, for the static copy."""
+        rows = []
+        for path in self.shown:
+            name, status, gpus, elapsed, line, why = self._texts[path]
+            cells = [
+                f"<td style='{CELL};border-left:4px solid {self.colours[path]}'><b>{html.escape(name)}</b></td>",
+                f"<td style='{CELL}'>{status_html(status)}</td>",
+                f"<td style='{CELL}'>{html.escape(gpus)}</td><td style='{CELL}'>{html.escape(elapsed)}</td>",
+                f"<td style='{CELL};max-width:40em;overflow:hidden;text-overflow:ellipsis' "
+                f"title='{html.escape(why)}'>{html.escape(line)}</td>",
+            ]
+            rows.append("<tr>" + "".join(cells) + "</tr>")
+        head = "".join(f"<th style='{CELL}'>{html.escape(h)}</th>" for h in HEADINGS)
+        return (
+            f"<div class='gpumagic-job-watch' style='{TEXT}'><div style='margin:4px 0'>{self.header.value}</div>"
+            f"<table style='border-collapse:collapse;font-size:12px'><thead><tr>{head}</tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table>{self.message.value}</div>"
+        )
 
     def _loop(self) -> None:
         shown = time.monotonic()
@@ -112,7 +174,7 @@ class JobWatch:
                     self.plots.catch_up()  # once: a view built after the first pushes missed them
                     self.refreshes += 1
             except Exception as err:  # noqa: BLE001 - a hiccup (a job removed meanwhile) skips one update
-                self.message.value = f"<span style='color:#b00'>{html.escape(f'{type(err).__name__}: {err}')}</span>"
+                self.message.value = f"<span style='{ERROR}'>{html.escape(f'{type(err).__name__}: {err}')}</span>"
 
     def update(self) -> None:
         """Read every job once and push what changed (the thread calls it; so may anyone, one at a time)."""
@@ -121,83 +183,139 @@ class JobWatch:
 
     def _update(self) -> None:
         from gpumagic.jobs import records
-        from gpumagic.jobs.api import Job
-        from gpumagic.widgets.job_table import job_row
 
         if self._switch_to is not None:
             self._reset_curves(self._switch_to)
             self._switch_to = None
         paths = records.all_jobs()
+        self._queue = None  # where queued jobs wait: read once per update, if any is
+        shown = []
         for path in paths:
-            if path not in self.rows:
-                self._add_job(path)
-            self._push_metrics(path)
             try:
-                row = job_row(Job(path), records.read(path), self._latest.get(path, {}))
-            except (OSError, ValueError, KeyError):
+                texts = self._texts_of(path, records.read(path))
+            except (OSError, ValueError, KeyError):  # removed meanwhile
                 continue
-            latest_or_why = row.latest if row.status in ("running", "finished") and row.latest else row.why
-            texts = (row.name, row.status, row.gpus, row.elapsed, latest_or_why)
+            if texts is None:
+                continue
             if texts != self._texts.get(path):
                 self._texts[path] = texts
                 self._set_row(path, texts)
+            shown.append(path)
         for gone in [p for p in self.rows if p not in paths]:
-            self._set_row(gone, (*self._texts.get(gone, ("?",))[:1], "removed", "", "", ""))
+            texts = (*self._texts.get(gone, ("?",))[:1], "removed", "", "", "", "")
+            self._texts[gone] = texts
+            self._set_row(gone, texts)
+            shown.append(gone)
+        self._show_only(shown)
         if self._log_job is not None and self._log_job.exists():
             self._show_log(self._log_job)
-        self.header.value = self._header_text(len(paths))
+        self.header.value = self._header_text()
 
-    def _add_job(self, path: Path) -> None:
+    def _texts_of(self, path: Path, info: dict[str, Any]) -> tuple[str, ...] | None:
+        """A job's cells (name, status, GPUs, elapsed, latest metrics or why in one line, the full why), its
+        metrics drawn first; None for a job the filter leaves out."""
+        from gpumagic.jobs import executors
+        from gpumagic.jobs.api import Job
+        from gpumagic.widgets.job_table import job_row
+
+        name = info.get("name", path.name)
+        status = executors.status(info)
+        if not self.chosen.matches(name, status):
+            return None
+        if path not in self.rows:
+            self._add_job(path, name)
+        self._push_metrics(path)
+        place = self._place(name) if status == "queued" else None
+        row = job_row(Job(path), info, self._latest.get(path, {}), place)
+        shown = row.latest if row.status in ("running", "finished") and row.latest else row.line
+        return (row.name, row.status, row.gpus, row.elapsed, shown, row.why)
+
+    def _place(self, name: str) -> tuple[int, int] | None:
+        """Where job ``name`` waits in the machine's queue: (tickets ahead, of them jobs); None: no ticket."""
+        from gpumagic.jobs.queue import places
+
+        if self._queue is None:
+            try:
+                self._queue = places()
+            except Exception:  # noqa: BLE001 - a busy or unreadable lease directory: the why's first line instead
+                self._queue = {}
+        return self._queue.get(name)
+
+    def _add_job(self, path: Path, name: str) -> None:
         import ipywidgets
 
-        from gpumagic.jobs import records
         from gpumagic.telemetry.store import RankReader
 
-        name = records.read(path).get("name", path.name)
+        colour = self.colours[path] = PALETTE[len(self.colours) % len(PALETTE)]  # repeats past 20 jobs only
         kill = ipywidgets.Button(description="Kill", icon="stop", layout=ipywidgets.Layout(width="80px"))
         logs = ipywidgets.Button(description="Logs", icon="file-text", layout=ipywidgets.Layout(width="80px"))
         kill.on_click(lambda _: self._kill(path))
         logs.on_click(lambda _: self._select_log(path))
-        cells = self._row_widgets((name, "", "", "", ""))
+        cells = self._row_widgets((name, "", "", "", ""), colour)
         cells.children = (*cells.children, kill, logs)
         self.rows[path] = {"box": cells, "kill": kill, "logs": logs}
         self.table.children = (*self.table.children, cells)
-        colour = PALETTE[(len(self.sources)) % len(PALETTE)]
         self._curves[path] = line = StepCurve()
         with self._plots_lock:
-            curve(self.plot, line.source, "step", "value", label=name, color=colour, smooth="smooth")
+            before = len(self.plot.renderers)
+            smooth = curve(self.plot, line.source, "step", "value", label=name, color=colour, smooth="smooth")
+            self._hover.renderers = [*self._hover.renderers, smooth]
+            self.smoothing.follow(line.source)
+            self.rows[path]["renderers"] = self.plot.renderers[before:]
             unsynced(self.plot)
         self.sources[path] = line.source
         self._readers[path] = RankReader(RunFiles(path).metrics, 0)
 
     @staticmethod
-    def _row_widgets(texts: tuple[str, ...]) -> Any:
+    def _row_widgets(texts: tuple[str, ...], colour: str | None = None) -> Any:
         import ipywidgets
 
-        widths = ("180px", "90px", "60px", "80px", "420px")
-        return ipywidgets.HBox(
-            [
-                ipywidgets.HTML(f"<b>{html.escape(t)}</b>" if i == 0 else html.escape(t), layout={"width": w})
-                for i, (t, w) in enumerate(zip(texts, widths, strict=True))
-            ]
-        )
+        cells = []
+        for position, (text, width) in enumerate(zip(texts, WIDTHS, strict=True)):
+            if width is None:  # shrinks (its text cut with an ellipsis) so that the row never wraps
+                layout = ipywidgets.Layout(flex="1 1 0", min_width="0", overflow="hidden")
+            else:
+                layout = ipywidgets.Layout(width=width, flex="0 0 auto", overflow="hidden")
+            if position == 0:  # the job's colour in the plot, beside its name (none on the headings)
+                layout.border_left = f"4px solid {colour or 'transparent'}"
+                layout.padding = "0 0 0 4px"
+            cells.append(ipywidgets.HTML(f"<b>{html.escape(text)}</b>" if position == 0 else html.escape(text)))
+            cells[-1].layout = layout
+        return ipywidgets.HBox(cells)
 
     def _set_row(self, path: Path, texts: tuple[str, ...]) -> None:
-        from gpumagic.widgets.job_table import STATUS_COLOURS
-
         row = self.rows.get(path)
         if row is None:
             return
-        cells = row["box"].children
-        for position, text in enumerate(texts):
-            value = html.escape(text)
-            if position == 0:
-                value = f"<b>{value}</b>"
-            elif position == 1:
-                value = f"<b style='color:{STATUS_COLOURS.get(text, 'inherit')}'>{value}</b>"
-            if cells[position].value != value:
-                cells[position].value = value
-        row["kill"].disabled = texts[1] not in ("queued", "running")
+        name, status, gpus, elapsed, line, why = texts
+        values = (
+            f"<b>{html.escape(name)}</b>",
+            status_html(status) if status else "",
+            html.escape(gpus),
+            html.escape(elapsed),
+            f"<div title='{html.escape(why)}' style='{ONE_LINE}'>{html.escape(line)}</div>",
+        )
+        for cell, value in zip(row["box"].children, values, strict=False):
+            if cell.value != value:
+                cell.value = value
+        row["kill"].disabled = status not in ("queued", "running")
+
+    def _show_only(self, shown: list[Path]) -> None:
+        """Hide the rows and curves of the jobs that left the filter's states; show those that came back."""
+        if shown == self.shown:
+            return
+        self.shown = shown
+        with self._plots_lock:
+            for path, row in self.rows.items():
+                visible = path in shown
+                row["box"].layout.display = None if visible else "none"
+                for renderer in row["renderers"]:
+                    if renderer.visible != visible:
+                        renderer.visible = visible
+                for legend in self.plot.legend:
+                    for item in legend.items:
+                        if any(r in row["renderers"] for r in item.renderers) and item.visible != visible:
+                            item.visible = visible
 
     def _push_metrics(self, path: Path) -> None:
         series = self._readers[path].read()
@@ -243,7 +361,7 @@ class JobWatch:
                 job.kill()
                 self.message.value = html.escape(f"{job.name}: {job.status} ({job.reason})")
             except Exception as err:  # noqa: BLE001 - shown in the widget
-                self.message.value = f"<span style='color:#b00'>{html.escape(str(err))}</span>"
+                self.message.value = f"<span style='{ERROR}'>{html.escape(str(err))}</span>"
 
         self.message.value = "stopping…"
         threading.Thread(target=run, name="gpumagic-job-kill", daemon=True).start()
@@ -267,6 +385,11 @@ class JobWatch:
         if self.log_view.value != value:
             self.log_view.value = value
 
-    def _header_text(self, count: int, stopped: bool = False) -> str:
-        state = "stopped" if stopped else f"live, every {self.interval:g}s"
-        return f"<b>{count} background job{'s' if count != 1 else ''}</b> · {state}"
+    def _header_text(self, stopped: bool = False) -> str:
+        count = len(self.shown)
+        state = f"closed at {time.strftime('%H:%M:%S')}" if stopped else f"live, every {self.interval:g}s"
+        chosen = self.chosen.describe()
+        if not count and chosen:
+            return f"<b>no job matches {html.escape(chosen)} yet</b> · {state}"
+        where = f" ({html.escape(chosen)})" if chosen else ""
+        return f"<b>{count} background job{'s' if count != 1 else ''}</b>{where} · {state}"

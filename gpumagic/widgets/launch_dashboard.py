@@ -27,16 +27,17 @@ from typing import Any
 
 from gpumagic.devices.processes import is_running
 from gpumagic.launch.output import in_kernel
+from gpumagic.telemetry.log import TOTAL_STEPS
 from gpumagic.widgets.plots import (
     FIRST_REFRESH_S,
     MUTED,
-    NO_WIDGET,
     PALETTE,
+    LiveFrame,
+    Smoothing,
     SteadySpan,
     StepCurve,
     close_tree,
     curve,
-    display_live,
     forward_only,
     hover,
     live_model,
@@ -50,10 +51,10 @@ from gpumagic.widgets.plots import (
 MIB = float(1 << 20)
 RESOURCE_WIDTH, RESOURCE_HEIGHT = 300, 130  # each resource plot beside the metrics, px
 MARKS = 500  # cells marked on the metric plots: the latest ones
-MARK_LABELS = 8  # of them, the latest written on the plots (every one has its label under the mouse)
 RESOURCE_INTERVAL = 0.5  # s at least between samples of the ranks' resources, whatever the push interval
 IDLE_BUSY = 5.0  # % of a CPU (or of a GPU) under which a rank idles: 2 clock ticks (20 ms) in 0.5 s read as 4 %
 IDLE_MEMORY = 1.0  # MiB a rank's memory moves by before it is drawn again
+RATE_WINDOW = 10.0  # s of rank 0's latest points the step rate is measured over
 
 
 class LaunchDashboard:
@@ -107,15 +108,15 @@ class LaunchDashboard:
         self.snapshot = ""  # the static copy it turns into when finished (HTML)
         self._shown = False
         self._concluded = False
-        self._display: Any = None
+        self._frame: LiveFrame | None = None  # where it shows, in a kernel
         self._note = ""
         self._figures_html = ""  # the static copy's plots
-        self._steps: list[tuple[float, float]] = []  # (time, step) of rank 0's first and latest points
+        self.total_steps: float | None = None  # what the ranks said they will run (gpumagic.log(total_steps=))
+        self._pace: dict[str, str] = {}  # "metric": the one whose rank-0 points pace the step rate
         self._rank0_points: deque[tuple[float, float]] = deque(maxlen=history)  # (time, step), rank 0's latest
         self._pending_marks: deque[tuple[str, float]] = deque()  # cells started, not drawn yet: (label, time)
         self.cell_marks: deque[tuple[str, float]] = deque(maxlen=MARKS)  # (label, step) on every metric plot
         self.marks: Any = None  # the cells' marks, a source every metric plot draws (and one of their labels)
-        self._mark_labels: Any = None
         self._readers: list[Any] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -128,7 +129,6 @@ class LaunchDashboard:
         self._sampled = -RESOURCE_INTERVAL  # when the ranks' resources were last sampled (since attached)
         self._moved = False  # metrics drawn since that sample
         self._attached = self.started  # when the ranks started: the 0 of the resource plots' time
-        self._loader_display: Any = None
 
     def show(self) -> None:
         """Display the status line now (with the Stop button if ``stoppable``); the plots join it later."""
@@ -139,7 +139,8 @@ class LaunchDashboard:
         self._make_widget()
         if not in_kernel():  # a script, a test: nowhere to show it
             return
-        self._loader_display, self._display = display_live(self.widget, display_id=True)
+        self._frame = LiveFrame(self.widget, text=f"{self.title} dashboard")
+        self._frame.show()
 
     def attach(
         self,
@@ -236,7 +237,9 @@ class LaunchDashboard:
             curve(busy, source, "time", "busy", label=f"rank {rank}", color=color, width=1.5)
         for plot in self.resource_figures:
             hover(plot, "elapsed", elapsed=True)
-        self._metrics_column = column(sizing_mode="stretch_width")  # in the row from the first metric on
+        self.smoothing = Smoothing()
+        # in the row from the first metric on: the smoothing slider over the metrics' plots
+        self._metrics_column = column(self.smoothing.slider, sizing_mode="stretch_width")
         resources = column(memory, busy, sizing_mode="fixed", width=RESOURCE_WIDTH, height=2 * RESOURCE_HEIGHT)
         self.layout = row(resources, sizing_mode="stretch_width")
 
@@ -309,6 +312,7 @@ class LaunchDashboard:
         if self.status is not None:
             self.status.value = self._status_text()
         with self._plots_lock:
+            self.smoothing.settle()  # the copy's curves smoothed as their density suits
             if not any(len(s.data["time"]) for s in self.resource_sources.values()):
                 # a launch too short to sample: no empty frames
                 self.layout.children = [c for c in self.layout.children if c is self._metrics_column]
@@ -320,10 +324,6 @@ class LaunchDashboard:
             self._figures_html = div + script
         self._close_widgets()  # first: the live view and its document go before the copy's (same models) come
         self._show_snapshot()
-        if self._loader_display is not None:
-            # the static copy needs no widget: the place shows nothing, where a loader saved in the notebook
-            # would read "model not found" once its kernel ended (BokehJS for the copy: display_live's inline)
-            self._loader_display.update(NO_WIDGET, raw=True)
 
     def add_note(self, html: str) -> None:
         """A line under the status (a background launch's error), in the live view and in the static copy."""
@@ -334,11 +334,9 @@ class LaunchDashboard:
             self.status.value = self._status_text()
 
     def _show_snapshot(self) -> None:
-        from IPython.display import HTML
-
         self.snapshot = self._status_html() + self._figures_html
-        if self._display is not None:
-            self._display.update(HTML(self.snapshot))
+        if self._frame is not None:
+            self._frame.freeze(self.snapshot)
 
     def _close_widgets(self) -> None:
         """Close the live widgets (their comms, styles and layouts) and free the bokeh document."""
@@ -358,18 +356,37 @@ class LaunchDashboard:
             if _size(reader.bin_path) <= reader.offset:
                 continue  # nothing new: not even opened
             for name, series in reader.read().items():
-                key = (name, rank)
-                if key not in self._curves:
-                    self._add_metric(name, rank)
-                with self._plots_lock:
-                    drawn = self._curves[key].stream(series.steps, series.values)
-                    self._spans[name].feed(drawn, series=rank)
+                if name == TOTAL_STEPS:  # not a curve: the length of the run, for the ETA
+                    self.total_steps = series.values[-1] if series.values else self.total_steps
+                    continue
+                if (name, rank) in self._curves:
+                    with self._plots_lock:
+                        drawn = self._curves[(name, rank)].stream(series.steps, series.values)
+                        self._spans[name].feed(drawn, series=rank)
+                else:
+                    drawn = self._add_metric(name, rank, series.steps, series.values)
                 self.points += len(drawn)
                 drew = drew or bool(drawn)
-                if rank == 0 and series.steps:  # the first and the latest: enough for the step rate
-                    self._steps[1:] = [(series.times[-1], series.steps[-1])]
+                if rank == 0 and series.steps and self._pace.setdefault("metric", name) == name:
+                    # one metric's points (rank 0's first): the step rate's and the cells' marks' points
                     self._rank0_points.extend(zip(series.times, series.steps, strict=True))
         return self._draw_marks() or drew
+
+    def step_rate(self, window_s: float = RATE_WINDOW) -> float | None:
+        """Rank 0's steps per second over its points of the last ``window_s`` seconds (at least its last two
+        points); ``None`` while it has not logged two steps, or logged none in that window (an idle group)."""
+        points = self._rank0_points
+        if len(points) < 2 or time.time() - points[-1][0] > window_s:
+            return None
+        latest_time, latest_step = points[-1]
+        first_time, first_step = points[-2]
+        for when, step in reversed(points):
+            if when < latest_time - window_s:
+                break
+            first_time, first_step = when, step
+        if latest_time <= first_time or latest_step <= first_step:
+            return None
+        return (latest_step - first_step) / (latest_time - first_time)
 
     @property
     def points_behind(self) -> int:
@@ -397,7 +414,6 @@ class LaunchDashboard:
         with self._plots_lock:
             self._mark_sources()
             self.marks.stream(batch, rollover=MARKS)
-            self._mark_labels.stream(batch, rollover=MARK_LABELS)
         return True
 
     def _mark_sources(self) -> None:
@@ -405,40 +421,29 @@ class LaunchDashboard:
 
         if self.marks is None:
             self.marks = ColumnDataSource({"step": [], "label": []})
-            self._mark_labels = ColumnDataSource({"step": [], "label": []})
 
     def _draw_marks_on(self, plot: Any) -> None:
-        """The cells' marks on ``plot``: a dashed line each, the latest labelled, each named under the mouse."""
-        from bokeh.models import HoverTool, LabelSet
+        """The cells' marks on ``plot``: a thin line each, its cell and step under the mouse."""
+        from bokeh.models import HoverTool
 
         self._mark_sources()
-        lines = plot.vspan(
-            x="step", source=self.marks, line_color="#999999", line_dash="dashed", line_width=1, name="cell"
-        )
-        plot.add_layout(
-            LabelSet(
-                x="step",
-                y=4,
-                y_units="screen",
-                x_offset=2,
-                text="label",
-                source=self._mark_labels,
-                text_font_size="8pt",
-                text_color=MUTED,
-            )
-        )
+        lines = plot.vspan(x="step", source=self.marks, line_color=MUTED, line_alpha=0.6, line_width=1, name="cell")
         plot.add_tools(HoverTool(renderers=[lines], tooltips=[("cell", "@label"), ("from step", "@step{0,0}")]))
 
-    def _add_metric(self, name: str, rank: int) -> None:
+    def _add_metric(self, name: str, rank: int, steps: Sequence[float], values: Sequence[float]) -> list[float]:
+        """A new curve (and a new figure for a new metric), holding its first points when it reaches the page:
+        BokehJS never draws a figure that came to a page empty (its ranges stay NaN); returns the points drawn."""
         document = self.layout.document
         # the document walks all its models after each change to their graph: once, after the figure is whole
         with self._plots_lock:
             with document.models.freeze() if document is not None else contextlib.nullcontext():
-                self._add_curve(name, rank)
+                drawn = self._add_curve(name, rank, steps, values)
             unsynced(self.layout)  # the new figure, source and lines too
+        return drawn
 
-    def _add_curve(self, name: str, rank: int) -> None:
+    def _add_curve(self, name: str, rank: int, steps: Sequence[float], values: Sequence[float]) -> list[float]:
         plots = self.metric_figures.get(name)
+        shown = None
         if plots is None:
             if loss_like(name):  # a loss spans decades: a log-y tab beside the linear one
                 shown, *plots = log_tabs(name, 220, x_label="step")
@@ -446,20 +451,25 @@ class LaunchDashboard:
                 shown = styled_figure(name, 200, x_label="step")
                 plots = [shown]
             for plot in plots:
-                self._hovers[id(plot)] = hover(plot, "step")
+                self._hovers[id(plot)] = hover(plot, "step", points=True)
                 self._draw_marks_on(plot)
             self.metric_figures[name] = plots
             self._spans[name] = SteadySpan(plots[0])  # the linear view
+        self._curves[(name, rank)] = line = StepCurve(limit=self.history)
+        self.metric_sources[(name, rank)] = line.source
+        drawn = line.stream(steps, values)  # before the line joins the page: it comes with its points
+        self._spans[name].feed(drawn, series=rank)
+        self.smoothing.follow(line.source)
+        for plot in plots:
+            color = PALETTE[rank % len(PALETTE)]
+            smooth = curve(plot, line.source, "step", "value", label=f"rank {rank}", color=color, smooth="smooth")
+            tool = self._hovers[id(plot)]  # a row's values under the mouse: of the smoothed lines, not the marks
+            tool.renderers = [*tool.renderers, smooth] if tool.renderers != "auto" else [smooth]
+        if shown is not None:  # the new figure joins the page whole, its first points in it
             self._metrics_column.children.append(shown)
             if self._metrics_column not in self.layout.children:
                 self.layout.children.insert(0, self._metrics_column)  # the metrics first, resources beside
-        self._curves[(name, rank)] = line = StepCurve(limit=self.history)
-        self.metric_sources[(name, rank)] = line.source
-        for plot in plots:
-            color = PALETTE[rank % len(PALETTE)]
-            curve(plot, line.source, "step", "value", label=f"rank {rank}", color=color, smooth="smooth")
-            tool = self._hovers[id(plot)]  # the values of the curves under the mouse, not of the marks
-            tool.renderers = [r for r in plot.renderers if r.name != "cell"]
+        return drawn
 
     def _push_resources(self, processes: dict[int, Any], moved: bool = False) -> bool:
         """Sample each rank's memory and CPU (or GPU) use and draw it, unless the rank idles as it did when last
@@ -487,6 +497,8 @@ class LaunchDashboard:
                     memory, busy = (used or 0) / MIB, gpu.utilization or 0.0
                 else:
                     memory, busy = process.memory_info().rss / MIB, process.cpu_percent(None)
+                    if memory == 0:  # a rank that ended (a zombie has no memory): not a point at 0 MiB
+                        continue
             except psutil.Error:
                 continue
             sample = {"time": [now], "memory": [memory], "busy": [busy]}
@@ -521,10 +533,16 @@ class LaunchDashboard:
         elapsed = time.monotonic() - self.started
         alive = sum(1 for pid in self.pids if pid is not None and is_running(pid)) if self.state == "running" else 0
         progress = ""
-        if self._steps:
-            (t0, s0), (t1, s1) = self._steps[0], self._steps[-1]
-            rate = (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
-            progress = f" · step {s1:,.0f} ({rate:,.1f} steps/s)"
+        if self._rank0_points:
+            step = self._rank0_points[-1][1]
+            progress = f" · step {step:,.0f}"
+            if self.total_steps:
+                progress += f" of {self.total_steps:,.0f}"
+            rate = self.step_rate()
+            if rate:
+                progress += f" · {rate:,.3g} steps/s"
+                if self.total_steps and self.total_steps > step and self.state == "running":
+                    progress += f" · ETA {_duration((self.total_steps - step) / rate)}"
         behind = self.points_behind
         note = (
             f"<br>{behind:,} points not drawn: their step was not after one already drawn (log increasing steps,"
@@ -542,6 +560,16 @@ class LaunchDashboard:
             + note
             + self._note
         )
+
+
+def _duration(seconds: float) -> str:
+    """``42s``, ``3m 05s``, ``2h 07m``."""
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m {whole % 60:02d}s"
+    return f"{whole // 3600}h {whole % 3600 // 60:02d}m"
 
 
 def _size(path: Path) -> int:

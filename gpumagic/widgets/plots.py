@@ -1,11 +1,13 @@
-"""Bokeh building blocks the dashboards share: figures styled alike (legend outside, hover values, toolbar on
-hover, readable on JupyterLab's light and dark themes), curves with a smoothed line over the faint raw one,
-a log-y view, elapsed-time axes, the widget that keeps a page's view in step with the plots, and BokehJS.
+"""Bokeh building blocks the dashboards share: figures styled alike (legend outside, exact values under the
+mouse, toolbar on hover, text and axes in the colours of JupyterLab's theme), curves with a smoothed line over
+the faint raw one and a smoothing slider run in the browser, a log-y tab, elapsed-time axes with round ticks,
+the widget that keeps a page's view in step with the plots, and the frame a live dashboard shows in.
 
-BokehJS travels with every live dashboard as a hidden ``Output`` widget shown just before it: a page that was
-reloaded, or a notebook reopened while its kernel runs, gets BokehJS before the plots' views are built, and
-the notebook file keeps only a reference to that widget (not 1.3 MB of JavaScript per dashboard). Once per
-kernel BokehJS is also plain output, for the static copies of finished dashboards in a reopened notebook.
+The frame (``LiveFrame``) is an ``Output`` widget holding BokehJS and then the dashboard: its outputs render in
+order, so BokehJS is defined before any plot's view is built, on a page reloaded or a notebook run again
+whatever order the page builds widgets in; the notebook file keeps a reference to the frame, not 2 MB of
+JavaScript per dashboard. A finished dashboard freezes its frame into a static copy of its last picture. Once
+per kernel BokehJS is also plain output, for static copies in a notebook reopened after its kernel ended.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 import functools
 import json
 import math
+import sys
 import threading
+from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
@@ -30,12 +34,50 @@ SMOOTHING = 0.6  # weight of the exponential moving average, TensorBoard's defau
 # plots this long after a live dashboard is shown catches up a view that missed its first updates.
 FIRST_REFRESH_S = 2.0
 ELAPSED_FORMAT = """
-const t = Math.max(0, tick), whole = Math.floor(t + 1e-9), part = t - whole;
+const whole = Math.round(Math.max(0, tick));
 const h = Math.floor(whole / 3600), m = Math.floor((whole % 3600) / 60), sec = whole % 60;
 const two = (n) => String(n).padStart(2, "0");
-const seconds = part > 0.05 && part < 0.95 ? two(sec) + (part.toFixed(1)).slice(1) : two(sec);
-return h > 0 ? `${h}:${two(m)}:${seconds}` : `${m}:${seconds}`;
+return h > 0 ? `${h}:${two(m)}:${two(sec)}` : `${m}:${two(sec)}`;
 """
+
+
+# Colours of the plots' text and lines from JupyterLab's theme (BokehJS reads --bk-* variables where a view is
+# drawn): at least 4.5:1 against the light and the dark theme's background; outside JupyterLab, the fallbacks
+THEMED_CSS = """
+:host {
+  --gm-text: var(--jp-ui-font-color1, #3b3b3b);
+  --gm-muted: var(--jp-ui-font-color2, #5f5f5f);
+  --bk-text-color: var(--gm-muted);
+  --bk-major-label-text-color: var(--gm-muted);
+  --bk-axis-label-text-color: var(--gm-muted);
+  --bk-label-text-color: var(--gm-text);
+  --bk-axis-line-color: var(--gm-muted);
+  --bk-major-tick-line-color: var(--gm-muted);
+  --color: var(--gm-text);
+  --background-color: var(--jp-layout-color1, #ffffff);
+  --hover-color: var(--jp-layout-color2, #eeeeee);
+  --border-color: var(--jp-border-color1, #bdbdbd);
+  --divider-color: var(--jp-border-color2, #e0e0e0);
+  --inactive-fg: var(--gm-muted);
+  color: var(--gm-text);
+}
+"""
+
+
+def themed(model: Any) -> Any:
+    """Draw ``model``'s text, axes and tabs in the colours of JupyterLab's theme (THEMED_CSS)."""
+    from bokeh.models import InlineStyleSheet
+
+    model.stylesheets = [*model.stylesheets, InlineStyleSheet(css=THEMED_CSS)]
+    return model
+
+
+def elapsed_ticker(ticks: int = 5) -> Any:
+    """Ticks of elapsed seconds at whole, round times (1, 2, 5, 10, 15, 30 s, the same in minutes, then in
+    hours), about ``ticks`` of them: labels such as ``0:42`` that never overlap."""
+    from bokeh.models import AdaptiveTicker
+
+    return AdaptiveTicker(base=60, mantissas=[1, 2, 5, 10, 15, 30], min_interval=1, desired_num_ticks=ticks)
 
 
 def styled_figure(
@@ -52,7 +94,7 @@ def styled_figure(
     """A full-width figure in the dashboards' style. ``elapsed_x``: x is seconds from a start, ticked ``0:42``;
     ``y_from_zero``: the y axis starts at 0 (memory, utilization: a flat line is not magnified);
     ``linked``: share that figure's x range (panning one pans both); ``legend``: a legend right of the plot."""
-    from bokeh.models import CustomJSTickFormatter, DataRange1d, Legend
+    from bokeh.models import CustomJSTickFormatter, DataRange1d, Legend, NumeralTickFormatter
     from bokeh.plotting import figure
 
     if linked is not None:
@@ -63,9 +105,15 @@ def styled_figure(
         options["y_range"] = DataRange1d(only_visible=True)
     options.setdefault("sizing_mode", "stretch_width")
     plot = figure(title=title, height=height, tools=TOOLS, x_axis_label=x_label, **options)
+    narrow = options.get("sizing_mode") == "fixed" and options.get("width", 600) < 400
     if elapsed_x:
+        plot.xaxis.ticker = elapsed_ticker(3 if narrow else 6)
         plot.xaxis.formatter = CustomJSTickFormatter(code=ELAPSED_FORMAT)
+    else:  # steps: 950, 12k, 1.5M, a few of them: labels that never overlap
+        plot.xaxis.formatter = NumeralTickFormatter(format="0.[0]a")
+        plot.xaxis.ticker.desired_num_ticks = 4 if narrow else 6
     _style(plot)
+    themed(plot)
     if legend:
         plot.add_layout(
             Legend(
@@ -106,11 +154,20 @@ def _style(plot: Any) -> None:
         grid.grid_line_alpha = 0.2
 
 
-def hover(plot: Any, x_name: str, elapsed: bool = False) -> Any:
+def hover(plot: Any, x_name: str, elapsed: bool = False, points: bool = False) -> Any:
     """Values under the mouse on every line of ``plot``: the line's name, x (``0:42`` when ``elapsed``) and y.
-    Returns the tool (its ``renderers`` narrow it to some lines)."""
+    ``points``: lines of ``StepCurve`` sources, whose rows show as they are: step, value and smoothed value to 6
+    significant digits. Returns the tool (its ``renderers`` narrow it to some lines)."""
     from bokeh.models import CustomJSHover, HoverTool
 
+    if points:
+        tool = HoverTool(
+            tooltips=[("", "$name"), ("step", "@step{0,0}"), ("value", "@value{%.6g}"), ("smoothed", "@smooth{%.6g}")],
+            formatters={"@value": "printf", "@smooth": "printf"},
+            line_policy="nearest",
+        )
+        plot.add_tools(tool)
+        return tool
     formatters: dict[str, Any] = {}
     x_field = "$snap_x{0,0.[00]}"
     if elapsed:
@@ -151,7 +208,7 @@ def log_tabs(title: str, height: int, **options: Any) -> tuple[Any, Any, Any]:
     log.x_range = linear.x_range
     tabs = Tabs(tabs=[TabPanel(child=linear, title="linear"), TabPanel(child=log, title="log y")])
     tabs.sizing_mode = "stretch_width"
-    return tabs, linear, log
+    return themed(tabs), linear, log
 
 
 class SteadySpan:
@@ -243,6 +300,74 @@ def forward_only(source: Any, x: str) -> Any:
 
     source.js_on_change("streaming", CustomJS(args={"x": x}, code=FORWARD_ONLY))
     return source
+
+
+def auto_smoothing(points: int) -> float:
+    """The smoothing that suits a curve of ``points`` points: none up to 50 (sparse metrics are not lagged),
+    then an average over about a fiftieth of the curve (0.9 at 500 points), at most 0.98."""
+    return 0.0 if points <= 50 else round(min(0.98, 1 - 50 / points), 2)
+
+
+# Run in the browser when the smoothing slider moves and after each stream into a source: the "smooth" column
+# from "value" (the debiased moving average of Smoother) at the slider's weight. Until the user moves the
+# slider, its weight follows the points' density (auto_smoothing of the longest curve).
+SMOOTH_JS = """
+const auto = (n) => (n <= 50 ? 0 : Math.round(100 * Math.min(0.98, 1 - 50 / n)) / 100);
+const column = (data, name) => (data instanceof Map ? data.get(name) : data[name]);
+if (cb_obj === slider && !slider._gm_quiet) slider._gm_user = true;
+if (!slider._gm_user) {
+  const longest = Math.max(0, ...sources.map((s) => (column(s.data, "value") || []).length));
+  const weight = auto(longest);
+  if (weight !== slider.value) { slider._gm_quiet = true; slider.value = weight; slider._gm_quiet = false; }
+}
+const w = slider.value;
+const targets = cb_obj === slider || !sources.includes(cb_obj) ? sources : [cb_obj];
+for (const source of targets) {
+  const values = column(source.data, "value"), smooth = column(source.data, "smooth");
+  if (!values || !smooth || smooth.length !== values.length) continue;
+  let ema = 0, n = 0;
+  for (let i = 0; i < values.length; i++) {
+    const v = values[i];
+    if (!Number.isFinite(v)) { smooth[i] = v; continue; }
+    n += 1; ema = w * ema + (1 - w) * v;
+    smooth[i] = w > 0 ? ema / (1 - Math.pow(w, n)) : v;
+  }
+  source.change.emit();
+}
+"""
+
+
+class Smoothing:
+    """The smoothing slider of a dashboard (0 = raw points): it re-smooths every curve ``follow``ed, in the
+    browser, when moved and after each stream (no kernel needed: it works in a static copy too); its weight
+    follows the points' density (``auto_smoothing``) until the user moves it."""
+
+    def __init__(self) -> None:
+        from bokeh.models import CustomJS, Slider
+
+        self.slider = themed(Slider(start=0, end=0.99, step=0.01, value=0.0, title="smoothing", width=220))
+        self.sources: list[Any] = []
+        self._callback = CustomJS(args={"slider": self.slider, "sources": self.sources}, code=SMOOTH_JS)
+        self.slider.js_on_change("value", self._callback)
+
+    def follow(self, source: Any) -> None:
+        """Smooth ``source`` (a ``StepCurve``'s, not on a page yet) with the slider's weight from now on, and at
+        once as the curves' density suits (the caller holds the plots' lock)."""
+        self.sources.append(source)
+        self._callback.args = {"slider": self.slider, "sources": list(self.sources)}
+        source.js_on_change("streaming", self._callback)
+        if self.slider.document is None:  # not on a page yet: it comes with the weight that suits the points
+            self.slider.value = auto_smoothing(max(len(s.data["value"]) for s in self.sources))
+        source.data = {**source.data, "smooth": Smoother(self.slider.value).feed(source.data["value"])}
+
+    def settle(self) -> None:
+        """Smooth every followed source in the kernel at the weight their density suits, and show it on the
+        slider: what a static copy shows before anyone moves the slider (the caller holds the plots' lock)."""
+        longest = max((len(source.data["value"]) for source in self.sources), default=0)
+        weight = auto_smoothing(longest)
+        self.slider.value = weight
+        for source in self.sources:
+            source.data = {**source.data, "smooth": Smoother(weight).feed(source.data["value"])}
 
 
 class StepCurve:
@@ -452,34 +577,100 @@ _loader: Any = None
 
 @functools.cache
 def bokehjs_source() -> str:
-    """BokehJS (its core bundle: plots, hover, tabs), run only where ``window.Bokeh`` is not this version."""
+    """BokehJS (its core bundle: plots, hover, tabs), run only where ``window.Bokeh`` is not this version, then
+    its widgets and tables bundles (the smoothing slider; the comparison's table), once per page."""
     import bokeh
     from bokeh.resources import Resources
 
-    code = "\n".join(Resources(mode="inline", components=["bokeh"]).js_raw)
+    core = "\n".join(Resources(mode="inline", components=["bokeh"]).js_raw)
+    extensions = "\n".join(Resources(mode="inline", components=["bokeh-widgets", "bokeh-tables"]).js_raw)
     version = json.dumps(bokeh.__version__)
     # called with window as `this`: the bundle hands `this` to its loader as the global object
-    return f"if (!(window.Bokeh && window.Bokeh[{version}])) {{ (function () {{\n{code}\n}}).call(window); }}"
-
-
-def display_live(widget: Any, display_id: bool = False, text: str | None = None) -> Any:
-    """Display BokehJS's loader, then ``widget`` (with ``text`` as its plain-text form, what a viewer without
-    widgets shows); returns (loader handle, widget handle) with ``display_id``. The first time in a kernel,
-    BokehJS itself comes first as plain output too: saved in the notebook, it draws the static copies of
-    finished dashboards when the notebook is reopened after its kernel ended (no widget survives that)."""
-    from IPython.display import display
-
-    global _inline_shown
-    if not _inline_shown:
-        display({"application/javascript": bokehjs_source()}, raw=True)
-        _inline_shown = True
-    loader = display(bokehjs_loader(), display_id=display_id)
-    if text is None:
-        return loader, display(widget, display_id=display_id)
-    bundle = {**widget._repr_mimebundle_(), "text/plain": text}
-    return loader, display(bundle, raw=True, display_id=display_id)
+    return (
+        f"if (!(window.Bokeh && window.Bokeh[{version}])) {{ (function () {{\n{core}\n}}).call(window); }}\n"
+        f"(function () {{ const b = window.Bokeh && window.Bokeh[{version}];"
+        f" if (!b || b.gpumagicExtensions) return; b.gpumagicExtensions = true;\n"
+        f"(function () {{\n{extensions}\n}}).call(window); }})();"
+    )
 
 
 _inline_shown = False
-# a widget view of no model: JupyterLab shows nothing (where a closed loader's would read "model not found")
-NO_WIDGET = {"application/vnd.jupyter.widget-view+json": {"version_major": 2, "version_minor": 0, "model_id": ""}}
+KEPT_FRAMES = 20  # frozen frames kept alive for pages reloaded before they saw the freeze: the latest ones
+
+
+def _widget_view(widget: Any, text: str = "") -> dict[str, Any]:
+    """An output showing ``widget`` (``text``: what a viewer without widgets shows)."""
+    view = {"version_major": 2, "version_minor": 0, "model_id": widget.model_id}
+    return {
+        "output_type": "display_data",
+        "data": {"application/vnd.jupyter.widget-view+json": view, "text/plain": text or "live dashboard"},
+        "metadata": {},
+    }
+
+
+class LiveFrame:
+    """Where a live dashboard shows: an ``Output`` widget holding BokehJS, then the dashboard's widget. Its
+    outputs render in order and JavaScript runs as it renders, so ``window.Bokeh`` exists before any plot's
+    view is built, on a page opened now or reloaded later, whatever order the page builds widgets in. A page
+    reloaded while the kernel is free draws the frame as it is now (the live dashboard, from the run's present
+    state); ``freeze`` turns it into a static copy (its last picture), in every page showing it and in the
+    notebook file. Frozen frames stay alive (the latest ``KEPT_FRAMES``) for pages that reload later."""
+
+    def __init__(self, widget: Any, text: str = "") -> None:
+        import ipywidgets
+
+        self.frame = ipywidgets.Output()
+        self.frame.add_class("gpumagic-frame")
+        script = {"output_type": "display_data", "data": {"application/javascript": bokehjs_source()}, "metadata": {}}
+        self.frame.outputs = (script, _widget_view(widget, text))
+        self.text = text
+        self.handle: Any = None
+        self.frozen = False
+
+    def show(self) -> None:
+        """Display the frame (in a kernel: the first time in this kernel, BokehJS as plain output before it)."""
+        from IPython.display import display
+
+        global _inline_shown
+        if not _inline_shown:
+            display({"application/javascript": bokehjs_source()}, raw=True)
+            _inline_shown = True
+        bundle = {**self.frame._repr_mimebundle_(), "text/plain": self.text or "live dashboard"}
+        self.handle = display(bundle, raw=True, display_id=True)
+
+    def freeze(self, html: str) -> None:
+        """Show ``html`` (a static copy, BokehJS's embed scripts included) in place of the live widget: in the
+        frame, for pages that show it or reload later, and as the display's plain HTML, which a notebook saved
+        from now keeps after its kernel has ended."""
+        if self.handle is not None:  # first: a page showing the frame now shows the copy once, not twice
+            self.handle.update({"text/html": html}, raw=True)
+        html_output = {"output_type": "display_data", "data": {"text/html": html}, "metadata": {}}
+        self.frame.outputs = (_widget_view(bokehjs_loader()), html_output)
+        if not self.frozen:
+            self.frozen = True
+            _frozen_frames.append(self)
+            while len(_frozen_frames) > KEPT_FRAMES:
+                close_tree(_frozen_frames.popleft().frame)
+
+
+_frozen_frames: deque[LiveFrame] = deque()
+
+
+def embedded(layout: Any, lock: threading.RLock) -> str:
+    """``layout``'s plots as they are now, as HTML that BokehJS draws with no kernel (a static copy's plots)."""
+    from bokeh.embed import components
+
+    with lock:
+        script, div = components(layout)
+    return div + script
+
+
+def freeze_frames(frames: Sequence[LiveFrame], layout: Any, snapshot: str) -> None:
+    """Put ``snapshot`` (HTML) in ``frames``, where a dashboard was shown, once its widgets are closed, and free
+    the live document of ``layout`` (the copy's models are the same ones)."""
+    if not frames or sys.is_finalizing():
+        return
+    if layout is not None and layout.document is not None:
+        layout.document.remove_root(layout)
+    for frame in frames:
+        frame.freeze(snapshot)

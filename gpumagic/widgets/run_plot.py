@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from gpumagic.widgets.plots import PALETTE, StepCurve, curve, display_live, hover, live_model, styled_figure
+from gpumagic.widgets.plots import PALETTE, LiveFrame, StepCurve, curve, hover, live_model, styled_figure
 
 
 class RunPlot:
@@ -27,7 +27,8 @@ class RunPlot:
             )
         for name in metrics or names:
             plot = styled_figure(f"{name} · {run.id}", 240, x_label="step")
-            hover(plot, "step")
+            tool = hover(plot, "step", points=True)
+            tool.renderers = []
             for rank, per_rank in sorted(data.items()):
                 if name in per_rank:
                     series = per_rank[name]
@@ -35,7 +36,8 @@ class RunPlot:
                     line.stream(series.steps, series.values)
                     source = line.source
                     color = PALETTE[rank % len(PALETTE)]
-                    curve(plot, source, "step", "value", label=f"rank {rank}", color=color, smooth="smooth")
+                    smooth = curve(plot, source, "step", "value", label=f"rank {rank}", color=color, smooth="smooth")
+                    tool.renderers = [*tool.renderers, smooth]
             self.figures[name] = plot
         self.layout = column(*self.figures.values(), sizing_mode="stretch_width") if self.figures else None
 
@@ -45,4 +47,4 @@ class RunPlot:
         if self.layout is None:
             display(f"run {self.run.id} has no metrics")
             return
-        display_live(live_model(self.layout, threading.RLock()))
+        LiveFrame(live_model(self.layout, threading.RLock()), text=f"run {self.run.id}").show()

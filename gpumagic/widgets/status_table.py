@@ -92,14 +92,21 @@ def _text_rows(status: GpuStatus, gpu: GpuInfo) -> list[str]:
     return rows
 
 
-CELL = "padding:2px 8px;text-align:left;vertical-align:top;white-space:nowrap"  # inline: JupyterLab right-aligns
+# Inline styles: JupyterLab right-aligns table cells, wraps them and lays tables out fixed. Every cell stays on
+# one line; the lease and process cells cut what does not fit with an ellipsis (in full under the mouse), the
+# processes taking whatever width is left, so the table fits a 900 px output and reads well at 1300 px. Text is
+# in the theme's colours (at least 4.5:1 on JupyterLab's light and dark themes); load shows as coloured marks.
+TEXT = "color:var(--jp-content-font-color1)"
+CELL = f"padding:2px 6px;text-align:left;vertical-align:top;white-space:nowrap;{TEXT}"
+CUT = "overflow:hidden;text-overflow:ellipsis;white-space:nowrap"
+HEADINGS = ("GPU", "cuda", "name", "memory", "util", "temp", "power", "lease", "processes")
 
 
 def render_html(status: GpuStatus) -> str:
     esc = html.escape
     head = f"<div style='font-weight:600;margin:4px 0'>{esc(headline(status))}</div>"
     if not status.inventory.gpus:
-        return f"<div class='gpumagic-status'>{head}</div>"
+        return f"<div class='gpumagic-status' style='{TEXT}'>{head}</div>"
     rows = []
     for gpu in status.inventory.gpus:
         cuda = status.visibility.cuda_index(gpu.nvml_index)
@@ -109,42 +116,42 @@ def render_html(status: GpuStatus) -> str:
         first = (
             f"<td style='{CELL}'>{gpu.nvml_index}</td><td style='{CELL}'>{'' if cuda is None else f'cuda:{cuda}'}</td>"
         )
+        name = f"<td style='{CELL};max-width:10em;{CUT}' title='{esc(gpu.uuid)} {esc(gpu.pci_bus_id or '')}'>"
         if not gpu.healthy:
             rows.append(
-                f"<tr style='{style}'>{first}<td style='{CELL}'>{esc(gpu.short_name)}</td>"
-                f"<td colspan='6' style='{CELL};color:#cf222e'>✖ {esc(gpu.problem or '')}</td></tr>"
+                f"<tr style='{style}'>{first}{name}{esc(gpu.short_name)}</td>"
+                f"<td colspan='6' style='{CELL};max-width:0;{CUT}' title='{esc(gpu.problem or '')}'>"
+                f"<span style='color:var(--jp-error-color1)'>✖</span> {esc(gpu.problem or '')}</td></tr>"
             )
             continue
-        processes = "<br>".join(esc(_process(p)) for p in gpu.processes) or "<span style='color:#888'>none</span>"
+        processes = "".join(
+            f"<div style='{CUT}' title='{esc(_process(p, cut=False))}'>{esc(_process(p))}</div>" for p in gpu.processes
+        )
         rows.append(
-            f"<tr style='{style}'>{first}"
-            f"<td style='{CELL}' title='{esc(gpu.uuid)} {esc(gpu.pci_bus_id or '')}'>{esc(gpu.short_name)}</td>"
+            f"<tr style='{style}'>{first}{name}{esc(gpu.short_name)}</td>"
             f"<td style='{CELL}'>{_html_bar(gpu)}</td>"
             f"<td style='{CELL}'>{_html_utilization(gpu.utilization)}</td>"
             f"<td style='{CELL}'>{'n/a' if gpu.temperature is None else f'{gpu.temperature:.0f}°C'}</td>"
             f"<td style='{CELL}'>{esc(_power(gpu))}</td>"
-            f"<td style='{CELL};white-space:normal;max-width:11em'>{esc(holders)}</td>"
-            f"<td style='{CELL};white-space:normal;min-width:28em'>{processes}</td></tr>"
+            f"<td style='{CELL};max-width:12em;{CUT}' title='{esc(holders)}'>{esc(holders)}</td>"
+            f"<td style='{CELL};max-width:0;width:100%;{CUT}'>{processes or 'none'}</td></tr>"
         )
-    header = "".join(
-        f"<th style='{CELL}'>{h}</th>"
-        for h in ("GPU", "cuda", "name", "memory", "util", "temp", "power", "lease", "processes")
-    )
+    header = "".join(f"<th style='{CELL}'>{h}</th>" for h in HEADINGS)
     table = (
-        "<table class='gpumagic-status' style='border-collapse:collapse;font-size:12px'>"
-        f"<thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+        "<table class='gpumagic-status' style='border-collapse:collapse;font-size:12px;table-layout:auto;"
+        f"width:100%;margin:0'><thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
     )
-    extra = "".join(f"<div style='color:#d29922'>{esc(n)}</div>" for n in notes(status))
+    extra = "".join(f"<div>{esc(n)}</div>" for n in notes(status))
     stamp = time.strftime("%H:%M:%S", time.localtime(status.inventory.taken_at))
-    foot = f"<div style='color:#888;font-size:11px'>as of {stamp}; green rows: the GPUs this kernel sees</div>"
-    return f"<div class='gpumagic-status'>{head}{table}{extra}{foot}</div>"
+    foot = f"<div style='font-size:11px'>as of {stamp}; green rows: the GPUs this kernel sees</div>"
+    return f"<div class='gpumagic-status' style='{TEXT}'>{head}{table}{extra}{foot}</div>"
 
 
 def _html_utilization(utilization: float | None) -> str:
+    """The percentage in the text colour after a mark coloured by load (green, amber, red)."""
     if utilization is None:
         return "n/a"
-    text = f"{utilization:.0f}%"
-    return f"<b style='color:{load_colour(utilization)}'>{text}</b>" if utilization >= 50 else text
+    return f"<span style='color:{load_colour(utilization)}'>●</span> {utilization:.0f}%"
 
 
 def _memory(gpu: GpuInfo) -> str:
@@ -169,7 +176,7 @@ def _html_bar(gpu: GpuInfo) -> str:
     color = load_colour(percent)
     return (
         "<div style='display:flex;align-items:center;gap:6px'>"
-        "<div style='width:120px;height:10px;background:rgba(128,128,128,0.25);border-radius:3px;overflow:hidden'>"
+        "<div style='width:80px;height:10px;background:rgba(128,128,128,0.25);border-radius:3px;overflow:hidden'>"
         f"<div style='width:{percent:.1f}%;height:100%;background:{color}'></div></div>"
         f"<span>{html.escape(_memory(gpu))}</span></div>"
     )
@@ -182,11 +189,12 @@ def _power(gpu: GpuInfo) -> str:
     return f"{gpu.power:.0f}{limit} W"
 
 
-def _process(process: GpuProcess) -> str:
+def _process(process: GpuProcess, cut: bool = True) -> str:
+    """``pid 12 bob: python train.py (20 GiB)``; ``cut``: a command over 60 characters ends in ``...``."""
     memory = format_bytes(process.gpu_memory) if process.gpu_memory is not None else "? memory"
     if not process.alive:
         return f"pid {process.pid} (not visible here: exited or another container) {memory}"
     command = process.command or "?"
-    if len(command) > 60:
+    if cut and len(command) > 60:
         command = command[:57] + "..."
     return f"pid {process.pid} {process.user or '?'}: {command} ({memory})"

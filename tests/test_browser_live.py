@@ -1,0 +1,296 @@
+"""Live dashboards in a real JupyterLab and headless Chromium, judged by what the page draws: the pixels of the
+curves in the loss plot and BokehJS's own models. The curves are drawn from the first logged point whenever it
+comes (4 s after the start, in a %ddp group's second cell); a page reloaded during a launch, blocking or
+--no-wait, shows the dashboard again and its final state once the launch ends; a notebook reopened and run
+again draws; a superseded dashboard keeps its last picture; the dark theme's text has 4.5:1 contrast.
+Screenshots go to artifacts/."""
+
+import time
+
+import pytest
+
+from tests.browser import PLOTTED, bokeh_trouble, open_and_run, save_and_reload
+
+pytestmark = pytest.mark.kernel
+
+LATE_FIRST_LOG = (
+    "%%launch_ddp -n 2 --gpus none\nimport time\ntime.sleep(4)  # data loading, the first forward\n"
+    "for step in range(600):\n    gpumagic.log(step=step, total_steps=600, loss=1.0 / (step + 1) + rank)\n"
+    "    time.sleep(0.02)"
+)
+# BokehJS's figures whose title starts with a name, with their ranges: a range BokehJS could not set is NaN
+RANGES = """(name) => {
+    const found = [];
+    for (const doc of window.Bokeh.documents || [])
+        for (const model of doc.all_models)
+            if (model.type === "Figure" && model.title && String(model.title.text).startsWith(name))
+                found.push([model.title.text, model.x_range.start, model.x_range.end, model.y_range.start,
+                            model.y_range.end]);
+    return found;
+}"""
+# WCAG contrast of the first element matching a selector inside the output of a cell, against the background
+# behind it (the nearest ancestor with an opaque colour); CSS variables as BokehJS reads them on a figure
+CONTRAST = """([selector, property]) => {
+    const parse = (text) => {
+        const m = text.match(/[\\d.]+/g).map(Number);
+        return [m[0], m[1], m[2], m.length > 3 ? m[3] : 1];
+    };
+    const linear = (c) => { c /= 255; return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; };
+    const lum = ([r, g, b]) => 0.2126 * linear(r) + 0.7152 * linear(g) + 0.0722 * linear(b);
+    let element = null;
+    const walk = (root) => { for (const e of root.querySelectorAll("*")) { if (element) return;
+        if (e.matches(selector)) { element = e; return; } if (e.shadowRoot) walk(e.shadowRoot); } };
+    walk(document.querySelector(".jp-Notebook"));
+    if (!element) return null;
+    const style = getComputedStyle(element);
+    let [r, g, b, a] = parse(property ? style.getPropertyValue(property) : style.color);
+    let node = element, background = [255, 255, 255, 1];
+    while (node) {
+        if (node.nodeType === 1) { const c = parse(getComputedStyle(node).backgroundColor);
+            if (c[3] > 0.9) { background = c; break; } }
+        node = node.parentNode || node.host;
+    }
+    const mixed = [r, g, b].map((c, i) => a * c + (1 - a) * background[i]);
+    const [l1, l2] = [lum(mixed), lum(background)].sort((x, y) => y - x);
+    return {ratio: (l1 + 0.05) / (l2 + 0.05), colour: [r, g, b, a], background};
+}"""
+
+
+def curve_pixels(page, cell: int, path) -> int:
+    """Pixels of the two ranks' colours in the widest plot of cell ``cell``'s output (the loss plot), in a
+    screenshot saved at ``path``: 0 where the plot is drawn empty."""
+    from PIL import Image
+
+    from gpumagic.widgets.plots import PALETTE
+
+    boxes = [
+        canvas.bounding_box() or {"width": 0} for canvas in page.locator(f".jp-Cell >> nth={cell} >> canvas").all()
+    ]
+    if not any(box["width"] for box in boxes):
+        return 0
+    widest = max(range(len(boxes)), key=lambda i: boxes[i]["width"])
+    page.locator(f".jp-Cell >> nth={cell} >> canvas").nth(widest).screenshot(path=str(path))
+    area = Image.open(path).convert("RGB")
+    wanted = [tuple(int(c[i : i + 2], 16) for i in (1, 3, 5)) for c in PALETTE[:2]]
+    return sum(
+        1
+        for pixel in area.get_flattened_data()
+        if any(sum(abs(p - w) for p, w in zip(pixel, colour, strict=True)) < 60 for colour in wanted)
+    )
+
+
+def wait_for_pixels(page, cell: int, path, within_s: float = 30) -> int:
+    deadline = time.monotonic() + within_s
+    pixels = 0
+    while time.monotonic() < deadline and pixels < 300:
+        page.wait_for_timeout(1000)
+        pixels = curve_pixels(page, cell, path)
+    return pixels
+
+
+def test_curves_draw_live_when_the_first_log_comes_4_s_after_the_start(jupyterlab, artifacts):
+    """The ranks log first 4 s in (after the dashboard went live with their resources): the loss curves are
+    drawn while the cell runs, the status line gives a true step rate and an ETA, and no range is NaN."""
+    from playwright.sync_api import sync_playwright
+
+    url = jupyterlab(["%load_ext gpumagic", LATE_FIRST_LOG])
+    console: list[str] = []
+    with sync_playwright() as playwright:
+        browser, page = open_and_run(playwright, url, 2, console)
+        try:
+            page.wait_for_selector(".jp-Cell >> nth=1 >> text=steps/s", timeout=60_000)
+            pixels = wait_for_pixels(page, 1, artifacts / "browser-first-log-late.png")
+            status = page.locator(".jp-Cell >> nth=1 >> text=steps/s").first.inner_text()
+            running = "running" in status
+            assert pixels >= 300, f"the loss plot drew {pixels} pixels of curve while running"
+            assert running, status
+            ranges = page.evaluate(RANGES, "loss")
+            assert ranges and all(value == value for found in ranges for value in found[1:]), ranges  # no NaN
+            rate = float(status.split(" steps/s")[0].rsplit("·", 1)[1].replace(",", ""))
+            assert 20 < rate < 60, status  # 50 steps/s at most (a 20 ms sleep a step), not 0.0
+            assert "of 600" in status and "ETA" in status, status
+            page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=60_000)
+            page.wait_for_timeout(1500)
+            assert curve_pixels(page, 1, artifacts / "browser-first-log-late-finished.png") >= 300
+            assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
+        finally:
+            browser.close()
+
+
+DDP_CELLS = [
+    "%load_ext gpumagic",
+    "%ddp start -n 2 --gpus none",
+    "%%ddp\nimport time\ntime.sleep(3)\nx = 0",
+    "%%ddp\nfor step in range(150):\n    gpumagic.log(step=step, loss=1.0 / (step + 1) + rank)\n    time.sleep(0.02)",
+    "%ddp watch",
+]
+
+
+def test_a_ddp_group_draws_curves_first_logged_in_a_later_cell_and_a_superseded_dashboard_keeps_them(
+    jupyterlab, artifacts
+):
+    """The group's dashboard goes live at %ddp start; the first point comes two cells later. Its curves are
+    drawn; %ddp watch shows a new dashboard and the first keeps its last picture."""
+    from playwright.sync_api import sync_playwright
+
+    url = jupyterlab(DDP_CELLS)
+    console: list[str] = []
+    with sync_playwright() as playwright:
+        browser, page = open_and_run(playwright, url, 4, console)
+        try:
+            page.wait_for_selector(".jp-Cell >> nth=3 >> .jp-InputPrompt:has-text('[4]')", timeout=90_000)
+            pixels = wait_for_pixels(page, 1, artifacts / "browser-ddp-group.png")
+            assert pixels >= 300, f"the group's loss plot drew {pixels} pixels of curve"
+            page.keyboard.press("Shift+Enter")  # %ddp watch: a new dashboard; the first one frozen
+            page.wait_for_selector(".jp-Cell >> nth=4 >> canvas", timeout=60_000)
+            page.wait_for_timeout(2000)
+            assert curve_pixels(page, 1, artifacts / "browser-ddp-superseded.png") >= 300
+            assert page.locator(".jp-Cell >> nth=1 >> text=superseded").count() == 1
+            assert curve_pixels(page, 4, artifacts / "browser-ddp-watch.png") >= 300  # its history, drawn again
+            assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
+        finally:
+            browser.close()
+
+
+def launch_for(seconds: float, flags: str = "") -> str:
+    steps = int(seconds / 0.02)
+    return (
+        f"%%launch_ddp -n 2 --gpus none {flags}\nimport time\nfor step in range({steps}):\n"
+        "    gpumagic.log(step=step, loss=1.0 / (step + 1) + rank)\n    time.sleep(0.02)"
+    )
+
+
+@pytest.mark.parametrize("flags", ["--no-wait", ""], ids=["no-wait", "blocking"])
+def test_a_page_reloaded_during_a_launch_shows_its_dashboard_and_then_its_final_state(jupyterlab, artifacts, flags):
+    """Saved and reloaded while the launch runs: a --no-wait launch's dashboard draws again at once (the
+    kernel is free) and turns into its static copy when the launch ends; a blocking launch's shows its final
+    state when the cell ends (the kernel answers the page then). Never "model not found", never blank."""
+    from playwright.sync_api import sync_playwright
+
+    url = jupyterlab(["%load_ext gpumagic", launch_for(14, flags)])
+    console: list[str] = []
+    name = flags.strip("-") or "blocking"
+    with sync_playwright() as playwright:
+        browser, page = open_and_run(playwright, url, 2, console)
+        try:
+            page.wait_for_selector(".jp-Cell >> nth=1 >> text=steps/s", timeout=60_000)
+            assert wait_for_pixels(page, 1, artifacts / f"browser-reload-{name}-before.png") >= 300
+            save_and_reload(page) if flags else _save_and_reload_busy(page)
+            if flags:  # the kernel is free: the live dashboard again, from where the run is
+                assert wait_for_pixels(page, 1, artifacts / f"browser-reload-{name}-live.png") >= 300
+                assert page.locator(".jp-Cell >> nth=1 >> text=running").count() == 1
+            page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=60_000)
+            page.wait_for_timeout(2000)
+            pixels = curve_pixels(page, 1, artifacts / f"browser-reload-{name}-finished.png")
+            assert pixels >= 300, f"after the launch ended the reloaded page drew {pixels} pixels of curve"
+            assert page.locator("text=model not found").count() == 0
+            assert page.evaluate(PLOTTED)["backwards"] == 0
+            assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
+        finally:
+            browser.close()
+
+
+def _save_and_reload_busy(page) -> None:
+    """Save and reload while the kernel is busy (its status reads Busy, not Idle)."""
+    page.keyboard.press("Control+s")
+    page.wait_for_timeout(1500)
+    page.reload()
+    page.wait_for_selector(".jp-Notebook .jp-Cell .jp-InputArea-editor", timeout=60_000)
+
+
+REOPEN_CELLS = ["%load_ext gpumagic", launch_for(1.2), "%gpu watch --interval 0.5s"]
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["run-all", "restart-run-all"])
+def test_a_reopened_notebook_run_again_draws_every_dashboard(jupyterlab, artifacts, restart):
+    """A notebook with a finished launch and a running %gpu watch, saved, reopened and run again (Run All, or
+    Restart Kernel and Run All): BokehJS is there before every plot, every dashboard draws."""
+    from playwright.sync_api import sync_playwright
+
+    url = jupyterlab(REOPEN_CELLS, GPUMAGIC_SIMULATE="2xA100-80GB")
+    console: list[str] = []
+    with sync_playwright() as playwright:
+        browser, page = open_and_run(playwright, url, 3, console)
+        try:
+            page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=90_000)
+            page.wait_for_selector(".jp-Cell >> nth=2 >> canvas", timeout=60_000)
+            save_and_reload(page)
+            console.append("---- reopened ----")
+            if restart:
+                page.click("text=Kernel")
+                page.click("text=Restart Kernel and Run All Cells…")
+                page.locator(".jp-Dialog button.jp-mod-accept").click()
+            else:
+                page.click("text=Run >> nth=0")
+                page.click("text=Run All Cells")
+            page.wait_for_selector(".jp-Cell >> nth=2 >> .jp-InputPrompt:has-text('[')", timeout=60_000)
+            page.wait_for_timeout(1000)
+            page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=90_000)
+            page.wait_for_timeout(3000)
+            shot = artifacts / f"browser-reopen-{'restart-' if restart else ''}run-all.png"
+            assert curve_pixels(page, 1, shot) >= 300
+            assert page.locator(".jp-Cell >> nth=2 >> canvas").count() >= 3
+            after = console[console.index("---- reopened ----") :]
+            assert not [line for line in after if "reading 'require'" in line], after
+            assert not bokeh_trouble(after), bokeh_trouble(after)[:5]
+            assert page.locator("text=model not found").count() == 0
+        finally:
+            browser.close()
+
+
+def test_the_dark_theme_reads_at_4_5_to_1(jupyterlab, artifacts):
+    """In JupyterLab Dark: the plots' tick labels, titles and legend, the tabs and the status line have at least
+    4.5:1 contrast against what is behind them."""
+    from playwright.sync_api import sync_playwright
+
+    url = jupyterlab(["%load_ext gpumagic", launch_for(6)], theme="JupyterLab Dark")
+    with sync_playwright() as playwright:
+        browser, page = open_and_run(playwright, url, 2)
+        try:
+            page.wait_for_selector(".jp-Cell >> nth=1 >> text=steps/s", timeout=60_000)
+            wait_for_pixels(page, 1, artifacts / "browser-dark-theme.png")
+            page.locator(".jp-Cell >> nth=1").screenshot(path=str(artifacts / "cell-dark-theme.png"))
+            measured = {
+                "tick labels": page.evaluate(CONTRAST, [".bk-Figure", "--bk-major-label-text-color"]),
+                "legend": page.evaluate(CONTRAST, [".bk-Figure", "--bk-label-text-color"]),
+                "titles": page.evaluate(CONTRAST, [".bk-Figure", "--bk-text-color"]),
+                "active tab": page.evaluate(CONTRAST, [".bk-tab.bk-active", None]),
+                "status line": page.evaluate(CONTRAST, [".widget-html-content, .gpumagic-launch-dashboard", None]),
+            }
+            print({name: round(found["ratio"], 2) for name, found in measured.items() if found})
+            for name, found in measured.items():
+                assert found is not None, f"{name}: not on the page"
+                assert found["ratio"] >= 4.5, (name, found)
+        finally:
+            browser.close()
+
+
+LATE_JOBS = [
+    "%load_ext gpumagic\nimport gpumagic",
+    "def train(k):\n    import time\n    time.sleep(4)\n    for step in range(100000):\n"
+    "        gpumagic.log(step=step, loss=k + 1.0 / (step + 1))\n        time.sleep(0.05)\n"
+    "jobs = [gpumagic.submit(train, k, gpus=0, name=f'late{k}') for k in range(2)]",
+    "%jobs watch late* --interval 0.5",
+]
+
+
+def test_jobs_watch_draws_curves_first_logged_4_s_after_it_is_shown(jupyterlab, artifacts):
+    """%jobs watch shown before its jobs log anything: their curves are drawn once they do."""
+    from playwright.sync_api import sync_playwright
+
+    import gpumagic
+
+    url = jupyterlab(LATE_JOBS)
+    console: list[str] = []
+    with sync_playwright() as playwright:
+        browser, page = open_and_run(playwright, url, 3, console)
+        try:
+            page.wait_for_selector(".jp-Cell >> nth=2 >> canvas", timeout=60_000)
+            pixels = wait_for_pixels(page, 2, artifacts / "browser-jobs-watch-late.png", within_s=40)
+            assert pixels >= 300, f"the jobs' loss plot drew {pixels} pixels of curve"
+            assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
+        finally:
+            browser.close()
+            for job in gpumagic.list_jobs():
+                if job.status in ("running", "queued"):
+                    job.kill(grace_s=1)

@@ -295,8 +295,11 @@ def compare(
     all_columns: bool = False,
     group_seeds: bool = True,
 ) -> Comparison:
-    """Runs and jobs side by side: a table (status, duration, GPUs, the configuration that differs, each metric's
-    last and best value) and one figure per metric with a curve per run; displays in a notebook.
+    """Runs and jobs side by side; displays in a notebook: a table (hyperparameters, seed, status, duration, GPU
+    hours, each metric's last and best value) that sorts and filters by any column, parallel coordinates of the
+    hyperparameters against the metric, every run's curves with a smoothing slider, and one selection across
+    them (working in the browser alone); ``.filter("lr<=0.001")``, ``.sort("loss")``, ``.to_pandas()`` and
+    ``.to_csv(path)`` from Python.
 
     ``runs_or_jobs``: ``Job``s, job names, patterns (``"A-*"``), ``Run``s or run ids; None: every job of yours.
     ``x``: ``"step"``, ``"elapsed"`` or ``"time"``. ``sort_by``: a column or a metric (its best value).

@@ -10,7 +10,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from gpumagic.errors import GpumagicError
-from gpumagic.launch.output import OUTPUT_MODES, in_kernel
+from gpumagic.launch.output import OUTPUT_MODES, cell_number, in_kernel
 from gpumagic.magics import _Help, _parse, _Parser, _split, _subcommand
 
 MIB = float(1 << 20)
@@ -252,14 +252,14 @@ class DdpMagics(Magics):
         if args.output is not None:
             group.output = args.output
         if DdpMagics.dashboard is not None:
-            DdpMagics.dashboard.mark(f"In[{self.shell.execution_count}]")
+            DdpMagics.dashboard.mark(f"In[{cell_number(self.shell)}]")
         try:
             results = group.exec(
                 self.shell.transform_cell(cell),
                 self.shell.user_ns,
                 ranks=ranks,
                 timeout=args.timeout,
-                filename=f"<%%ddp cell In[{self.shell.execution_count}]>",
+                filename=f"<%%ddp cell In[{cell_number(self.shell)}]>",
                 hidden=set(self.shell.user_ns_hidden),
             )
         except GpumagicError as err:

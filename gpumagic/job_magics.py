@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from gpumagic.errors import GpumagicError
-from gpumagic.launch.output import in_kernel
+from gpumagic.launch.output import cell_number, in_kernel
 from gpumagic.magics import _Help, _parse, _Parser, _split, _subcommand, add_slurm_arguments, slurm_options
 
 
@@ -96,6 +96,12 @@ def _jobs_parsers() -> dict[str, _Parser]:
         "--all-columns", action="store_true", help="every configuration key, not only those that differ"
     )
     compare.add_argument("--no-seed-groups", action="store_true", help="a curve per job, also for seeds")
+    compare.add_argument(
+        "--filter",
+        action="append",
+        metavar="COND",
+        help="keep the runs that pass COND: lr<=0.001, opt=adam, name~A- (repeatable)",
+    )
     helper = _Parser("%jobs help", "Help on a subcommand.")
     helper.add_argument("subcommand", nargs="?")
     return {
@@ -153,7 +159,7 @@ class JobMagics(Magics):
             job = submit_cell(
                 self.shell.transform_cell(cell),
                 self.shell.user_ns,
-                filename=f"<%%launch_bg cell In[{self.shell.execution_count}]>",
+                filename=f"<%%launch_bg cell In[{cell_number(self.shell)}]>",
                 hidden=set(self.shell.user_ns_hidden),
                 name=args.name,
                 gpus=args.gpus,
@@ -294,7 +300,7 @@ def _compare(args: argparse.Namespace) -> Any:
         if not metrics:
             raise UsageError("%jobs compare: --metric needs a metric name")
     descending = True if args.descending else False if args.ascending else None
-    return gpumagic.compare(
+    comparison = gpumagic.compare(
         args.names or None,
         metrics,
         args.x,
@@ -303,6 +309,7 @@ def _compare(args: argparse.Namespace) -> Any:
         all_columns=args.all_columns,
         group_seeds=not args.no_seed_groups,
     )
+    return comparison.filter(*args.filter) if args.filter else comparison
 
 
 def _help(args: argparse.Namespace) -> Any:

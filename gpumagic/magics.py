@@ -17,7 +17,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 import gpumagic
 from gpumagic.errors import GpumagicError
 from gpumagic.launch.failures import LaunchError, LaunchInterrupted
-from gpumagic.launch.output import in_kernel
+from gpumagic.launch.output import cell_number, in_kernel
 
 
 class _Parser(argparse.ArgumentParser):
@@ -484,7 +484,7 @@ class LaunchMagics(Magics):
             return _Help(_LAUNCH_PARSER.format_help())
         if args.o is not None and not args.o.isidentifier():
             raise UsageError(f"%%launch_ddp: -o needs a variable name, got {args.o!r}")
-        filename = f"<%%launch_ddp cell In[{self.shell.execution_count}]>"
+        filename = f"<%%launch_ddp cell In[{cell_number(self.shell)}]>"
         slurm = slurm_options(args, _LAUNCH_PARSER.prog)
         if slurm is not None:
             return self._launch_on_slurm(args, slurm, cell, filename)

@@ -1,6 +1,7 @@
 """Shared parts of the browser tests: a real JupyterLab (``jupyterlab_servers``, the ``jupyterlab`` fixture),
 headless Chromium on it (``open_and_run``), and what to read from the page's BokehJS (``PLOTTED``, ...)."""
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -179,6 +180,20 @@ def open_and_run(playwright, url: str, cells: int, console: list[str] | None = N
                 f".jp-Cell >> nth={number} >> .jp-InputPrompt:has-text('[{number + 1}]')", timeout=60_000
             )
     return browser, page
+
+
+@contextlib.contextmanager
+def notebook_page(url: str, cells: int, console: list[str] | None = None):
+    """Headless Chromium on the notebook at ``url`` with its first ``cells`` cells run (``open_and_run``);
+    yields the page, and closes the browser after."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser, page = open_and_run(playwright, url, cells, console)
+        try:
+            yield page
+        finally:
+            browser.close()
 
 
 def points_grow(page, within_s: float = 60) -> list[int]:

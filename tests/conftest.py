@@ -232,6 +232,7 @@ class CellResult:
     html: list[str] = field(default_factory=list)
     mimetypes: list[str] = field(default_factory=list)  # of every display in order
     error: tuple[str, str] | None = None  # (ename, evalue)
+    execution_count: int = 0  # the cell's number, as its prompt shows it
 
     @property
     def all_text(self) -> str:
@@ -274,6 +275,7 @@ class Kernel:
 
         reply = self.client.execute_interactive(code, timeout=timeout, output_hook=collect)
         result.status = reply["content"]["status"]
+        result.execution_count = reply["content"].get("execution_count", 0)
         if result.status == "error" and result.error is None:  # UsageError goes to stderr, not as an error message
             result.error = (reply["content"].get("ename", ""), reply["content"].get("evalue", ""))
         return result

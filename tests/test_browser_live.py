@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.browser import PLOTTED, bokeh_trouble, open_and_run, save_and_reload
+from tests.browser import PLOTTED, bokeh_trouble, notebook_page, save_and_reload
 
 pytestmark = pytest.mark.kernel
 
@@ -91,30 +91,24 @@ def wait_for_pixels(page, cell: int, path, within_s: float = 30) -> int:
 def test_curves_draw_live_when_the_first_log_comes_4_s_after_the_start(jupyterlab, artifacts):
     """The ranks log first 4 s in (after the dashboard went live with their resources): the loss curves are
     drawn while the cell runs, the status line gives a true step rate and an ETA, and no range is NaN."""
-    from playwright.sync_api import sync_playwright
-
     url = jupyterlab(["%load_ext gpumagic", LATE_FIRST_LOG])
     console: list[str] = []
-    with sync_playwright() as playwright:
-        browser, page = open_and_run(playwright, url, 2, console)
-        try:
-            page.wait_for_selector(".jp-Cell >> nth=1 >> text=steps/s", timeout=60_000)
-            pixels = wait_for_pixels(page, 1, artifacts / "browser-first-log-late.png")
-            status = page.locator(".jp-Cell >> nth=1 >> text=steps/s").first.inner_text()
-            running = "running" in status
-            assert pixels >= 300, f"the loss plot drew {pixels} pixels of curve while running"
-            assert running, status
-            ranges = page.evaluate(RANGES, "loss")
-            assert ranges and all(value == value for found in ranges for value in found[1:]), ranges  # no NaN
-            rate = float(status.split(" steps/s")[0].rsplit("·", 1)[1].replace(",", ""))
-            assert 20 < rate < 60, status  # 50 steps/s at most (a 20 ms sleep a step), not 0.0
-            assert "of 600" in status and "ETA" in status, status
-            page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=60_000)
-            page.wait_for_timeout(1500)
-            assert curve_pixels(page, 1, artifacts / "browser-first-log-late-finished.png") >= 300
-            assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
-        finally:
-            browser.close()
+    with notebook_page(url, 2, console) as page:
+        page.wait_for_selector(".jp-Cell >> nth=1 >> text=steps/s", timeout=60_000)
+        pixels = wait_for_pixels(page, 1, artifacts / "browser-first-log-late.png")
+        status = page.locator(".jp-Cell >> nth=1 >> text=steps/s").first.inner_text()
+        running = "running" in status
+        assert pixels >= 300, f"the loss plot drew {pixels} pixels of curve while running"
+        assert running, status
+        ranges = page.evaluate(RANGES, "loss")
+        assert ranges and all(value == value for found in ranges for value in found[1:]), ranges  # no NaN
+        rate = float(status.split(" steps/s")[0].rsplit("·", 1)[1].replace(",", ""))
+        assert 20 < rate < 60, status  # 50 steps/s at most (a 20 ms sleep a step), not 0.0
+        assert "of 600" in status and "ETA" in status, status
+        page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=60_000)
+        page.wait_for_timeout(1500)
+        assert curve_pixels(page, 1, artifacts / "browser-first-log-late-finished.png") >= 300
+        assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
 
 
 DDP_CELLS = [
@@ -131,25 +125,19 @@ def test_a_ddp_group_draws_curves_first_logged_in_a_later_cell_and_a_superseded_
 ):
     """The group's dashboard goes live at %ddp start; the first point comes two cells later. Its curves are
     drawn; %ddp watch shows a new dashboard and the first keeps its last picture."""
-    from playwright.sync_api import sync_playwright
-
     url = jupyterlab(DDP_CELLS)
     console: list[str] = []
-    with sync_playwright() as playwright:
-        browser, page = open_and_run(playwright, url, 4, console)
-        try:
-            page.wait_for_selector(".jp-Cell >> nth=3 >> .jp-InputPrompt:has-text('[4]')", timeout=90_000)
-            pixels = wait_for_pixels(page, 1, artifacts / "browser-ddp-group.png")
-            assert pixels >= 300, f"the group's loss plot drew {pixels} pixels of curve"
-            page.keyboard.press("Shift+Enter")  # %ddp watch: a new dashboard; the first one frozen
-            page.wait_for_selector(".jp-Cell >> nth=4 >> canvas", timeout=60_000)
-            page.wait_for_timeout(2000)
-            assert curve_pixels(page, 1, artifacts / "browser-ddp-superseded.png") >= 300
-            assert page.locator(".jp-Cell >> nth=1 >> text=superseded").count() == 1
-            assert curve_pixels(page, 4, artifacts / "browser-ddp-watch.png") >= 300  # its history, drawn again
-            assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
-        finally:
-            browser.close()
+    with notebook_page(url, 4, console) as page:
+        page.wait_for_selector(".jp-Cell >> nth=3 >> .jp-InputPrompt:has-text('[4]')", timeout=90_000)
+        pixels = wait_for_pixels(page, 1, artifacts / "browser-ddp-group.png")
+        assert pixels >= 300, f"the group's loss plot drew {pixels} pixels of curve"
+        page.keyboard.press("Shift+Enter")  # %ddp watch: a new dashboard; the first one frozen
+        page.wait_for_selector(".jp-Cell >> nth=4 >> canvas", timeout=60_000)
+        page.wait_for_timeout(2000)
+        assert curve_pixels(page, 1, artifacts / "browser-ddp-superseded.png") >= 300
+        assert page.locator(".jp-Cell >> nth=1 >> text=superseded").count() == 1
+        assert curve_pixels(page, 4, artifacts / "browser-ddp-watch.png") >= 300  # its history, drawn again
+        assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
 
 
 def launch_for(seconds: float, flags: str = "") -> str:
@@ -165,29 +153,23 @@ def test_a_page_reloaded_during_a_launch_shows_its_dashboard_and_then_its_final_
     """Saved and reloaded while the launch runs: a --no-wait launch's dashboard draws again at once (the
     kernel is free) and turns into its static copy when the launch ends; a blocking launch's shows its final
     state when the cell ends (the kernel answers the page then). Never "model not found", never blank."""
-    from playwright.sync_api import sync_playwright
-
-    url = jupyterlab(["%load_ext gpumagic", launch_for(14, flags)])
+    url = jupyterlab(["%load_ext gpumagic", launch_for(18 if flags else 14, flags)])
     console: list[str] = []
     name = flags.strip("-") or "blocking"
-    with sync_playwright() as playwright:
-        browser, page = open_and_run(playwright, url, 2, console)
-        try:
-            page.wait_for_selector(".jp-Cell >> nth=1 >> text=steps/s", timeout=60_000)
-            assert wait_for_pixels(page, 1, artifacts / f"browser-reload-{name}-before.png") >= 300
-            save_and_reload(page) if flags else _save_and_reload_busy(page)
-            if flags:  # the kernel is free: the live dashboard again, from where the run is
-                assert wait_for_pixels(page, 1, artifacts / f"browser-reload-{name}-live.png") >= 300
-                assert page.locator(".jp-Cell >> nth=1 >> text=running").count() == 1
-            page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=60_000)
-            page.wait_for_timeout(2000)
-            pixels = curve_pixels(page, 1, artifacts / f"browser-reload-{name}-finished.png")
-            assert pixels >= 300, f"after the launch ended the reloaded page drew {pixels} pixels of curve"
-            assert page.locator("text=model not found").count() == 0
-            assert page.evaluate(PLOTTED)["backwards"] == 0
-            assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
-        finally:
-            browser.close()
+    with notebook_page(url, 2, console) as page:
+        page.wait_for_selector(".jp-Cell >> nth=1 >> text=steps/s", timeout=60_000)
+        assert wait_for_pixels(page, 1, artifacts / f"browser-reload-{name}-before.png") >= 300
+        save_and_reload(page) if flags else _save_and_reload_busy(page)
+        if flags:  # the kernel is free: the live dashboard again, from where the run is
+            assert wait_for_pixels(page, 1, artifacts / f"browser-reload-{name}-live.png") >= 300
+            assert page.locator(".jp-Cell >> nth=1 >> text=running").count() == 1
+        page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=60_000)
+        page.wait_for_timeout(2000)
+        pixels = curve_pixels(page, 1, artifacts / f"browser-reload-{name}-finished.png")
+        assert pixels >= 300, f"after the launch ended the reloaded page drew {pixels} pixels of curve"
+        assert page.locator("text=model not found").count() == 0
+        assert page.evaluate(PLOTTED)["backwards"] == 0
+        assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
 
 
 def _save_and_reload_busy(page) -> None:
@@ -205,64 +187,83 @@ REOPEN_CELLS = ["%load_ext gpumagic", launch_for(1.2), "%gpu watch --interval 0.
 def test_a_reopened_notebook_run_again_draws_every_dashboard(jupyterlab, artifacts, restart):
     """A notebook with a finished launch and a running %gpu watch, saved, reopened and run again (Run All, or
     Restart Kernel and Run All): BokehJS is there before every plot, every dashboard draws."""
-    from playwright.sync_api import sync_playwright
-
     url = jupyterlab(REOPEN_CELLS, GPUMAGIC_SIMULATE="2xA100-80GB")
     console: list[str] = []
-    with sync_playwright() as playwright:
-        browser, page = open_and_run(playwright, url, 3, console)
-        try:
-            page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=90_000)
-            page.wait_for_selector(".jp-Cell >> nth=2 >> canvas", timeout=60_000)
-            save_and_reload(page)
-            console.append("---- reopened ----")
-            if restart:
-                page.click("text=Kernel")
-                page.click("text=Restart Kernel and Run All Cells…")
-                page.locator(".jp-Dialog button.jp-mod-accept").click()
-            else:
-                page.click("text=Run >> nth=0")
-                page.click("text=Run All Cells")
-            page.wait_for_selector(".jp-Cell >> nth=2 >> .jp-InputPrompt:has-text('[')", timeout=60_000)
-            page.wait_for_timeout(1000)
-            page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=90_000)
-            page.wait_for_timeout(3000)
-            shot = artifacts / f"browser-reopen-{'restart-' if restart else ''}run-all.png"
-            assert curve_pixels(page, 1, shot) >= 300
-            assert page.locator(".jp-Cell >> nth=2 >> canvas").count() >= 3
-            after = console[console.index("---- reopened ----") :]
-            assert not [line for line in after if "reading 'require'" in line], after
-            assert not bokeh_trouble(after), bokeh_trouble(after)[:5]
-            assert page.locator("text=model not found").count() == 0
-        finally:
-            browser.close()
+    with notebook_page(url, 3, console) as page:
+        page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=90_000)
+        page.wait_for_selector(".jp-Cell >> nth=2 >> canvas", timeout=60_000)
+        save_and_reload(page)
+        console.append("---- reopened ----")
+        if restart:
+            page.click("text=Kernel")
+            page.click("text=Restart Kernel and Run All Cells…")
+            page.locator(".jp-Dialog button.jp-mod-accept").click()
+        else:
+            page.click("text=Run >> nth=0")
+            page.click("text=Run All Cells")
+        page.wait_for_selector(".jp-Cell >> nth=2 >> .jp-InputPrompt:has-text('[')", timeout=60_000)
+        page.wait_for_timeout(1000)
+        page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=90_000)
+        page.wait_for_timeout(3000)
+        shot = artifacts / f"browser-reopen-{'restart-' if restart else ''}run-all.png"
+        assert curve_pixels(page, 1, shot) >= 300
+        assert page.locator(".jp-Cell >> nth=2 >> canvas").count() >= 3
+        after = console[console.index("---- reopened ----") :]
+        assert not [line for line in after if "reading 'require'" in line], after
+        assert not bokeh_trouble(after), bokeh_trouble(after)[:5]
+        assert page.locator("text=model not found").count() == 0
 
 
-def test_the_dark_theme_reads_at_4_5_to_1(jupyterlab, artifacts):
+COUNT_COMMS = (
+    "%load_ext gpumagic\nimport collections\ncomms = collections.Counter()\nkernel = get_ipython().kernel\n"
+    "def counting(kind, handler):\n    def counted(*args, **kwargs):\n        comms[kind] += 1\n"
+    "        data = args[-1]['content'].get('data', {})\n"
+    "        comms[str(data.get('method')) + ':' + str(data.get('event', data.get('content', {})))[:80]] += 1\n"
+    "        return handler(*args, **kwargs)\n    return counted\n"
+    "for kind in ('comm_msg', 'comm_open', 'comm_close'):\n"
+    "    kernel.shell_handlers[kind] = counting(kind, kernel.shell_handlers[kind])"
+)
+
+
+def test_the_dark_theme_reads_at_4_5_to_1_and_reading_a_plot_sends_nothing(jupyterlab, artifacts):
     """In JupyterLab Dark: the plots' tick labels, titles and legend, the tabs and the status line have at least
-    4.5:1 contrast against what is behind them."""
-    from playwright.sync_api import sync_playwright
-
-    url = jupyterlab(["%load_ext gpumagic", launch_for(6)], theme="JupyterLab Dark")
-    with sync_playwright() as playwright:
-        browser, page = open_and_run(playwright, url, 2)
-        try:
-            page.wait_for_selector(".jp-Cell >> nth=1 >> text=steps/s", timeout=60_000)
-            wait_for_pixels(page, 1, artifacts / "browser-dark-theme.png")
-            page.locator(".jp-Cell >> nth=1").screenshot(path=str(artifacts / "cell-dark-theme.png"))
-            measured = {
-                "tick labels": page.evaluate(CONTRAST, [".bk-Figure", "--bk-major-label-text-color"]),
-                "legend": page.evaluate(CONTRAST, [".bk-Figure", "--bk-label-text-color"]),
-                "titles": page.evaluate(CONTRAST, [".bk-Figure", "--bk-text-color"]),
-                "active tab": page.evaluate(CONTRAST, [".bk-tab.bk-active", None]),
-                "status line": page.evaluate(CONTRAST, [".widget-html-content, .gpumagic-launch-dashboard", None]),
-            }
-            print({name: round(found["ratio"], 2) for name, found in measured.items() if found})
-            for name, found in measured.items():
-                assert found is not None, f"{name}: not on the page"
-                assert found["ratio"] >= 4.5, (name, found)
-        finally:
-            browser.close()
+    4.5:1 contrast against what is behind them. Moving the smoothing slider, switching tabs and hovering send
+    the kernel no message (docs/telemetry.md says so)."""
+    url = jupyterlab([COUNT_COMMS, launch_for(6), "print(sum(comms.values()), dict(comms))"], theme="JupyterLab Dark")
+    with notebook_page(url, 2) as page:
+        page.wait_for_selector(".jp-Cell >> nth=1 >> text=steps/s", timeout=60_000)
+        wait_for_pixels(page, 1, artifacts / "browser-dark-theme.png")
+        page.locator(".jp-Cell >> nth=1").screenshot(path=str(artifacts / "cell-dark-theme.png"))
+        measured = {
+            "tick labels": page.evaluate(CONTRAST, [".bk-Figure", "--bk-major-label-text-color"]),
+            "legend": page.evaluate(CONTRAST, [".bk-Figure", "--bk-label-text-color"]),
+            "titles": page.evaluate(CONTRAST, [".bk-Figure", "--bk-text-color"]),
+            "active tab": page.evaluate(CONTRAST, [".bk-tab.bk-active", None]),
+            "status line": page.evaluate(CONTRAST, [".widget-html-content, .gpumagic-launch-dashboard", None]),
+        }
+        print({name: round(found["ratio"], 2) for name, found in measured.items() if found})
+        for name, found in measured.items():
+            assert found is not None, f"{name}: not on the page"
+            assert found["ratio"] >= 4.5, (name, found)
+        # moving the smoothing slider, switching to the log tab, hovering: nothing reaches the kernel
+        page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=60_000)
+        page.wait_for_timeout(1000)
+        title = page.locator(".jp-Cell >> nth=1 >> .bk-slider-title").first
+        before = float(title.inner_text().rsplit(":", 1)[1])
+        page.locator(".jp-Cell >> nth=1 >> .noUi-handle").first.drag_to(
+            page.locator(".jp-Cell >> nth=1 >> .noUi-base").first, target_position={"x": 5, "y": 5}
+        )
+        page.locator(".jp-Cell >> nth=1 >> .bk-tab:has-text('log y')").first.click()
+        box = page.locator(".jp-Cell >> nth=1 >> canvas >> visible=true").first.bounding_box()
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)  # the hover's tooltip
+        page.wait_for_timeout(1000)
+        after = float(title.inner_text().rsplit(":", 1)[1])
+        assert after < min(before, 0.1), (before, after)  # the slider moved, to about the raw points
+        page.locator(".jp-Cell >> nth=2 >> .jp-InputArea-editor").click()
+        page.keyboard.press("Shift+Enter")
+        page.wait_for_selector(".jp-Cell >> nth=2 >> .jp-OutputArea-output", timeout=30_000)
+        counted = page.locator(".jp-Cell >> nth=2 >> .jp-OutputArea-output").inner_text()
+        assert counted.split()[0] == "0", counted
 
 
 LATE_JOBS = [
@@ -276,21 +277,17 @@ LATE_JOBS = [
 
 def test_jobs_watch_draws_curves_first_logged_4_s_after_it_is_shown(jupyterlab, artifacts):
     """%jobs watch shown before its jobs log anything: their curves are drawn once they do."""
-    from playwright.sync_api import sync_playwright
-
     import gpumagic
 
     url = jupyterlab(LATE_JOBS)
     console: list[str] = []
-    with sync_playwright() as playwright:
-        browser, page = open_and_run(playwright, url, 3, console)
-        try:
+    try:
+        with notebook_page(url, 3, console) as page:
             page.wait_for_selector(".jp-Cell >> nth=2 >> canvas", timeout=60_000)
             pixels = wait_for_pixels(page, 2, artifacts / "browser-jobs-watch-late.png", within_s=40)
             assert pixels >= 300, f"the jobs' loss plot drew {pixels} pixels of curve"
             assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
-        finally:
-            browser.close()
-            for job in gpumagic.list_jobs():
-                if job.status in ("running", "queued"):
-                    job.kill(grace_s=1)
+    finally:
+        for job in gpumagic.list_jobs():
+            if job.status in ("running", "queued"):
+                job.kill(grace_s=1)

@@ -15,7 +15,7 @@ from tests.browser import (
     WHERE_BACKWARDS,
     bokeh_trouble,
     near_white,
-    open_and_run,
+    notebook_page,
     points_grow,
 )
 
@@ -141,76 +141,70 @@ def test_gpu_watch_updates_stays_drawn_when_closed_or_replaced_and_reads_on_the_
     the text gpumagic draws (status line, bars, the %gpu table) has at least 4.5:1 contrast, and the %gpu table
     keeps each GPU on one line at 900 px. ``w.close()`` leaves the dashboard drawn (its plots, bars and status
     as a static copy), and so does a second %gpu watch to the one it replaces."""
-    from playwright.sync_api import sync_playwright
-
     server = tmp_path / "busy.json"
     server.write_text(json.dumps(BUSY_SERVER))
     url = jupyterlab(GPU_WATCH_CELLS, theme="JupyterLab Dark", GPUMAGIC_SIMULATE=str(server))
     console: list[str] = []
-    with sync_playwright() as playwright:
-        browser, page = open_and_run(playwright, url, 3, console)
-        try:
-            watch, table = ".jp-Cell >> nth=1", ".jp-Cell >> nth=2 >> table.gpumagic-status"
-            page.wait_for_selector(f"{watch} >> canvas", timeout=60_000)
-            page.wait_for_selector(table, timeout=30_000)
-            page.wait_for_timeout(2500)  # past the one catch-up re-send
-            looks = [page.evaluate(PLOTTED)]
-            for _ in range(3):
-                page.wait_for_timeout(3000)
-                looks.append(page.evaluate(PLOTTED))
-            points = [look["points"] for look in looks]
-            assert all(b > a for a, b in itertools.pairwise(points)), f"points at each look: {points}"
-            assert len({look["documents"] for look in looks}) == 1, f"documents: {[x['documents'] for x in looks]}"
-            assert all(look["backwards"] == 0 for look in looks), (looks, page.evaluate(WHERE_BACKWARDS))
-            assert looks[-1]["series"] >= 8 * 3  # every GPU on the memory, utilization and temperature plots
-            assert page.locator(f"{watch} >> text=live").count() > 0
-            assert page.locator(f"{watch} >> .gpumagic-gpu-bar").count() == 8
+    with notebook_page(url, 3, console) as page:
+        watch, table = ".jp-Cell >> nth=1", ".jp-Cell >> nth=2 >> table.gpumagic-status"
+        page.wait_for_selector(f"{watch} >> canvas", timeout=60_000)
+        page.wait_for_selector(table, timeout=30_000)
+        page.wait_for_timeout(2500)  # past the one catch-up re-send
+        looks = [page.evaluate(PLOTTED)]
+        for _ in range(3):
+            page.wait_for_timeout(3000)
+            looks.append(page.evaluate(PLOTTED))
+        points = [look["points"] for look in looks]
+        assert all(b > a for a, b in itertools.pairwise(points)), f"points at each look: {points}"
+        assert len({look["documents"] for look in looks}) == 1, f"documents: {[x['documents'] for x in looks]}"
+        assert all(look["backwards"] == 0 for look in looks), (looks, page.evaluate(WHERE_BACKWARDS))
+        assert looks[-1]["series"] >= 8 * 3  # every GPU on the memory, utilization and temperature plots
+        assert page.locator(f"{watch} >> text=live").count() > 0
+        assert page.locator(f"{watch} >> .gpumagic-gpu-bar").count() == 8
 
-            shot = artifacts / "browser-gpu-watch-dark.png"
-            page.locator(watch).evaluate("(cell) => cell.scrollIntoView()")
-            page.screenshot(path=str(shot), full_page=True)
-            assert near_white(shot, page.locator(f"{watch} >> canvas").first.bounding_box()) < 0.2
-            measured = contrasts(page, f"{watch} >> .jp-OutputArea-output")  # status line, bars, buttons
-            measured += contrasts(page, ".jp-Cell >> nth=2 >> .jp-OutputArea-output")  # the %gpu table
-            print(f"dark theme: {len(measured)} texts, lowest contrast", min(measured, key=lambda m: m["ratio"]))
-            assert len(measured) > 100 and not low(measured), low(measured)
-            table_element = page.locator(table).element_handle()
-            for width in (900, 1300):
-                layout = page.evaluate(ONE_LINE_ROWS, [table_element, width])
-                assert layout["fits"] and not layout["tall"], (width, layout)
-            page.evaluate("(t) => { t.closest('.jp-OutputArea-output').style.width = '900px'; }", table_element)
-            page.locator(".jp-Cell >> nth=2").screenshot(path=str(artifacts / "cell-gpu-table-900px-dark.png"))
-            page.evaluate("(t) => { t.closest('.jp-OutputArea-output').style.width = ''; }", table_element)
+        shot = artifacts / "browser-gpu-watch-dark.png"
+        page.locator(watch).evaluate("(cell) => cell.scrollIntoView()")
+        page.screenshot(path=str(shot), full_page=True)
+        assert near_white(shot, page.locator(f"{watch} >> canvas").first.bounding_box()) < 0.2
+        measured = contrasts(page, f"{watch} >> .jp-OutputArea-output")  # status line, bars, buttons
+        measured += contrasts(page, ".jp-Cell >> nth=2 >> .jp-OutputArea-output")  # the %gpu table
+        print(f"dark theme: {len(measured)} texts, lowest contrast", min(measured, key=lambda m: m["ratio"]))
+        assert len(measured) > 100 and not low(measured), low(measured)
+        table_element = page.locator(table).element_handle()
+        for width in (900, 1300):
+            layout = page.evaluate(ONE_LINE_ROWS, [table_element, width])
+            assert layout["fits"] and not layout["tall"], (width, layout)
+        page.evaluate("(t) => { t.closest('.jp-OutputArea-output').style.width = '900px'; }", table_element)
+        page.locator(".jp-Cell >> nth=2").screenshot(path=str(artifacts / "cell-gpu-table-900px-dark.png"))
+        page.evaluate("(t) => { t.closest('.jp-OutputArea-output').style.width = ''; }", table_element)
 
-            before = artifacts / "browser-gpu-watch-before-close.png"
-            page.locator(watch).screenshot(path=str(before))
-            run_cell(page, 3)  # w.close()
-            page.wait_for_selector(f"{watch} >> .gpumagic-gpu-watch >> text=closed at", timeout=30_000)
-            page.wait_for_selector(f"{watch} >> canvas", timeout=30_000)
-            page.wait_for_timeout(1500)
-            after = artifacts / "browser-gpu-watch-closed.png"
-            page.locator(watch).screenshot(path=str(after))
-            assert page.locator(f"{watch} >> canvas").count() >= 3  # memory, utilization, temperature
-            assert page.locator(f"{watch} >> .gpumagic-gpu-bar").count() == 8
-            assert page.locator(f"{watch} >> .jupyter-widgets").count() == 0  # no live widget left
-            drawn_before, drawn_after = ink(before), ink(after)
-            assert drawn_after > 0.05 and drawn_after > 0.5 * drawn_before, (drawn_before, drawn_after)
-            measured = contrasts(page, f"{watch} >> .jp-OutputArea-output")  # the static copy
-            assert len(measured) > 30 and not low(measured), low(measured)
+        before = artifacts / "browser-gpu-watch-before-close.png"
+        page.locator(watch).screenshot(path=str(before))
+        run_cell(page, 3)  # w.close()
+        page.wait_for_selector(f"{watch} >> .gpumagic-gpu-watch >> text=closed at", timeout=30_000)
+        page.wait_for_selector(f"{watch} >> canvas", timeout=30_000)
+        page.wait_for_timeout(1500)
+        after = artifacts / "browser-gpu-watch-closed.png"
+        page.locator(watch).screenshot(path=str(after))
+        assert page.locator(f"{watch} >> canvas").count() >= 3  # memory, utilization, temperature
+        assert page.locator(f"{watch} >> .gpumagic-gpu-bar").count() == 8
+        assert page.locator(f"{watch} >> .jupyter-widgets").count() == 0  # no live widget left
+        drawn_before, drawn_after = ink(before), ink(after)
+        assert drawn_after > 0.05 and drawn_after > 0.5 * drawn_before, (drawn_before, drawn_after)
+        measured = contrasts(page, f"{watch} >> .jp-OutputArea-output")  # the static copy
+        assert len(measured) > 30 and not low(measured), low(measured)
 
-            run_cell(page, 4)  # a new watch...
-            page.wait_for_selector(".jp-Cell >> nth=4 >> .gpumagic-gpu-bar", timeout=30_000)
-            page.wait_for_selector(".jp-Cell >> nth=4 >> canvas", timeout=30_000)
-            run_cell(page, 5)  # ...replaced by another: the first stays drawn
-            page.wait_for_selector(".jp-Cell >> nth=4 >> .gpumagic-gpu-watch >> text=closed at", timeout=30_000)
-            page.wait_for_selector(".jp-Cell >> nth=5 >> canvas", timeout=30_000)
-            page.wait_for_timeout(1500)
-            page.locator(".jp-Cell >> nth=4").screenshot(path=str(artifacts / "browser-gpu-watch-replaced.png"))
-            assert page.locator(".jp-Cell >> nth=4 >> canvas").count() >= 3
-            assert page.locator(".jp-Cell >> nth=5 >> text=live").count() > 0
-            assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
-        finally:
-            browser.close()
+        run_cell(page, 4)  # a new watch...
+        page.wait_for_selector(".jp-Cell >> nth=4 >> .gpumagic-gpu-bar", timeout=30_000)
+        page.wait_for_selector(".jp-Cell >> nth=4 >> canvas", timeout=30_000)
+        run_cell(page, 5)  # ...replaced by another: the first stays drawn
+        page.wait_for_selector(".jp-Cell >> nth=4 >> .gpumagic-gpu-watch >> text=closed at", timeout=30_000)
+        page.wait_for_selector(".jp-Cell >> nth=5 >> canvas", timeout=30_000)
+        page.wait_for_timeout(1500)
+        page.locator(".jp-Cell >> nth=4").screenshot(path=str(artifacts / "browser-gpu-watch-replaced.png"))
+        assert page.locator(".jp-Cell >> nth=4 >> canvas").count() >= 3
+        assert page.locator(".jp-Cell >> nth=5 >> text=live").count() > 0
+        assert not bokeh_trouble(console), bokeh_trouble(console)[:5]
 
 
 JOB_CELLS = [
@@ -232,14 +226,11 @@ def test_jobs_watch_with_a_filter_streams_reads_on_the_light_theme_and_its_kill_
     streaming in their own colours, the waiting one's why in one line (in full under the mouse), text at 4.5:1
     or more on the light theme (the %gpu table's too); Kill stops a job, which then leaves the table (no longer
     running or queued)."""
-    from playwright.sync_api import sync_playwright
-
     import gpumagic
 
     url = jupyterlab(JOB_CELLS, GPUMAGIC_SIMULATE="4xA100-80GB")
-    with sync_playwright() as playwright:
-        browser, page = open_and_run(playwright, url, 5)
-        try:
+    try:
+        with notebook_page(url, 5) as page:
             cell = ".jp-Cell >> nth=2"
             page.wait_for_selector(f"{cell} >> text=3 background jobs", timeout=60_000)
             seen = points_grow(page, within_s=20)  # well before the 30 s full re-save: the streams arrive
@@ -273,8 +264,7 @@ def test_jobs_watch_with_a_filter_streams_reads_on_the_light_theme_and_its_kill_
             page.wait_for_selector(f"{cell} >> text=2 background jobs", timeout=10_000)  # it left the table
             assert gpumagic.job("variant0").status == "killed"
             assert gpumagic.job("variant1").status == "running"
-        finally:
-            browser.close()
-            for job in gpumagic.list_jobs():
-                if job.status in ("running", "queued"):
-                    job.kill(grace_s=1)
+    finally:
+        for job in gpumagic.list_jobs():
+            if job.status in ("running", "queued"):
+                job.kill(grace_s=1)

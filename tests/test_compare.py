@@ -86,6 +86,7 @@ def test_the_table_shows_what_differs_and_each_metrics_last_and_best_value(sweep
         "status",
         "duration",
         "GPUs",
+        "GPU hours",
         *config,
         "acc last",
         "acc best",
@@ -100,12 +101,14 @@ def test_the_table_shows_what_differs_and_each_metrics_last_and_best_value(sweep
         assert 0 < row["duration"] < 60
     two = gpumagic.compare(["A-width=32,lr=0.01", gpumagic.job("A-width=32,lr=0.003")])
     assert [c for c in two.columns if c in ("width", "lr")] == ["lr"]  # width is 32 for both
+    assert [row["width"] for row in two.rows] == ["32", "32"] and two.shared == {"width": "32"}
+    assert repr(two).splitlines()[-1] == "same in every run: width=32", "a shared value is shown, not a dash"
     every = gpumagic.compare(["A-width=32,lr=0.01", "A-width=32,lr=0.003"], all_columns=True)
     assert [c for c in every.columns if c in ("width", "lr")] == ["width", "lr"]
 
     text = repr(comparison).splitlines()
     assert re.split(r"\s{2,}", text[0]) == comparison.columns
-    assert text[1].split()[:6] == ["A-width=32,lr=0.01", "finished", text[1].split()[2], "cpu", "32", "0.01"]
+    assert text[1].split()[:7] == ["A-width=32,lr=0.01", "finished", text[1].split()[2], "cpu", "0", "32", "0.01"]
     assert text[1].split()[-2:] == [f"{losses(32, 0.01)[-1]:.4g}", f"{min(losses(32, 0.01)):.4g}"]
     assert text[0].endswith("loss best") and text[1].endswith(f"{min(losses(32, 0.01)):.4g}"), "numbers align right"
     page = comparison._repr_html_()
@@ -159,8 +162,12 @@ def test_runs_differing_only_by_seed_are_one_mean_curve_with_a_band(sweep):
     assert comparison.curves["loss"][A_NAMES[0]] == (list(range(4)), losses(32, 0.01))
     assert repr(comparison).splitlines()[-1] == f"seed groups: {group}"
     comparison.layout()
-    legend = [item.label.value for item in comparison.figures["acc"].right[0].items]
-    assert legend == list(comparison.curves["acc"])
+    items = comparison.figures["acc"].right[0].items
+    assert [item.label.value for item in items] == [group] and len(items[0].renderers) == 2, "band and mean"
+    assert [list(xs) for xs in comparison.curve_sources["acc"].data["xs"]] == [list(range(4))] * 2 + [
+        list(range(5)),
+        list(range(6)),
+    ]
 
     apart = gpumagic.compare(["A-width=32,lr=0.01", "A-width=128,lr=0.01", "B-*"], group_seeds=False)
     assert list(apart.curves["loss"]) == [*A_NAMES[::2], *B_NAMES] and apart.bands == {}
@@ -191,30 +198,22 @@ def test_x_is_the_step_the_seconds_since_each_runs_first_point_or_the_wall_clock
     assert wall.figures["loss"].xaxis[0].axis_label == "elapsed"
     x_buttons.value = "step"
     assert wall.curves["acc"][A_NAMES[1]][0] == [0, 1, 2, 3]
-    tabs = wall.layout().children[1]  # loss-like: a linear and a log-y tab
+    from bokeh.models import Tabs
+
+    tabs = wall.layout().select_one({"type": Tabs})  # loss-like: a linear and a log-y tab
     assert [panel.title for panel in tabs.tabs] == ["linear", "log y"]
     wall.close()
 
 
-def test_the_sort_menu_re_renders_the_table(sweep):
+def test_sorting_and_filtering_redraw_the_view_in_that_order(sweep):
     comparison = gpumagic.compare("A-*")
-    controls, table, plots = comparison.widget.children
-    _, sort_menu, descending, _ = controls.children
-    assert sort_menu.options[0] == ("order given", "") and ("loss best", "loss best") in sort_menu.options
-    assert len(plots.children) == 1 and type(plots.children[0]).__name__ == "LiveBokehModel"
-
-    def order():
-        return sorted(A_NAMES, key=lambda name: table.value.index(f">{name}<"))
-
-    sort_menu.value = "loss best"
-    assert order() == names(comparison) == sorted(A_NAMES, key=lambda n: min(losses(*_point(n))))
-    assert descending.value is False
-    descending.value = True
-    assert order() == sorted(A_NAMES, key=lambda n: min(losses(*_point(n))))[::-1] and comparison.descending
-    sort_menu.value = "acc best"
-    assert descending.value is True, "a new column starts best first"
-    sort_menu.value = ""
-    assert order() == A_NAMES and comparison.sort_by is None
+    controls, plots = comparison.widget.children
+    assert controls.children[0].options == ("step", "elapsed", "time")
+    assert len(plots.children) == 1 and type(plots.children[0]).__name__ == "StaticBokehModel"
+    by_loss = sorted(A_NAMES, key=lambda n: min(losses(*_point(n))))
+    assert list(comparison.sort("loss").runs.data["name"]) == by_loss
+    assert list(comparison.filter("width=128").runs.data["name"]) == [n for n in by_loss if "width=128" in n]
+    assert list(comparison.filter().sort(None).runs.data["name"]) == A_NAMES
     comparison.close()
 
 
@@ -242,14 +241,14 @@ def test_a_live_job_is_shown_as_far_as_it_got_and_refresh_reads_on(tmp_path, mon
     assert [(r["name"], r["status"], r["loss last"], r["loss best"]) for r in comparison.rows] == [
         ("live", "running", 0.5, 0.5)
     ]
-    table = comparison.widget.children[1]
-    assert "running" in table.value
+    comparison.widget  # noqa: B018 - builds the view
+    assert list(comparison.runs.data["status"]) == ["running"]
     gate.touch()
     assert job.wait("30s") == "finished"
     comparison.refresh()
     assert [(r["status"], r["loss last"], r["loss best"]) for r in comparison.rows] == [("finished", 0.1, 0.1)]
     assert comparison.curves["loss"]["live"] == ([0, 1, 2], [1.0, 0.5, 0.1])
-    assert "finished" in table.value and "running" not in table.value
+    assert list(comparison.runs.data["status"]) == ["finished"], "the view is drawn again"
     comparison.close()
 
 
@@ -280,7 +279,10 @@ def test_runs_and_run_ids_compare_as_jobs_do(sweep, runs_dir):
         ({"runs_or_jobs": []}, "no runs or jobs to compare: name jobs (A-*), runs"),
         ({"metrics": ["loss", "nope"]}, "no run here logged 'nope'; the metrics are: acc, loss"),
         ({"x": "sideways"}, "x is one of step, elapsed (seconds since each run's first point) or time"),
-        ({"sort_by": "nope"}, "cannot sort by 'nope'; sort by a column: name, status, duration, GPUs, width, lr"),
+        (
+            {"sort_by": "nope"},
+            "cannot sort by 'nope'; sort by a column: name, status, duration, GPUs, GPU hours, width, lr",
+        ),
     ],
 )
 def test_bad_input_is_a_one_line_invalid_argument(sweep, arguments, message):
@@ -301,6 +303,8 @@ def test_jobs_compare_magic(sweep, shell):
     assert list(apart.curves["acc"]) == B_NAMES and apart.x == "elapsed" and names(apart) == B_NAMES[::-1]
     everything = shell.run_line_magic("jobs", "compare")
     assert names(everything) == A_NAMES + B_NAMES
+    narrow = shell.run_line_magic("jobs", "compare A-* --filter width=32 --filter lr<=0.005")
+    assert names(narrow) == ["A-width=32,lr=0.003"]
     assert "%jobs compare [NAME...]" in str(shell.run_line_magic("jobs", "help"))
     assert "--sort-by COL" in str(shell.run_line_magic("jobs", "help compare"))
 
@@ -316,6 +320,7 @@ def test_jobs_compare_magic(sweep, shell):
         ("compare A-* --sort-by nope", "%jobs compare: cannot sort by 'nope'"),
         ("compare A-* --descending --ascending", "%jobs compare: argument --ascending: not allowed with"),
         ("compare A-* --bogus", "%jobs compare: unrecognized arguments: --bogus"),
+        ("compare A-* --filter depth=3", "%jobs compare: cannot filter by 'depth'"),
     ],
 )
 def test_jobs_compare_bad_input_is_a_one_line_usage_error(sweep, shell, line, message):
@@ -325,7 +330,7 @@ def test_jobs_compare_bad_input_is_a_one_line_usage_error(sweep, shell, line, me
 
 
 def test_importing_gpumagic_imports_no_plotting():
-    heavy = ("bokeh", "ipywidgets", "torch", "gpumagic.widgets.compare")
+    heavy = ("bokeh", "ipywidgets", "torch", "pandas", "gpumagic.widgets.compare", "gpumagic.telemetry.comparison")
     code = f"import gpumagic, sys; print(sorted(m for m in {heavy} if m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
 
@@ -335,7 +340,7 @@ def test_a_new_kernel_compares_what_an_earlier_one_ran(sweep, start_kernel):
     kernel = start_kernel()
     kernel.ok("%load_ext gpumagic\nimport gpumagic, json")
     shown = kernel.ok("%jobs compare A-* --sort-by loss")
-    assert shown.mimetypes.count("application/vnd.jupyter.widget-view+json") == 2  # BokehJS's loader, the view
+    assert shown.mimetypes.count("application/vnd.jupyter.widget-view+json") == 1  # a frame: BokehJS, the view
     rows = kernel.ok(
         "c = gpumagic.compare('A-*', sort_by='loss')\n"
         "print(json.dumps([[r['name'], r['lr'], r['loss last'], r['loss best']] for r in c.rows]))"
@@ -372,15 +377,16 @@ def test_random_compare_lines_work_or_raise_a_one_line_usage_error(sweep, shell,
 def member(name, params, steps, values):
     from pathlib import Path
 
+    from gpumagic.telemetry.comparison import Member
     from gpumagic.telemetry.store import Series
-    from gpumagic.widgets.compare import Member
 
     series = Series(list(steps), list(values), [1000.0 + s for s in steps])
     return Member(name, "finished", 1.0, "cpu", params, {"loss": series}, Path(name))
 
 
 def test_seed_groups_keep_to_one_sweep_and_a_short_seed_cuts_nothing_short():
-    from gpumagic.widgets.compare import _group_points, seed_groups
+    from gpumagic.telemetry.comparison import group_points as _group_points
+    from gpumagic.telemetry.comparison import seed_groups
 
     runs = [
         member("A-lr=1,seed=1", {"lr": 1, "seed": 1}, range(4), [4, 3, 2, 1]),
@@ -397,8 +403,8 @@ def test_seed_groups_keep_to_one_sweep_and_a_short_seed_cuts_nothing_short():
 
 
 def test_a_step_logged_again_from_0_is_not_drawn_back_to_the_start():
+    from gpumagic.telemetry.comparison import _forward
     from gpumagic.telemetry.store import Series
-    from gpumagic.widgets.compare import _forward
 
     restarted = _forward(Series([0, 1, 2, 0, 1, 3], [5, 4, 3, 9, 8, 2], [1, 2, 3, 4, 5, 6]))
     assert (restarted.steps, restarted.values) == ([0, 1, 2, 3], [5, 4, 3, 2])
@@ -406,9 +412,248 @@ def test_a_step_logged_again_from_0_is_not_drawn_back_to_the_start():
 
 def test_a_launch_run_shows_its_gpus_as_indices_not_uuids(simulated):
     from gpumagic.devices.inventory import read_inventory
-    from gpumagic.widgets.compare import _run_gpus
+    from gpumagic.telemetry.comparison import _run_gpus
 
     uuids = [gpu.uuid for gpu in read_inventory().gpus]
     assert _run_gpus([[uuids[2]], [uuids[3]]], "finished") == "2,3"
     assert _run_gpus([["GPU-elsewhere-1"], ["GPU-elsewhere-2"]], "finished") == "2 GPUs"
     assert _run_gpus([[], []], "finished") == "cpu"
+
+
+# A few hundred runs, written with the real writers (a run directory, a Recorder), read back from disk.
+LRS = ["0.0001", "0.0003", "0.001", "0.003", "0.01"]
+MANY = 300
+
+
+def many_params(i):
+    return {"lr": LRS[i % 5], "width": str([32, 64, 128][(i // 5) % 3]), "opt": ["adam", "sgd"][(i // 15) % 2],
+            "epochs": "10", "seed": str(i // 30)}  # fmt: skip
+
+
+def many_points(i):
+    return 40 + (i % 4) * 60  # 40, 100, 160 or 220 points
+
+
+def many_loss(i, step):
+    count = many_points(i)
+    return (1 + i % 13) / (step + 1) + (0.5 if step == count - 1 else 0.0)  # the last is not the best
+
+
+def many_acc(i, step):
+    return step / many_points(i) + (i % 11) / 100  # the highest at the last step
+
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory):
+    """300 finished kernel runs of a grid (lr x width x opt, epochs=10 for all, 10 seeds); every 50th ran on 2
+    GPUs for half an hour."""
+    from gpumagic.telemetry import store
+    from gpumagic.telemetry.log import Recorder
+
+    root = tmp_path_factory.mktemp("many-runs")
+    now = time.time()
+    runs = []
+    for i in range(MANY):
+        extra = {"gpus": [["GPU-x-1"], ["GPU-x-2"]], "created": now - 1800} if i % 50 == 0 else {}
+        path = store.new_run("kernel", root=root, params=many_params(i), **extra)
+        recorder = Recorder(path, 0)
+        loss, acc = recorder.name_id("loss"), recorder.name_id("acc")
+        for step in range(many_points(i)):
+            recorder.points.extend(
+                (now + step, step, loss, many_loss(i, step), now + step, step, acc, many_acc(i, step))
+            )
+        recorder.close()
+        store.finish_run(path, "finished")
+        runs.append(store.Run(path, json.loads((path / "run.json").read_text())))
+    return runs
+
+
+def test_hundreds_of_runs_each_metrics_best_and_last_value_and_gpu_hours(simulated, many):
+    comparison = gpumagic.compare(many)
+    assert len(comparison.rows) == MANY and comparison.shared == {"epochs": "10"}
+    assert [c for c in comparison.columns if c in many_params(0)] == ["lr", "width", "opt", "seed"]
+    for i, row in enumerate(comparison.rows):
+        n = many_points(i)
+        assert row["loss last"] == many_loss(i, n - 1) and row["loss best"] == many_loss(i, n - 2), "lowest"
+        assert row["acc last"] == row["acc best"] == many_acc(i, n - 1), "accuracy: the highest is the best"
+        assert row["epochs"] == "10" and row["lr"] == LRS[i % 5]
+        if i % 50 == 0:
+            assert row["GPUs"] == "2 GPUs" and row["GPU hours"] == pytest.approx(1.0, abs=0.01)
+        else:
+            assert row["GPUs"] == "cpu" and row["GPU hours"] == 0
+    every = gpumagic.compare(many[1:4], all_columns=True)
+    assert "epochs" in every.columns and [r["epochs"] for r in every.rows] == ["10"] * 3
+    assert all(line.split()[every.columns.index("epochs")] == "10" for line in repr(every).splitlines()[1:4])
+
+
+def _expected_order(comparison, column, descending):
+    from gpumagic.telemetry.comparison import sort_key
+
+    keys = [(sort_key(r[column]), r["name"]) for r in comparison._unsorted]
+    present = [(k, n) for k, n in keys if k is not None]
+    numbers = all(isinstance(k, float) for k, _ in present)
+    present.sort(key=lambda item: item[0] if numbers else str(item[0]), reverse=descending)
+    return [n for _, n in present] + [n for k, n in keys if k is None]
+
+
+def test_hundreds_of_runs_sort_by_any_column_either_way(simulated, many):
+    comparison = gpumagic.compare(many)
+    for column in comparison.columns:
+        for descending in (False, True):
+            comparison.sort(column, descending)
+            assert names(comparison) == _expected_order(comparison, column, descending), column
+    assert names(comparison.sort("lr"))[:60] == [r["name"] for r in comparison._unsorted if r["lr"] == "0.0001"]
+    assert comparison.sort("epochs").sort_by == "epochs", "a shared hyperparameter sorts too"
+    assert comparison.sort("acc").descending and not comparison.sort("loss").descending
+
+
+def test_hundreds_of_runs_filter_by_any_column(simulated, many):
+    comparison = gpumagic.compare(many)
+    assert len(comparison.filter("lr <= 0.001").rows) == 180, "numbers compare as numbers"
+    assert {r["lr"] for r in comparison.rows} == {"0.0001", "0.0003", "0.001"}
+    both = comparison.filter("lr<=0.001", width=128, opt="sgd")
+    assert len(both.rows) == 30 and {(r["width"], r["opt"]) for r in both.rows} == {("128", "sgd")}
+    assert repr(both).splitlines()[-2] == "filtered by lr<=0.001, width=128, opt=sgd: 30 of 300 runs"
+    assert len(comparison.filter("loss best < 1").rows) == sum(
+        many_loss(i, many_points(i) - 2) < 1 for i in range(MANY)
+    )
+    assert len(comparison.filter("loss < 1").rows) == len(comparison.rows), "a metric is its best value"
+    assert len(comparison.filter("name ~ KERNEL").rows) == MANY and comparison.filter(epochs=10).rows
+    assert len(comparison.filter("GPUs != cpu").rows) == 6 and len(comparison.filter("GPU hours > 0.5").rows) == 6
+    sorted_and_filtered = comparison.sort("loss").filter("opt = adam")
+    losses_shown = [r["loss best"] for r in sorted_and_filtered.rows]
+    assert losses_shown == sorted(losses_shown) and {r["opt"] for r in sorted_and_filtered.rows} == {"adam"}
+    assert len(comparison.filter().rows) == MANY
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda c: c.sort("nope"),
+            "cannot sort by 'nope'; sort by a column: name, status, duration, GPUs, GPU hours, lr",
+        ),
+        (lambda c: c.filter("nope > 1"), "cannot filter by 'nope'; filter by a column: name, status, duration, GPUs"),
+        (lambda c: c.filter(nope=1), "cannot filter by 'nope'; filter by a column: name, status, duration, GPUs"),
+        (lambda c: c.filter("lr"), "a filter is 'COLUMN OP VALUE' with OP one of <= >= == != < > = ~"),
+    ],
+)
+def test_an_unknown_column_to_sort_or_filter_by_names_the_known_ones(simulated, many, call, message):
+    with pytest.raises(gpumagic.InvalidArgument) as caught:
+        call(gpumagic.compare(many[:20]))
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+    if "cannot" in message:
+        assert "epochs" in str(caught.value) and "; or a metric: acc, loss" in str(caught.value)
+
+
+def test_to_pandas_has_a_row_per_run_and_a_column_per_hyperparameter_and_metric(simulated, many):
+    comparison = gpumagic.compare(many).sort("loss")
+    frame = comparison.to_pandas()
+    assert list(frame.columns) == ["name", "status", "lr", "width", "opt", "epochs", "seed", "duration_s",
+                                   "gpu_hours", "gpus", "acc_best", "acc_last", "loss_best", "loss_last"]  # fmt: skip
+    assert len(frame) == MANY and list(frame["name"]) == names(comparison), "the table's order"
+    assert str(frame["lr"].dtype) == "float64" and str(frame["width"].dtype) == "int64", "numbers as numbers"
+    assert set(frame["epochs"]) == {10} and set(frame["opt"]) == {"adam", "sgd"}
+    first = comparison.rows[0]
+    assert frame.iloc[0]["loss_best"] == first["loss best"] and frame.iloc[0]["acc_last"] == first["acc last"]
+    assert frame["gpu_hours"].sum() == pytest.approx(6.0, abs=0.05) and (frame["status"] == "finished").all()
+    assert len(comparison.filter(opt="sgd").to_pandas()) == 150
+
+
+def test_to_csv_round_trips_through_pandas(simulated, many, tmp_path):
+    import pandas
+
+    comparison = gpumagic.compare(many).filter("width=64")
+    path = tmp_path / "runs.csv"
+    text = comparison.to_csv(path)
+    assert path.read_text() == text and text.splitlines()[0].startswith("name,status,lr,width,opt,epochs,seed,")
+    assert len(text.splitlines()) == 1 + 100
+    again = pandas.read_csv(path)
+    pandas.testing.assert_frame_equal(again, comparison.to_pandas(), check_dtype=False)
+    assert comparison.to_csv() == text
+
+
+def test_the_smoothing_default_grows_with_the_density_of_the_points():
+    from gpumagic.telemetry.metric_kinds import smoothing_default
+
+    assert [smoothing_default(n) for n in (0, 5, 29)] == [0, 0, 0], "a sparse metric is drawn raw"
+    assert [smoothing_default(n) for n in (30, 60, 100, 300, 10_000)] == [0, 0.5, 0.7, 0.9, 0.9]
+
+
+def test_the_view_draws_a_polyline_and_a_thinned_curve_per_run(simulated, many, sweep):
+    import numpy
+
+    from gpumagic.telemetry.metric_kinds import smoothing_default
+    from gpumagic.widgets.compare import FULL_POINTS, FULL_RUNS, THIN_POINTS
+
+    comparison = gpumagic.compare(many).sort("loss")
+    comparison.layout()
+    assert len(comparison.runs.data["name"]) == MANY and list(comparison.runs.data["name"]) == names(comparison)
+    assert len(comparison.runs.data["axes_y"]) == MANY and {len(y) for y in comparison.runs.data["axes_y"]} == {4}
+    ticks = comparison.axes.xaxis[0].major_label_overrides
+    assert list(ticks.values()) == ["lr", "width", "opt", "loss best"], "an axis per differing key, then the metric"
+    # colours follow the metric: the best run blue (PALETTE[0]), the worst orange (PALETTE[1])
+    assert comparison.runs.data["color"][0] == "#468de5" and comparison.runs.data["color"][-1] == "#d6673f"
+    source = comparison.curve_sources["loss"]
+    drawn = [len(xs) for xs in source.data["xs"]]
+    logged = [many_points(i) for i in range(MANY)]
+    assert max(drawn[FULL_RUNS:]) <= THIN_POINTS < max(logged) and max(drawn[:FULL_RUNS]) <= FULL_POINTS
+    full = [len(comparison.arrays("loss", r)[0]) for r in comparison.rows[:FULL_RUNS]]
+    assert drawn[:FULL_RUNS] == full, "the best runs' curves are drawn whole"
+    reference = float(numpy.median(drawn))
+    assert comparison.slider.value == comparison.smoothing == smoothing_default(reference) and reference > 80
+    assert 0.6 < comparison.smoothing < 0.9
+    sparse = gpumagic.compare("A-*")
+    sparse.layout()
+    assert sparse.slider.value == 0.0, "4 points a run: drawn raw"
+
+
+def test_thinning_keeps_each_spans_extremes_and_smoothing_is_tensorboards():
+    import numpy
+
+    from gpumagic.widgets.compare import smoothed, thin_indices
+    from gpumagic.widgets.plots import Smoother
+
+    values = numpy.sin(numpy.arange(1000) / 30.0)
+    values[537] = 9.0  # a spike
+    kept, short, other = thin_indices([values, values[:80], values * 2], [100, 100, 10])
+    assert len(kept) <= 100 and 537 in kept and kept[0] == 0 and kept[-1] == 999
+    assert short.tolist() == list(range(80)) and len(other) <= 10 and 537 in other, "a limit per row"
+    assert [k.tolist() for k in thin_indices([values[:300]] * 2, [60, 60])] == [
+        thin_indices([values[:300]], [60])[0].tolist()
+    ] * 2
+    rows = [values[:50], values[:50] * 2, values[:200]]
+    smooth = smoothed(rows, 0.6, 50)
+    assert smooth[0] == pytest.approx(Smoother(0.6).feed(values[:50].tolist()))
+    assert smooth[1] == pytest.approx(Smoother(0.6).feed((values[:50] * 2).tolist()))
+    assert smooth[2] == pytest.approx(Smoother(1 - 0.4 * 50 / 200).feed(values[:200].tolist())), "same span of x"
+    assert smoothed(rows, 0.0, 50)[2] is rows[2]
+
+
+def test_a_sparse_metric_beside_a_dense_one_is_not_smoothed_into_lag(tmp_path):
+    """The slider's weight suits the densest metric; a metric logged once an epoch is drawn raw beside it."""
+    import numpy
+
+    from gpumagic.telemetry import store
+    from gpumagic.telemetry.log import Recorder
+    from gpumagic.telemetry.metric_kinds import smoothing_default
+
+    runs = []
+    for k in range(2):
+        path = store.new_run("kernel", root=tmp_path, params={"lr": str(0.1 * (k + 1))})
+        recorder = Recorder(path, 0)
+        loss, val = recorder.name_id("loss"), recorder.name_id("val_acc")
+        for step in range(300):
+            recorder.points.extend((1e9 + step, step, loss, 1 / (step + 1) + (step % 3) / 100))
+            if step % 60 == 59:
+                recorder.points.extend((1e9 + step, step, val, step / 300 + k / 10))
+        recorder.close()
+        store.finish_run(path, "finished")
+        runs.append(str(path))
+    comparison = gpumagic.compare(runs)
+    comparison.layout()
+    assert comparison.smoothing == smoothing_default(comparison.reference) > 0.6, "the loss: 100 points a curve"
+    sparse = comparison.curve_sources["val_acc"].data
+    assert [list(ys) for ys in sparse["ys"]] == [list(raw) for raw in sparse["raw"]], "5 points: raw"
+    dense = comparison.curve_sources["loss"].data
+    assert not numpy.allclose(dense["ys"][0], dense["raw"][0]) and comparison.slider.value == comparison.smoothing

@@ -240,9 +240,10 @@ def test_total_steps_is_recorded_once_and_not_drawn(tmp_path, monkeypatch):
 
 
 def test_smoothing_suits_the_density_and_the_slider_starts_there():
-    from gpumagic.widgets.plots import Smoothing, StepCurve, auto_smoothing
+    from gpumagic.telemetry.metric_kinds import smoothing_default
+    from gpumagic.widgets.plots import Smoothing, StepCurve
 
-    assert [auto_smoothing(n) for n in (10, 50, 100, 500, 100_000)] == [0.0, 0.0, 0.5, 0.9, 0.98]
+    assert [smoothing_default(n) for n in (10, 29, 60, 100, 100_000)] == [0.0, 0.0, 0.5, 0.7, 0.9]
     smoothing = Smoothing()
     sparse = StepCurve()
     sparse.stream(list(range(20)), [float(v % 2) for v in range(20)])  # an eval metric: 20 points
@@ -252,7 +253,7 @@ def test_smoothing_suits_the_density_and_the_slider_starts_there():
     dense = StepCurve()
     dense.stream(list(range(1000)), [float(v % 2) for v in range(1000)])
     smoothing.follow(dense.source)
-    assert smoothing.slider.value == 0.95
+    assert smoothing.slider.value == 0.9
     assert 0.4 < dense.source.data["smooth"][-1] < 0.6  # the noise averaged out
     assert smoothing._callback.args["sources"] == [sparse.source, dense.source]
 

@@ -222,15 +222,20 @@ COUNT_WIDGETS = (  # once the last dashboard has made its last update
 
 
 def test_dashboards_release_their_widgets(kernel):
-    """Fifteen launches, each with its dashboard: the kernel's widgets and comms do not pile up, and the last
-    dashboard still shows how its launch ended."""
+    """Fifteen launches, each with its dashboard: the kernel's widgets and comms do not pile up (a finished
+    dashboard's frame, an Output widget and its layout, stays for pages that reload: the latest KEPT_FRAMES of
+    them), and the last dashboard still shows how its launch ended."""
+    from gpumagic.widgets.plots import KEPT_FRAMES
+
     counts = []
-    for _ in range(15):
+    for _ in range(KEPT_FRAMES + 7):
         kernel.ok("%%launch_ddp -n 2 --gpus none\ngpumagic.log(loss=1.0)\ndist.barrier()\nrank")
+        kernel.ok("LaunchMagics.last_dashboard.join()")
         widgets, comms = map(int, kernel.ok(COUNT_WIDGETS).stdout.split())
         counts.append((widgets, comms))
     print(f"\n(widgets, comms) after each launch: {counts}")
-    assert counts[-1][0] <= counts[0][0] and counts[-1][1] <= counts[0][1], f"(widgets, comms) grew: {counts}"
+    assert counts[-1] == counts[KEPT_FRAMES + 1], f"(widgets, comms) grew past the kept frames: {counts}"
+    assert counts[-1][0] <= counts[0][0] + 2 * KEPT_FRAMES, f"(widgets, comms) grew: {counts}"
     d = "d = LaunchMagics.last_dashboard\n"
     assert kernel.ok(d + "print(d.state, 'finished' in d.snapshot)").stdout.split() == ["finished", "True"]
 

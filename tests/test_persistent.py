@@ -304,8 +304,10 @@ def test_a_kernel_that_used_torch_threads_can_start_a_group(start_kernel):
 def test_one_dashboard_per_group_follows_its_curves_across_cells(kernel):
     kernel.ok("%ddp start -n 2")
     board = "gpumagic.ddp_magics.DdpMagics.dashboard"
-    for _ in range(2):
-        kernel.ok("%%ddp\nfor step in range(5):\n    gpumagic.log(loss=1.0 / (step + 1))")
+    prompts = [
+        kernel.ok("%%ddp\nfor step in range(5):\n    gpumagic.log(loss=1.0 / (step + 1))").execution_count
+        for _ in range(2)
+    ]
     out = kernel.ok(
         f"import time\nd = {board}\ndeadline = time.time() + 10\n"
         "while d.points < 20 and time.time() < deadline:\n    time.sleep(0.2)\n"
@@ -318,10 +320,13 @@ def test_one_dashboard_per_group_follows_its_curves_across_cells(kernel):
         "print([step for _, step in d.cell_marks], drawn)"
     ).stdout
     assert marks.strip() == "[0, 4.0] [[0, 4.0]]"  # each cell marked at the last step before it, on the loss plot
+    labels = kernel.ok("print(*[label for label, _ in d.cell_marks])").stdout.split()
+    assert labels == [f"In[{number}]" for number in prompts]  # named as their prompts show them
     kernel.ok("%ddp watch")
-    assert kernel.ok(f"print(d is not {board}, d.state)").stdout.split() == ["True", "finished"]
+    assert kernel.ok(f"print(d is not {board}, d.state)").stdout.split() == ["True", "superseded"]
     kernel.ok("%ddp stop")
-    assert kernel.ok(f"print({board}, d.state)").stdout.split() == ["None", "finished"]
+    assert kernel.ok(f"print({board}, d.state)").stdout.split() == ["None", "superseded"]
+    assert kernel.ok("print(d.snapshot.count('Bokeh.embed.embed_items'))").stdout.strip() == "1"  # its picture
 
 
 def test_a_group_holds_the_gpus_it_leased_until_it_stops(start_kernel):

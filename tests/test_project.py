@@ -101,6 +101,11 @@ def test_code_is_lint_clean_and_formatted():
                 "  this checkout                picks",
             ],
         ),
+        (
+            "compare.py",
+            ["--runs", "50", "--points", "100", "--repeat", "1"],
+            ["build and first render", "ratio to the 1 s target"],
+        ),
     ],
 )
 def test_benchmark_runs_and_prints_its_table(script, arguments, expected):

@@ -131,6 +131,14 @@ def progress_lines() -> ProgressLines | None:
     return ProgressLines() if in_kernel() else None
 
 
+def cell_number(shell: Any) -> int:
+    """The number of the cell running now, as its prompt shows it (``In[7]``): IPython's result of that cell
+    holds it (IPython 9 moves its own count past it before the cell runs, IPython 8 after)."""
+    running = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    count = getattr(running, "execution_count", None)
+    return count if isinstance(count, int) and count > 0 else shell.execution_count
+
+
 def in_kernel() -> bool:
     """True in a Jupyter kernel (where displays and widgets reach a notebook), not in a terminal or a script."""
     try:

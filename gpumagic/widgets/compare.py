@@ -1,534 +1,166 @@
-"""Runs and jobs side by side (``gpumagic.compare``, ``%jobs compare``): a table with one row per run (status,
-duration, GPUs, the configuration that differs, each metric's last and best value) and one figure per metric
-with a curve per run on shared axes. Runs that differ only by their ``seed`` are drawn as one mean curve with
-a band of ± one standard deviation.
+"""The comparison of runs in a notebook (``gpumagic.compare``, ``%jobs compare``): it draws what
+``gpumagic.telemetry.comparison`` reads. One Bokeh document, interactive in the browser alone (a busy or ended
+kernel changes nothing): a filter box, the smoothing slider and a CSV button; parallel coordinates (an axis per
+hyperparameter and one for the metric, a polyline per run coloured by the metric); the table (sorts by a click
+on any column); the curves of every run, per metric. All three share one selection: rows picked in the table, a
+polyline tapped or a box drawn over the axes' points highlight those runs everywhere and dim the rest.
 
-Everything is read from disk when the comparison is built (``refresh()`` reads again): it works in a new kernel
-for jobs that ended long ago, and shows live jobs as far as they have got. Rank 0's metrics stand for a run.
+Curves are thinned to at most ``THIN_POINTS`` points (fewer with many runs: ``CURVE_BUDGET`` points a metric in
+all; a bucket keeps its lowest and highest value, so a spike stays), the ``FULL_RUNS`` best runs' to
+``FULL_POINTS`` (benchmarks/compare.py times a thousand runs of a thousand points).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fnmatch
+import functools
 import html
 import math
-import re
-import threading
-import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from gpumagic.errors import InvalidArgument
-from gpumagic.widgets.plots import Forward, close_tree, higher_is_better, loss_like
+from gpumagic.telemetry.comparison import RunComparison, format_number, plain, seed_groups
+from gpumagic.telemetry.metric_kinds import higher_is_better, lower_is_better, smoothing_default
+from gpumagic.widgets.plots import MUTED, PALETTE, close_tree
 
-X_AXES = ("step", "elapsed", "time")
-SEED_KEY = "seed"
-FIXED_COLUMNS = ("name", "status", "duration", "GPUs")
-MISSING = "–"
 PLOT_HEIGHT = 260
+AXES_HEIGHT = 300
+THIN_POINTS = 100
+CURVE_BUDGET = 50_000
+FULL_POINTS = 1000
+FULL_RUNS = 10
 BAND_ALPHA = 0.18
+GROUPED_RUNS = 100
 CELL_PADDING = "padding:1px 8px"  # a widget's HTML gets none of the notebook's table style
-
-
-@dataclass
-class Member:
-    """One run or job as read from disk: what its row and curves are made of."""
-
-    name: str
-    status: str
-    duration: float  # seconds it ran (so far)
-    gpus: str
-    params: dict[str, Any]
-    metrics: dict[str, Any]  # rank 0's {metric: Series}
-    path: Path
-
-    def first_time(self) -> float:
-        """When it logged its first point (any metric): the 0 of ``x="elapsed"``."""
-        return min((s.times[0] for s in self.metrics.values() if len(s)), default=0.0)
-
-
-@dataclass
-class Points:
-    """One line of one figure: x and y; for a seed group, y is the mean and lower..upper its band."""
-
-    x: list[float]
-    value: list[float]
-    lower: list[float] | None = None
-    upper: list[float] | None = None
-    runs: int = 1
-
-
-@dataclass
-class Line:
-    """What one legend entry shows: a run, or the mean of a seed group with its band."""
-
-    name: str
-    members: list[int]  # indices into the comparison's members
-    grouped: bool = False
-    points: dict[str, Points] = field(default_factory=dict)  # per metric
-
-    @property
-    def label(self) -> str:
-        """The legend's words: a seed group's say how many runs it is of, and what its band is."""
-        if not self.grouped:
-            return self.name
-        return f"{self.name} ({len(self.members)} seeds, mean ± std)"
-
-
-def resolve(selection: Any) -> list[Any]:
-    """The jobs (``Job``) and runs (``Run``) ``selection`` names, in its order, each once.
-
-    ``selection``: None (every job of this user), or one or a list of: a ``Job``, a ``Run``, a job name, a job
-    name pattern with ``*`` (``"A-*"``), a run id (or its unique prefix).
-
-    Raises:
-        InvalidArgument: a name that is no job or run, a pattern matching nothing, or nothing to compare.
-    """
-    from gpumagic.jobs.api import Job, list_jobs
-    from gpumagic.telemetry.store import Run
-
-    if selection is None:
-        found: list[Any] = list_jobs()
-        if not found:
-            raise InvalidArgument("no runs or jobs to compare: you have no background jobs yet (gpumagic.sweep)")
-        return found
-    items = [selection] if isinstance(selection, (str, Path, Job, Run)) else list(_iterable(selection))
-    found = []
-    for item in items:
-        if isinstance(item, Job):
-            found.append(item)
-        elif isinstance(item, Run):
-            found.append(Job(item.path) if item.info.get("kind") == "job" else item)
-        elif isinstance(item, (str, Path)):
-            found.extend(_named(str(item)))
-        else:
-            raise InvalidArgument(
-                f"compare takes jobs, job names, runs or run ids, got {type(item).__name__} {item!r:.60}"
-            )
-    unique = list({source.path: source for source in found}.values())
-    if not unique:
-        raise InvalidArgument("no runs or jobs to compare: name jobs (A-*), runs, or leave it empty for every job")
-    return unique
-
-
-def _iterable(selection: Any) -> Iterable[Any]:
-    if isinstance(selection, Iterable):
-        return selection
-    raise InvalidArgument(
-        f"compare takes jobs, job names, runs or run ids (or a list of them), got {type(selection).__name__}"
-    )
-
-
-def _named(name: str) -> list[Any]:
-    """The jobs a name or pattern means, else the run it names."""
-    from gpumagic.jobs import records
-    from gpumagic.jobs.api import Job
-    from gpumagic.telemetry.store import load_run
-
-    if any(c in name for c in "*?["):  # never in a job name: a pattern
-        paths = []
-        for path in records.all_jobs():
-            with contextlib.suppress(OSError, ValueError):  # removed meanwhile
-                if fnmatch.fnmatchcase(records.read(path).get("name", ""), name):
-                    paths.append(path)
-        if not paths:
-            known = ", ".join(records.names()) or "none yet"
-            raise InvalidArgument(f"no job name matches {name!r} (jobs: {known}); %jobs lists them")
-        return [Job(p) for p in paths]
-    if records.exists(name):
-        return [Job(records.find(name))]
-    try:
-        run = load_run(name)
-    except InvalidArgument:
-        raise InvalidArgument(f"no job or run named {name!r}; %jobs lists jobs, gpumagic.runs() lists runs") from None
-    return [Job(run.path) if run.info.get("kind") == "job" else run]
-
-
-def read_member(source: Any) -> Member:
-    """A job's or run's row material as it is on disk now."""
-    from gpumagic.jobs import executors, records
-    from gpumagic.jobs.api import Job
-    from gpumagic.telemetry.run_files import RunFiles
-    from gpumagic.telemetry.store import RankReader, load_run
-
-    if isinstance(source, Job):
-        from gpumagic.widgets.job_table import job_row
-
-        info = source.info
-        status = executors.status(info)
-        duration = records.elapsed(info)
-        name = info.get("name") or source.path.name
-        gpus = job_row(source, info, {}).gpus  # as %jobs shows them (Slurm shapes too)
-    else:
-        run = load_run(str(source.path))  # settled: a run whose kernel died reads lost
-        info, status = run.info, run.status
-        duration = max(0.0, (info.get("ended") or time.time()) - float(info.get("created") or time.time()))
-        name = run.id
-        gpus = _run_gpus(info.get("gpus"), status)
-    metrics = RankReader(RunFiles(source.path).metrics, 0).read()  # rank 0 stands for the run
-    return Member(
-        name=name,
-        status=status,
-        duration=duration,
-        gpus=gpus,
-        params=dict(info.get("params") or {}),
-        metrics={metric: _forward(series) for metric, series in metrics.items() if len(series)},
-        path=source.path,
-    )
-
-
-def _forward(series: Any) -> Any:
-    """The points of a series whose step is not before an earlier one's (a loop that restarts at step 0 is
-    not drawn back to the start)."""
-    kept = Forward().keep(series.steps)
-    if len(kept) == len(series):
-        return series
-    from gpumagic.telemetry.store import Series
-
-    return Series(*([column[i] for i in kept] for column in (series.steps, series.values, series.times)))
-
-
-def _run_gpus(gpus: Any, status: str) -> str:
-    """A launch's GPUs (its record keeps each rank's GPU UUIDs): their NVML indices where this machine has
-    them, else how many; ``cpu`` for CPU ranks."""
-    uuids: list[str] = []
-    for entry in gpus or ():
-        for uuid in entry if isinstance(entry, (list, tuple)) else (entry,):
-            if str(uuid) not in uuids:
-                uuids.append(str(uuid))
-    if not uuids:
-        return "-" if status in ("queued", "cancelled") else "cpu"
-    try:
-        from gpumagic.devices.inventory import read_inventory
-
-        index = {gpu.uuid: gpu.nvml_index for gpu in read_inventory().gpus}
-    except Exception:  # noqa: BLE001 - no driver here: the count still says something
-        index = {}
-    if all(uuid in index for uuid in uuids):
-        return ",".join(str(index[uuid]) for uuid in uuids)
-    return f"{len(uuids)} GPU{'s' if len(uuids) != 1 else ''}"
-
-
-def differing_keys(members: Sequence[Member]) -> list[str]:
-    """Configuration keys whose values are not the same for every member (missing counts as a value)."""
-    return [key for key in _all_keys(members) if len({repr(m.params.get(key, MISSING)) for m in members}) > 1]
-
-
-def _all_keys(members: Sequence[Member]) -> list[str]:
-    return list(dict.fromkeys(key for m in members for key in m.params))
-
-
-def seed_groups(members: Sequence[Member]) -> list[list[int]]:
-    """Indices of members with a ``seed`` whose configurations are otherwise the same, two or more together."""
-    groups: dict[str, list[int]] = {}
-    for index, member in enumerate(members):
-        if SEED_KEY in member.params:
-            rest = sorted((k, repr(v)) for k, v in member.params.items() if k != SEED_KEY)
-            groups.setdefault(repr((_experiment(member), rest)), []).append(index)
-    return [indices for indices in groups.values() if len(indices) > 1]
-
-
-def _experiment(member: Member) -> str:
-    """A sweep job's name without its grid values (``A-lr=0.1,seed=1`` -> ``A``): two sweeps with the same
-    grid are not one group."""
-    name = member.name
-    for key in member.params:
-        name = re.sub(rf"(^|[-,]){re.escape(key)}=[^,]*", "", name)
-    return name
-
-
-def _lines(members: Sequence[Member], group_seeds: bool) -> list[Line]:
-    """The lines to draw, in the members' order: a seed group where its first member is."""
-    groups = {g[0]: g for g in seed_groups(members)} if group_seeds else {}
-    grouped = {i for g in groups.values() for i in g}
-    shown = [k for k in differing_keys(members) if k != SEED_KEY]
-    lines = []
-    for index, member in enumerate(members):
-        if index in groups:
-            config = {k: v for k, v in member.params.items() if k != SEED_KEY}
-            named = [k for k in shown if k in config] or list(config)  # what tells it apart, else what it is
-            label = ",".join(f"{k}={config[k]}" for k in named) or "seeds"
-            lines.append(Line(label, groups[index], grouped=True))
-        elif index not in grouped:
-            lines.append(Line(member.name, [index]))
-    return lines
-
-
-def _xs(member: Member, series: Any, x: str) -> list[float]:
-    if x == "step":
-        return list(series.steps)
-    if x == "elapsed":
-        start = member.first_time()
-        return [t - start for t in series.times]
-    return [t * 1000.0 for t in series.times]  # a datetime axis counts milliseconds
-
-
-def _group_points(members: Sequence[Member], metric: str, x: str) -> Points | None:
-    """The mean over a seed group's runs at each step they all logged, its band (± the sample standard
-    deviation) over the runs that logged it, two at least, and x there (the mean of the runs' elapsed time; wall-
-    clock time is never grouped: seeds that ran one after another share no time)."""
-    import numpy
-
-    per_run = []
-    for member in members:
-        series = member.metrics.get(metric)
-        if series is not None:
-            xs = _xs(member, series, x)
-            per_run.append({step: (value, at) for step, value, at in zip(series.steps, series.values, xs, strict=True)})
-    if not per_run:
-        return None
-    at_least = min(2, len(per_run))  # a step counts where two runs logged it (a crashed seed cuts nothing short)
-    xs_out, mean, lower, upper = [], [], [], []
-    for step in sorted({step for points in per_run for step in points}):
-        logged = [points[step] for points in per_run if step in points]
-        if len(logged) < at_least:
-            continue
-        values = numpy.array([value for value, _ in logged])
-        spread = values.std(ddof=1) if len(values) > 1 else 0.0
-        xs_out.append(float(numpy.mean([at for _, at in logged])))
-        mean.append(float(values.mean()))
-        lower.append(float(values.mean() - spread))
-        upper.append(float(values.mean() + spread))
-    if not xs_out:
-        return None
-    return Points(xs_out, mean, lower, upper, len(per_run))
-
-
-def _best(metric: str, values: Sequence[float]) -> float:
-    finite = [v for v in values if math.isfinite(v)]
-    if not finite:
-        return math.nan
-    return max(finite) if higher_is_better(metric) else min(finite)
-
-
-def format_number(value: Any) -> str:
-    """4 significant digits (``0.1235``, ``1.235e+04``); ``–`` for a missing value."""
-    if value is None:
-        return MISSING
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def _sort_key(value: Any) -> float | str | None:
-    """A number where the value is one (``"0.01"`` too), else its text; None for a missing value or NaN."""
-    if value is None:
-        return None
-    number = _number(value)
-    if number is None:
-        return str(value)
-    return None if math.isnan(number) else number
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    try:
-        return float(str(value))
-    except ValueError:
-        return None
-
-
-class Comparison:
-    """Runs and jobs side by side: ``rows`` (one dict per run, in the table's order), ``curves`` (``{metric:
-    {label: (xs, ys)}}``, a seed group's ys being its mean) and ``bands`` (``{metric: {label: (xs, lower,
-    upper)}}``); ``widget`` shows them in a notebook (x axis and sort controls, the table, the figures), and
-    ``repr`` as text in a terminal.
-
-    Args:
-        selection: what to compare (see ``resolve``); None: every job of this user.
-        metrics: the metrics to show (default: every metric any run logged).
-        x: ``"step"``, ``"elapsed"`` (seconds since each run's first point) or ``"time"`` (wall clock).
-        sort_by: a column (``"lr"``, ``"duration"``, ``"loss last"``) or a metric (its best value).
-        descending: the sort's direction; None: best first for a metric's values, ascending for the rest.
-        all_columns: show every configuration key, not only those that differ between the runs.
-        group_seeds: draw runs that differ only by their ``seed`` as one mean curve with a ± std band.
-
-    Raises:
-        InvalidArgument: nothing to compare, an unknown run, job, metric or column, a bad ``x``.
-    """
-
-    def __init__(
-        self,
-        selection: Any = None,
-        metrics: str | Sequence[str] | None = None,
-        x: str = "step",
-        *,
-        sort_by: str | None = None,
-        descending: bool | None = None,
-        all_columns: bool = False,
-        group_seeds: bool = True,
-    ) -> None:
-        self._check_x(x)
-        if isinstance(metrics, str):
-            metrics = [metrics]
-        if metrics is not None and not all(isinstance(m, str) for m in metrics):
-            raise InvalidArgument(f"metrics is a list of metric names, got {metrics!r:.80}")
-        self.x = x
-        self.wanted = list(metrics) if metrics is not None else None
-        self.all_columns = all_columns
-        self.group_seeds = group_seeds
-        self.sources = resolve(selection)
-        self._widget: Any = None
-        self._read()
-        self.sort_by: str | None = None
-        self.descending = False
-        self.sort(sort_by, descending)
-
-    # data
-
-    def _read(self) -> None:
-        from gpumagic.telemetry.run_files import RunFiles
-
-        self.sources = [s for s in self.sources if RunFiles(s.path).record.exists()]  # a job removed meanwhile
-        if not self.sources:
-            raise InvalidArgument("no runs or jobs to compare: every one of them has been removed")
-        self.members = [read_member(source) for source in self.sources]
-        known = sorted({m for member in self.members for m in member.metrics})
-        unknown = [m for m in self.wanted or () if m not in known]
-        if unknown:
-            raise InvalidArgument(
-                f"no run here logged {', '.join(map(repr, unknown))}; the metrics are: {', '.join(known) or 'none yet'}"
-            )
-        self.metrics = self.wanted if self.wanted is not None else known
-        keys = _all_keys(self.members) if self.all_columns else differing_keys(self.members)
-        self.config_columns = {key: f"{key} (config)" if key in FIXED_COLUMNS else key for key in keys}
-        self.columns = [
-            *FIXED_COLUMNS,
-            *self.config_columns.values(),
-            *(f"{metric} {which}" for metric in self.metrics for which in ("last", "best")),
-        ]
-        self._unsorted = [self._row(member) for member in self.members]
-        self._compute_curves()
-
-    def _row(self, member: Member) -> dict[str, Any]:
-        row: dict[str, Any] = {
-            "name": member.name,
-            "status": member.status,
-            "duration": member.duration,
-            "GPUs": member.gpus,
+# from the worst to the best value of the metric: PALETTE's orange, through its violet, to its blue
+SCALE = (PALETTE[1], PALETTE[7], PALETTE[0])
+FG, BG, BG2, LINE = ("var(--jp-ui-font-color1, #1f1f1f)", "var(--jp-layout-color1, white)",
+                     "var(--jp-layout-color2, #eeeeee)", "var(--jp-border-color1, #bdbdbd)")  # fmt: skip
+TABLE_CSS = f""".slick-header-column, .slick-cell {{ color: {FG}; background: {BG}; border-color: {BG2}; }}
+.slick-header-column {{ font-weight: 600; background: {BG2}; }} .slick-row.odd .slick-cell {{ background: {BG2}; }}
+.slick-row .slick-cell.selected {{ background: var(--jp-brand-color3, #bbdefb); color: var(--jp-ui-font-color0); }}
+.slick-viewport, .bk-data-table {{ background: {BG}; }}"""
+WIDGET_CSS = f""":host {{ color: {FG}; }} .bk-input {{ color: {FG}; background: {BG}; border-color: {LINE}; }}
+.bk-btn-default {{ color: {FG}; background: {BG2}; border-color: {LINE}; }}"""
+NUMBER_TEMPLATE = (
+    '<div style="text-align:right"><%= value == null || isNaN(value) ? "–" : '
+    "String(Number(Number(value).toPrecision(4))) %></div>"
+)
+DURATION_TEMPLATE = (
+    '<div style="text-align:right"><%= value == null || isNaN(value) ? "–" : (() => { const t = Math.round(value); '
+    "const two = (n) => String(n).padStart(2, '0'); return (t >= 3600 ? Math.floor(t / 3600) + ':' + "
+    "two(Math.floor(t / 60) % 60) : Math.floor(t / 60)) + ':' + two(t % 60); })() %></div>"
+)
+JS_GET = "const col = (s, k) => (s.data instanceof Map ? s.data.get(k) : s.data[k]);\n"
+SELECT_JS = """
+const chosen = Array.from(runs.selected.indices).sort((a, b) => a - b);
+for (const s of others)
+    if (String(s.selected.indices) !== String(chosen)) s.selected.indices = chosen;
+const names = col(runs, "name");
+info.text = `<span style="color:var(--jp-ui-font-color1)">${names.length} runs` +
+    (chosen.length ? ` · ${chosen.length} selected: ${chosen.slice(0, 4).map((i) => names[i]).join(", ")}` +
+        (chosen.length > 4 ? " …" : "") : " · select rows, tap a line or draw a box over the axes") + "</span>";
+"""
+FOLLOW_JS = """
+const chosen = Array.from(cb_obj.indices).sort((a, b) => a - b);
+if (String(runs.selected.indices) !== String(chosen)) runs.selected.indices = chosen;
+"""
+BRUSH_JS = """
+const run = col(points, "run");
+const chosen = [...new Set(Array.from(points.selected.indices, (i) => run[i]))].sort((a, b) => a - b);
+runs.selected.indices = chosen;
+"""
+SMOOTH_JS = """
+const weight = slider.value;
+sources.forEach((s) => {
+    const raws = col(s, "raw"), out = [];
+    for (const raw of raws) {
+        // the same span of x for every curve: a curve with more points gets a heavier weight
+        const w = weight <= 0 || !raw.length ? 0 :
+            Math.min(0.999, Math.max(0, 1 - ((1 - weight) * reference) / raw.length));
+        const ys = new Float64Array(raw.length);
+        let ema = 0, count = 0;
+        for (let i = 0; i < raw.length; i++) {
+            const v = raw[i];
+            if (!Number.isFinite(v)) { ys[i] = v; continue; }
+            count += 1;
+            ema = w * ema + (1 - w) * v;
+            ys[i] = w > 0 ? ema / (1 - Math.pow(w, count)) : v;
         }
-        for key, column in self.config_columns.items():
-            row[column] = member.params.get(key)
-        for metric in self.metrics:
-            series = member.metrics.get(metric)
-            row[f"{metric} last"] = series.values[-1] if series is not None else None
-            row[f"{metric} best"] = _best(metric, series.values) if series is not None else None
-        return row
+        out.push(ys);
+    }
+    s.data = s.data instanceof Map ? new Map([...s.data, ["ys", out]]) : Object.assign({}, s.data, {ys: out});
+});
+"""
+FILTER_JS = """
+const text = (input.value_input ?? input.value ?? "").trim(), n = col(runs, "name").length, parsed = [];
+let problem = "";
+for (const part of text.split(/\\s*(?:,|;|\\band\\b)\\s*/)) {
+    if (!part.trim()) continue;
+    const m = part.match(/^\\s*(.+?)\\s*(<=|>=|==|!=|<|>|=|~)\\s*(.*?)\\s*$/);
+    if (!m) { problem = `a filter is COLUMN OP VALUE (lr<=0.01, status=finished, name~A-), got "${part}"`; continue; }
+    let name = m[1];
+    if (!columns.includes(name) && columns.includes(name + " best")) name += " best";
+    if (!columns.includes(name)) { problem = `no column "${m[1]}"; the columns: ${columns.join(", ")}`; continue; }
+    parsed.push([col(runs, name), m[2], m[3]]);
+}
+const number = (v) => (typeof v === "number" ? v : v === null || v === "" || isNaN(Number(v)) ? null : Number(v));
+const pass = (v, op, w) => {
+    if (v === null || v === undefined || (typeof v === "number" && isNaN(v))) return op === "!=";
+    if (op === "~") return String(v).toLowerCase().includes(w.toLowerCase());
+    let a = number(v), b = number(w);
+    if (a === null || b === null) {
+        if (!["=", "==", "!="].includes(op) && (a === null) !== (b === null)) return false;
+        a = String(v); b = w;
+    }
+    return {"=": a === b, "==": a === b, "!=": a !== b, "<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b}[op];
+};
+const keep = Array.from({length: n}, (_, i) => parsed.every(([values, op, w]) => pass(values[i], op, w)));
+const shown = keep.filter((k) => k).length;
+filter.booleans = keep;
+message.text = problem ? `<span style="color:var(--jp-error-color1)">${problem}</span>` :
+    parsed.length ? `<span style="color:var(--jp-ui-font-color1)">${shown} of ${n} runs</span>` : "";
+"""
+CSV_JS = """
+const keep = filter.booleans;
+const quote = (v) => {
+    if (v === null || v === undefined || (typeof v === "number" && isNaN(v))) return "";
+    const s = String(v);
+    return /[",\\n]/.test(s) ? `"${s.replace(/"/g, '""')}"` : s;
+};
+const lines = [columns.map(([header]) => quote(header)).join(",")];
+for (let i = 0; i < col(runs, "name").length; i++)
+    if (!keep || keep[i]) lines.push(columns.map(([, f, value]) => quote(f ? col(runs, f)[i] : value)).join(","));
+const blob = new Blob([lines.join("\\n") + "\\n"], {type: "text/csv"});
+const link = Object.assign(document.createElement("a"), {href: URL.createObjectURL(blob), download: "comparison.csv"});
+document.body.appendChild(link);
+link.click();
+link.remove();
+"""
 
-    def _compute_curves(self) -> None:
-        self.curves: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
-        self.bands: dict[str, dict[str, tuple[list[float], list[float], list[float]]]] = {}
-        self._lines = _lines(self.members, self.group_seeds and self.x != "time")  # wall-clock x: never grouped
-        for line in self._lines:
-            line.points = {}
-            for metric in self.metrics:
-                if line.grouped:
-                    points = _group_points([self.members[i] for i in line.members], metric, self.x)
-                else:
-                    member = self.members[line.members[0]]
-                    series = member.metrics.get(metric)
-                    points = None if series is None else Points(_xs(member, series, self.x), list(series.values))
-                if points is None:
-                    continue
-                line.points[metric] = points
-                label = line.label
-                self.curves.setdefault(metric, {})[label] = (points.x, points.value)
-                if points.lower is not None and points.upper is not None:
-                    self.bands.setdefault(metric, {})[label] = (points.x, points.lower, points.upper)
 
-    def refresh(self) -> None:
-        """Read every run again from disk (a live job's new points, its status) and redraw."""
-        self._read()
-        self.sort(self.sort_by if self.sort_by in self.columns else None, self.descending)
+class Comparison(RunComparison):
+    """Runs and jobs side by side (``gpumagic.compare``): the data of ``RunComparison`` (``rows``, ``curves``,
+    ``sort``, ``filter``, ``to_pandas``, ``to_csv``) and its views: ``widget`` in a notebook (x axis buttons and
+    Refresh over the Bokeh document ``layout()``), ``_repr_html_`` a static table, ``repr`` text."""
+
+    def __init__(self, *args: Any, **options: Any) -> None:
+        self._widget: Any = None
+        self._frames: list[Any] = []
+        super().__init__(*args, **options)
+
+    def switch_x(self, x: str) -> None:
+        super().switch_x(x)
         if self._widget is not None:
-            if tuple(self._sort_menu.options) != self._sort_options():  # a metric logged since
-                self._quiet = True
-                try:
-                    self._sort_menu.options = self._sort_options()
-                    self._sort_menu.value = self.sort_by or ""
-                finally:
-                    self._quiet = False
             self._show_plots()
 
-    # sorting
-
-    def sort(self, by: str | None, descending: bool | None = None) -> None:
-        """Order the rows by a column or a metric's best value (None: the order given); missing values last.
-
-        Raises:
-            InvalidArgument: no such column or metric.
-        """
-        column = self._column(by)
-        if descending is None:
-            descending = column is not None and column.endswith((" last", " best")) and higher_is_better(column)
-        self.sort_by, self.descending = column, bool(descending)
-        rows = list(self._unsorted)
-        if column is not None:
-            keys = [_sort_key(r.get(column)) for r in rows]
-            present = [(key, r) for key, r in zip(keys, rows, strict=True) if key is not None]
-            by_number = all(isinstance(key, float) for key, _ in present)
-            present.sort(key=lambda item: item[0] if by_number else str(item[0]), reverse=self.descending)
-            rows = [r for _, r in present] + [r for key, r in zip(keys, rows, strict=True) if key is None]
-        self.rows = rows
-        if self._widget is not None:
-            self._table.value = self._repr_html_()
-
-    def _column(self, by: str | None) -> str | None:
-        if by is None or by == "":
-            return None
-        if by in self.columns:
-            return by
-        if by in self.metrics:
-            return f"{by} best"
-        metrics = f"; or a metric: {', '.join(self.metrics)}" if self.metrics else ""
-        raise InvalidArgument(f"cannot sort by {by!r}; sort by a column: {', '.join(self.columns)}{metrics}")
-
-    # rendering
-
-    def _cells(self, row: dict[str, Any]) -> list[str]:
-        cells = []
-        for column in self.columns:
-            value = row.get(column)
-            cells.append(format_duration_cell(value) if column == "duration" else format_number(value))
-        return cells
-
-    def _numeric(self, column: str) -> bool:
-        if column == "duration" or column.endswith((" last", " best")):
-            return True
-        if column in FIXED_COLUMNS:
-            return False
-        values = [r[column] for r in self.rows if r.get(column) is not None]
-        return bool(values) and all(_number(v) is not None for v in values)
-
-    def __repr__(self) -> str:
-        table = [list(self.columns)] + [self._cells(r) for r in self.rows]
-        widths = [max(len(line[i]) for line in table) for i in range(len(self.columns))]
-        right = [self._numeric(c) for c in self.columns]
-        lines = []
-        for line in table:
-            cells = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(line, widths, right, strict=True)]
-            lines.append("  ".join(cells).rstrip())
-        notes = (
-            [f"sorted by {self.sort_by} ({'descending' if self.descending else 'ascending'})"] if self.sort_by else []
-        )
-        groups = [c for metric in self.bands.values() for c in metric]
-        if groups:
-            notes.append(f"seed groups: {', '.join(dict.fromkeys(groups))}")
-        return "\n".join(lines + notes)
-
-    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
-        printer.text(repr(self))
+    def _arrange(self) -> None:
+        super()._arrange()
+        if getattr(self, "_widget", None) is not None:
+            self._show_plots()
 
     def _repr_html_(self) -> str:
         from gpumagic.widgets.job_table import STATUS_COLOURS
 
-        right = {c: self._numeric(c) for c in self.columns}
+        right = {c: self.numeric(c) for c in self.columns}
         head = []
         for column in self.columns:
             arrow = (" ▼" if self.descending else " ▲") if column == self.sort_by else ""
@@ -540,23 +172,23 @@ class Comparison:
         body = []
         for row in self.rows:
             cells = []
-            for column, text in zip(self.columns, self._cells(row), strict=True):
+            for column, text in zip(self.columns, self.cells(row), strict=True):
                 shown = html.escape(text)
                 if column == "status":
                     shown = f"<b style='color:{STATUS_COLOURS.get(text, 'inherit')}'>{shown}</b>"
-                align = "right" if right[column] else "left"
-                cells.append(f"<td style='text-align:{align};{CELL_PADDING}'>{shown}</td>")
+                cells.append(
+                    f"<td style='text-align:{'right' if right[column] else 'left'};{CELL_PADDING}'>{shown}</td>"
+                )
             body.append("<tr>" + "".join(cells) + "</tr>")
+        notes = "".join(f"<div style='color:var(--jp-ui-font-color1)'>{html.escape(n)}</div>" for n in self.notes())
         return (
             f"<table class='gpumagic-compare'><thead><tr>{''.join(head)}</tr></thead>"
-            f"<tbody>{''.join(body)}</tbody></table>"
+            f"<tbody>{''.join(body)}</tbody></table>{notes}"
         )
-
-    # the notebook view
 
     @property
     def widget(self) -> Any:
-        """The notebook view (built on first use): x axis and sort controls, the table, the figures."""
+        """The notebook view (built on first use): x axis buttons and Refresh over the Bokeh document."""
         if self._widget is None:
             self._widget = self._build_widget()
         return self._widget
@@ -564,97 +196,287 @@ class Comparison:
     def _build_widget(self) -> Any:
         import ipywidgets
 
-        self._x_buttons = ipywidgets.ToggleButtons(options=list(X_AXES), value=self.x, description="x")
+        self._x_buttons = ipywidgets.ToggleButtons(
+            options=["step", "elapsed", "time"], value=self.x, tooltips=["x: the step", "x: seconds since each run's "
+            "first point", "x: the wall clock"], layout=ipywidgets.Layout(width="auto")
+        )  # fmt: skip
         self._x_buttons.style.button_width = "5.5em"
-        self._quiet = False  # True while the controls are set from here: their observers do nothing
-        self._sort_menu = ipywidgets.Dropdown(
-            options=self._sort_options(), value=self.sort_by or "", description="sort by"
-        )
-        self._descending_box = ipywidgets.Checkbox(value=self.descending, description="descending", indent=False)
         refresh = ipywidgets.Button(description="Refresh", tooltip="read the runs again from disk")
-        self._x_buttons.observe(lambda change: self._switch_x(change["new"]), names="value")
-        self._sort_menu.observe(lambda change: self._resort(change["new"], None), names="value")
-        self._descending_box.observe(lambda change: self._resort(self._sort_menu.value, change["new"]), names="value")
+        self._x_buttons.observe(lambda change: self.switch_x(change["new"]), names="value")
         refresh.on_click(lambda _: self.refresh())
-        self._table = ipywidgets.HTML(self._repr_html_())
-        self._plots = ipywidgets.VBox([])
-        self._model: Any = None
-        self._layout: Any = None
-        controls = ipywidgets.HBox([self._x_buttons, self._sort_menu, self._descending_box, refresh])
-        widget = ipywidgets.VBox([controls, self._table, self._plots])
-        self._widget = widget
+        self._plots, self._model, self._layout = ipywidgets.VBox([]), None, None
+        self._widget = ipywidgets.VBox([ipywidgets.HBox([self._x_buttons, refresh]), self._plots])
         self._show_plots()
-        return widget
-
-    def _sort_options(self) -> tuple[tuple[str, str], ...]:
-        return (("order given", ""), *((c, c) for c in self.columns))
-
-    def _switch_x(self, x: str) -> None:
-        self._check_x(x)
-        self.x = x
-        self._compute_curves()
-        self._show_plots()
-
-    def _resort(self, by: str, descending: bool | None) -> None:
-        if self._quiet:
-            return
-        self.sort(by or None, descending)
-        self._quiet = True
-        try:
-            self._descending_box.value = self.descending  # a new column starts in its natural direction
-        finally:
-            self._quiet = False
+        return self._widget
 
     def _show_plots(self) -> None:
         import ipywidgets
 
-        from gpumagic.widgets.plots import live_model
-
         old = self._model, self._layout
         self._layout = self.layout()
-        self._model = None if self._layout is None else live_model(self._layout, threading.RLock())
-        self._plots.children = [self._model or ipywidgets.HTML("<i>no metrics logged yet</i>")]
+        self._model = None if self._layout is None else _static_model_class()(self._layout)
+        self._plots.children = [self._model or ipywidgets.HTML("<i>no runs to show</i>")]
         _close_plots(*old)
 
     def layout(self) -> Any:
-        """The bokeh layout of the figures (one per metric; a linear and a log-y tab for loss-like ones), or None
-        when no run has logged anything."""
-        from bokeh.layouts import column
+        """The Bokeh document: controls, parallel coordinates, the table, the curves; None with no rows."""
+        import numpy
+        from bokeh.layouts import column, row
+        from bokeh.models import BooleanFilter, CDSView, Div
 
-        from gpumagic.widgets.plots import PALETTE, log_tabs, styled_figure
-
+        if not self.rows:
+            return None
+        self.runs, self.fields = self._runs_source()
+        self.filter_model = BooleanFilter(booleans=[True] * len(self.rows))
+        self.info = Div(text="", sizing_mode="stretch_width")
+        self.axes = self._parallel_coordinates(CDSView(filter=self.filter_model))
+        self.table = self._table(CDSView(filter=self.filter_model))
         self.figures: dict[str, Any] = {}
-        blocks = []
-        options: dict[str, Any] = {"x_label": {"step": "step", "elapsed": "elapsed", "time": "time"}[self.x]}
-        if self.x == "elapsed":
-            options["elapsed_x"] = True
-        elif self.x == "time":
-            options["x_axis_type"] = "datetime"
-        for metric in self.metrics:
-            if loss_like(metric):
-                block, linear, log = log_tabs(metric, PLOT_HEIGHT, **options)
-                plots = [linear, log]
+        self.curve_sources: dict[str, Any] = {}
+        thinned = {metric: self._thinned(metric) for metric in self.metrics}
+        # the densest metric's curves set the smoothing: a sparser one is smoothed over the same span of x, less
+        lengths = [float(numpy.median([len(r) for r in raws if len(r)] or [1])) for _, raws in thinned.values()]
+        self.reference = max(lengths, default=1.0)
+        self.smoothing = smoothing_default(self.reference)
+        self._seed_lines = self._groups_drawn()
+        blocks = [self._metric_figure(m, CDSView(filter=self.filter_model), *thinned[m]) for m in self.metrics]
+        points, others, runs = self._axis_points, list(self.curve_sources.values()), self.runs
+        runs.selected.js_on_change("indices", _js(SELECT_JS, {"runs": runs, "others": others, "info": self.info}))
+        for source in others:
+            source.selected.js_on_change("indices", _js(FOLLOW_JS, {"runs": runs}))
+        points.selected.js_on_change("indices", _js(BRUSH_JS, {"runs": runs, "points": points}))
+        self.info.text = f"<span style='color:var(--jp-ui-font-color1)'>{len(self.rows)} runs · select rows, "
+        self.info.text += "tap a line or draw a box over the axes</span>"
+        controls = row(*self._controls(others))
+        return column(controls, self.info, self.axes, self.table, *blocks, sizing_mode="stretch_width")
+
+    def _runs_source(self) -> tuple[Any, list[str]]:
+        """One row per run (the table's order): every column, the polyline over the axes, the colour."""
+        import numpy
+        from bokeh.models import ColumnDataSource
+
+        data: dict[str, Any] = {}
+        for name in self.columns:
+            values = [r.get(name) for r in self.rows]
+            if self.numeric(name):
+                data[name] = numpy.array([numpy.nan if v is None else float(v) for v in values])
             else:
-                block = linear = styled_figure(metric, PLOT_HEIGHT, **options)
-                plots = [linear]
-            for plot in plots:
-                _hover(plot, self.x)
-            for number, line in enumerate(self._lines):
-                points = line.points.get(metric)
-                if points is not None:
-                    _draw(plots, line.label, PALETTE[number % len(PALETTE)], points)
-            self.figures[metric] = linear
-            blocks.append(block)
-        return column(*blocks, sizing_mode="stretch_width") if blocks else None
+                data[name] = ["" if v is None else str(v) for v in values]
+        self.metric = self._primary_metric()
+        best = data.get(f"{self.metric} best") if self.metric else None
+        data["color"] = _colours(best, self.metric, len(self.rows))
+        return ColumnDataSource(data), list(self.columns)
+
+    def _primary_metric(self) -> str | None:
+        """The metric the axes end with and the colours show: the sorted one, a loss, else the first."""
+        if self.sort_by and self.sort_by.endswith((" best", " last")):
+            return self.sort_by.rsplit(" ", 1)[0]
+        return next((m for m in self.metrics if lower_is_better(m)), self.metrics[0] if self.metrics else None)
+
+    def _parallel_coordinates(self, view: Any) -> Any:
+        """An axis per hyperparameter that differs (and the metric's best), a polyline per run."""
+        import numpy
+        from bokeh.models import BoxSelectTool, ColumnDataSource, FixedTicker, HoverTool, Range1d, TapTool
+
+        from gpumagic.widgets.plots import styled_figure
+
+        keys = [k for k in self.keys if k != "seed" and self.config_columns[k] in self.columns]
+        axes = [self.config_columns[k] for k in keys] + ([f"{self.metric} best"] if self.metric else [])
+        data = self.runs.data
+        scaled = numpy.array([_scale(data[a])[0] for a in axes]).reshape(len(axes), len(self.rows))
+        xs = numpy.arange(len(axes), dtype=float)
+        self.runs.data["axes_x"] = [xs.tolist()] * len(self.rows)
+        self.runs.data["axes_y"] = scaled.T.tolist()
+        plot = styled_figure(
+            f"{len(self.rows)} runs: hyperparameters and {self.metric or 'no metric'} (best)",
+            AXES_HEIGHT,
+            legend=False,
+            x_range=Range1d(-0.3, max(len(axes) - 0.4, 0.7)),
+            y_range=Range1d(-0.08, 1.08),
+        )
+        plot.yaxis.visible = plot.ygrid.visible = plot.xgrid.visible = False
+        plot.xaxis.ticker = FixedTicker(ticks=list(range(len(axes))))
+        plot.xaxis.major_label_overrides = {i: a for i, a in enumerate(axes)}
+        plot.xaxis.major_label_text_font_size = "9pt"
+        alpha = min(0.8, max(0.2, 40 / max(1, len(self.rows))))
+        lines = plot.multi_line(
+            "axes_x", "axes_y", source=self.runs, view=view, line_color="color", line_alpha=alpha, line_width=1.5
+        )
+        lines.selection_glyph = lines.glyph.clone(line_alpha=1.0, line_width=3)
+        lines.nonselection_glyph = lines.glyph.clone(line_alpha=0.03)
+        labels = [(i + 0.04, y, text) for i, axis in enumerate(axes) for y, text in _scale(data[axis])[1]]
+        ticks = {name: [label[k] for label in labels] for k, name in enumerate(("x", "y", "text"))}
+        plot.segment(x0=xs, y0=0, x1=xs, y1=1, line_color=MUTED, line_width=1.5)
+        plot.text("x", "y", "text", source=ColumnDataSource(ticks), text_color=MUTED, text_font_size="8pt",
+                  text_baseline="middle")  # fmt: skip
+        run = numpy.tile(numpy.arange(len(self.rows)), len(axes))  # axis by axis: x never goes back
+        self._axis_points = ColumnDataSource(
+            {"x": numpy.repeat(xs, len(self.rows)), "y": scaled.reshape(-1), "run": run}
+        )
+        dots = plot.scatter("x", "y", source=self._axis_points, size=4, color=MUTED, alpha=0.3)
+        dots.selection_glyph = dots.glyph.clone(fill_alpha=0.9, line_alpha=0.9)
+        dots.nonselection_glyph = dots.glyph.clone(fill_alpha=0.15, line_alpha=0.15)
+        plot.add_tools(BoxSelectTool(renderers=[dots]), TapTool(renderers=[lines]))
+        numbers = [a for a in axes if self.numeric(a)]  # to 6 significant digits, as logged (0.0003, 1.234e-05)
+        tips = [("run", "@name"), *((a, f"@{{{a}}}" + ("{%.6g}" if a in numbers else "")) for a in axes)]
+        formats = {f"@{{{a}}}": "printf" for a in numbers}
+        plot.add_tools(HoverTool(renderers=[lines], tooltips=[*tips, ("status", "@status")], formatters=formats))
+        plot.toolbar.active_drag = plot.select_one(BoxSelectTool)
+        return plot
+
+    def _table(self, view: Any) -> Any:
+        """The table: every column, sortable with a click on its header, rows selectable. Hyperparameters as
+        they were given, metrics to 4 significant digits, durations as ``1:02:03``."""
+        from bokeh.models import DataTable, HTMLTemplateFormatter, InlineStyleSheet, StringFormatter, TableColumn
+
+        number, duration = (
+            HTMLTemplateFormatter(template=NUMBER_TEMPLATE),
+            HTMLTemplateFormatter(template=DURATION_TEMPLATE),
+        )
+        text = {True: StringFormatter(text_align="right", nan_format="–"), False: StringFormatter(nan_format="–")}
+        columns = []
+        for name in self.columns:
+            if name == "duration":
+                formatter = duration
+            elif name == "GPU hours" or name.endswith((" best", " last")):
+                formatter = number
+            else:
+                formatter = text[self.numeric(name)]
+            numbers = self.numeric(name) and name not in self.config_columns.values()
+            longest = 9 if numbers else max((len(str(v)) for v in self.runs.data[name][:200]), default=0)
+            width = min(240, max(60, 8 * max(len(name), longest) + 12))  # a share of the table's width
+            columns.append(TableColumn(field=name, title=name, width=width, formatter=formatter))
+        return DataTable(
+            source=self.runs,
+            view=view,
+            columns=columns,
+            index_position=None,
+            height=min(320, 30 + 25 * len(self.rows)),
+            sizing_mode="stretch_width",
+            stylesheets=[InlineStyleSheet(css=TABLE_CSS)],
+        )
+
+    def _thinned(self, metric: str) -> tuple[list[Any], list[Any]]:
+        """Each row's curve of ``metric`` (x and y), thinned: ``FULL_POINTS`` for the best runs, else fewer."""
+        import numpy
+
+        arrays = [self.arrays(metric, r) for r in self.rows]
+        best = self.runs.data.get(f"{metric} best")
+        order = numpy.argsort(best * (-1 if higher_is_better(metric) else 1)) if best is not None else []
+        limit = int(min(THIN_POINTS, max(40, CURVE_BUDGET / max(1, len(self.rows)))))
+        full = {int(i) for i in order[:FULL_RUNS] if best is not None and math.isfinite(best[i])}
+        xs, raws = [], []
+        empty = numpy.zeros(0, dtype=numpy.float32)
+        x_type = numpy.float64 if self.x == "time" else numpy.float32  # half the bytes; a date needs 64 bits
+        limits = [FULL_POINTS if index in full else limit for index in range(len(arrays))]
+        kept = thin_indices([empty if pair is None else pair[1] for pair in arrays], limits)
+        for pair, keep in zip(arrays, kept, strict=True):
+            xs.append(empty if pair is None else pair[0][keep].astype(x_type))
+            raws.append(empty if pair is None else pair[1][keep].astype(numpy.float32))
+        return xs, raws
+
+    def _metric_figure(self, metric: str, view: Any, xs: list[Any], raws: list[Any]) -> Any:
+        """One metric's figure: a curve per run, dimmed where others are selected; seed groups' mean and band
+        over them. A linear and a log-y tab for loss-like metrics."""
+        from bokeh.models import ColumnDataSource, HoverTool, TapTool
+
+        from gpumagic.widgets.plots import log_tabs, styled_figure
+
+        ys = smoothed(raws, self.smoothing, self.reference)
+        names, colours = list(self.runs.data["name"]), list(self.runs.data["color"])
+        source = ColumnDataSource({"xs": xs, "raw": raws, "ys": ys, "name": names, "color": colours})
+        options: dict[str, Any] = {"x_label": self.x, "legend": False, "elapsed_x": self.x == "elapsed"}
+        if self.x == "time":
+            options["x_axis_type"] = "datetime"
+        if lower_is_better(metric):
+            block, linear, log = log_tabs(metric, PLOT_HEIGHT, **options)
+            plots = [linear, log]
+        else:
+            block = linear = styled_figure(metric, PLOT_HEIGHT, **options)
+            plots = [linear]
+        alpha = min(0.9, max(0.15, 20 / max(1, len(self.rows))))
+        for plot in plots:
+            curves = plot.multi_line("xs", "ys", source=source, view=view, line_color="color", line_alpha=alpha)
+            curves.selection_glyph = curves.glyph.clone(line_alpha=1.0, line_width=2.5)
+            curves.nonselection_glyph = curves.glyph.clone(line_alpha=0.04)
+            x_tip = "$snap_x{%F %T}" if self.x == "time" else "$snap_x{0,0.[00]}"
+            plot.add_tools(
+                HoverTool(
+                    renderers=[curves],
+                    tooltips=[("run", "@name"), (self.x, x_tip), (metric, "$snap_y{%.6g}")],
+                    formatters={"$snap_y": "printf", **({"$snap_x": "datetime"} if self.x == "time" else {})},
+                    line_policy="nearest",
+                ),
+                TapTool(renderers=[curves]),
+            )
+            self._draw_groups(plot, metric)
+        self.figures[metric] = linear
+        self.curve_sources[metric] = source
+        return block
+
+    def _groups_drawn(self) -> list[Any]:
+        """The seed groups drawn as mean and band: all of them, if there are a few (``GROUPED_RUNS`` runs in
+        ``len(PALETTE)`` groups at most; with more, the table's seed column tells them apart)."""
+        groups = seed_groups(self.members) if self.group_seeds and self.x != "time" else []
+        few = 0 < len(groups) <= len(PALETTE) and sum(map(len, groups)) <= GROUPED_RUNS
+        return [line for line in self.lines if line.grouped] if few else []
+
+    def _draw_groups(self, plot: Any, metric: str) -> None:
+        """Each seed group's mean and ± std band, with a legend entry (a few groups at most)."""
+        from bokeh.models import ColumnDataSource, Legend
+
+        groups = [line for line in self._seed_lines if metric in line.points]
+        if groups:
+            legend = Legend(background_fill_alpha=0, border_line_alpha=0, label_text_color=MUTED)
+            legend.label_text_font_size = "8pt"
+            plot.add_layout(legend, "right")
+        for number, line in enumerate(groups):
+            points = line.points[metric]
+            colour = PALETTE[number % len(PALETTE)]
+            data = {"x": points.x, "value": points.value, "lower": points.lower, "upper": points.upper}
+            source = ColumnDataSource(data)
+            plot.varea(x="x", y1="lower", y2="upper", source=source, fill_color=colour, fill_alpha=BAND_ALPHA,
+                       legend_label=line.label)  # fmt: skip
+            plot.line("x", "value", source=source, color=colour, line_width=2.5, legend_label=line.label)
+
+    def _controls(self, sources: list[Any]) -> list[Any]:
+        """The filter box, the smoothing slider and the CSV button, all working in the browser alone."""
+        from bokeh.models import Button, Div, InlineStyleSheet, Slider, TextInput
+
+        style = [InlineStyleSheet(css=WIDGET_CSS)]
+        message = Div(text="", width=240)
+        box = TextInput(placeholder="filter: lr<=0.01, status=finished, name~A-", width=330, stylesheets=style)
+        shared = {"runs": self.runs, "filter": self.filter_model}
+        filtering = {**shared, "input": box, "message": message, "columns": self.fields}
+        box.js_on_change("value_input", _js(FILTER_JS, filtering))
+        slider = Slider(start=0, end=0.99, step=0.01, value=self.smoothing, title="smoothing", width=220)
+        slider.stylesheets = style
+        slider.js_on_change(
+            "value",
+            _js(SMOOTH_JS, {"slider": slider, "sources": sources, "reference": self.reference}),
+        )
+        csv = Button(label="CSV", width=70, stylesheets=style)
+        csv.js_on_event("button_click", _js(CSV_JS, {**shared, "columns": self._csv_columns()}))
+        self.slider, self.filter_box, self.csv_button = slider, box, csv
+        return [box, slider, csv, message]
+
+    def _csv_columns(self) -> list[list[str]]:
+        """``[header, field of the runs' source or "", the value where no field]`` for the columns of ``to_csv``."""
+        fields = {"duration_s": "duration", "gpu_hours": "GPU hours", "gpus": "GPUs"}
+        fields.update({f"{m}_{w}": f"{m} {w}" for m in self.metrics for w in ("best", "last")})
+        fields.update({k: self.config_columns[k] for k in self.keys if self.config_columns[k] in self.columns})
+        shared = {k: "" if v is None else str(plain(v)) for k, v in self.shared.items()}
+        return [[h, fields.get(h, h if h in self.columns else ""), shared.get(h, "")] for h in self.export_columns()]
 
     def _ipython_display_(self) -> None:
         from gpumagic.launch.output import in_kernel
-        from gpumagic.widgets.plots import display_live
+        from gpumagic.widgets.plots import LiveFrame
 
         if not in_kernel():
             print(repr(self))
             return
-        display_live(self.widget, text=repr(self))
+        self._frames.append(LiveFrame(self.widget, repr(self)))  # BokehJS (tables, widgets too), then the view
+        self._frames[-1].show()
 
     def close(self) -> None:
         """Close the notebook view's widgets, the plots' included (a later ``widget`` builds a new view)."""
@@ -663,13 +485,35 @@ class Comparison:
             self._model = self._layout = None
             close_tree(self._widget)
             self._widget = None
+        while self._frames:
+            close_tree(self._frames.pop().frame)
 
-    @staticmethod
-    def _check_x(x: Any) -> None:
-        if x not in X_AXES:
-            raise InvalidArgument(
-                f"x is one of step, elapsed (seconds since each run's first point) or time (wall clock), got {x!r}"
-            )
+
+@functools.cache
+def _static_model_class() -> type:
+    from jupyter_bokeh.widgets import BokehModel
+
+    from gpumagic.widgets.plots import quiet
+
+    class StaticBokehModel(BokehModel):
+        """A BokehModel of a document the kernel never changes once shown (a new view replaces it): serialized
+        once, its state what any page gets. The browser's changes (a selection, the smoothed curves, the
+        filter) stay in the browser: nothing is sent back, however many runs."""
+
+        def __init__(self, layout: Any) -> None:
+            super().__init__(quiet(layout))
+
+        def _sync_model(self, model: Any, content: dict[str, Any], buffers: list[Any]) -> None:
+            """Nothing comes back from the browser (its models are unsynced): the kernel's view stays as drawn."""
+
+    return StaticBokehModel
+
+
+def _js(code: str, args: dict[str, Any]) -> Any:
+    """A CustomJS running ``code`` with ``args`` and ``col(source, name)``, a column of a source."""
+    from bokeh.models import CustomJS
+
+    return CustomJS(args=args, code=JS_GET + code)
 
 
 def _close_plots(model: Any, layout: Any) -> None:
@@ -680,49 +524,124 @@ def _close_plots(model: Any, layout: Any) -> None:
         layout.document.remove_root(layout)
 
 
-def format_duration_cell(seconds: Any) -> str:
-    from gpumagic.units import format_duration
+def thin_indices(rows: list[Any], limits: list[int]) -> list[Any]:
+    """For each row of values, the indices of at most its limit of points that keep its shape: the row cut into
+    ``limit // 2 - 1`` equal runs of points, each kept as its lowest and highest value (a NaN only where a run
+    has nothing else), and the first and last point; all of them when there are no more than the limit. Rows
+    of one length and limit are thinned together.
 
-    return MISSING if seconds is None else format_duration(seconds)
+    >>> [kept.tolist() for kept in thin_indices([[0.0, 5, 1, 1, 1, 1, 1, 1, 9, 1]], [6])]
+    [[0, 1, 5, 8, 9]]
+    """
+    import numpy
+
+    found: list[Any] = [None] * len(rows)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for index, (row, limit) in enumerate(zip(rows, limits, strict=True)):
+        groups.setdefault((len(row), limit), []).append(index)
+    for (count, limit), indices in groups.items():
+        if count <= limit:
+            for index in indices:
+                found[index] = numpy.arange(count)
+            continue
+        buckets = max(1, limit // 2 - 1)
+        size = -(-count // buckets)
+        grid = numpy.full((len(indices), buckets * size), numpy.nan)
+        grid[:, :count] = numpy.vstack([rows[i] for i in indices])
+        grid = grid.reshape(len(indices), buckets, size)
+        offsets, missing = numpy.arange(buckets) * size, numpy.isnan(grid)
+        low = offsets + numpy.argmin(numpy.where(missing, numpy.inf, grid), axis=2)
+        high = offsets + numpy.argmax(numpy.where(missing, -numpy.inf, grid), axis=2)
+        kept = numpy.sort(numpy.concatenate((numpy.tile([0, count - 1], (len(indices), 1)), low, high), axis=1), axis=1)
+        for k, index in enumerate(indices):
+            row = kept[k][kept[k] < count]
+            found[index] = row[numpy.r_[True, row[1:] != row[:-1]]]
+    return found
 
 
-def _hover(plot: Any, x: str) -> None:
-    """Values under the mouse; wall-clock x shown as a date and time."""
-    from gpumagic.widgets.plots import hover
+def smoothed(rows: list[Any], weight: float, reference: float) -> list[Any]:
+    """Each row's debiased exponential moving average (TensorBoard's: ``ema / (1 - w**n)``; a NaN stays and
+    does not spread), ``weight`` for a row of ``reference`` points and heavier for longer rows, so that every
+    curve is averaged over the same span of x (the browser's SMOOTH_JS does the same when the slider moves).
+    Rows of one length are smoothed together, a column at a time."""
+    import numpy
 
-    if x != "time":
-        hover(plot, x, elapsed=x == "elapsed")
-        return
-    from bokeh.models import HoverTool
+    result: list[Any] = list(rows)
+    by_length: dict[int, list[int]] = {}
+    for index, row in enumerate(rows):
+        by_length.setdefault(len(row), []).append(index)
+    for length, indices in by_length.items():
+        w = 0.0 if weight <= 0 or not length else min(0.999, max(0.0, 1 - (1 - weight) * reference / length))
+        if w == 0:
+            continue
+        matrix = numpy.vstack([rows[i] for i in indices])
+        out = numpy.empty_like(matrix)
+        ema = numpy.zeros(len(indices))
+        count = numpy.zeros(len(indices))
+        for j in range(length):
+            values = matrix[:, j]
+            finite = numpy.isfinite(values)
+            count += finite
+            ema = numpy.where(finite, w * ema + (1 - w) * numpy.where(finite, values, 0), ema)
+            out[:, j] = numpy.where(finite, ema / (1 - w ** numpy.maximum(count, 1)), values)
+        for k, index in enumerate(indices):
+            result[index] = out[k]
+    return result
 
-    plot.add_tools(
-        HoverTool(
-            tooltips=[("", "$name"), ("time", "$snap_x{%F %T}"), ("value", "$snap_y{0,0.[0000]}")],
-            formatters={"$snap_x": "datetime"},
-            line_policy="nearest",
-        )
-    )
+
+def _scale(values: Any) -> tuple[Any, list[tuple[float, str]]]:
+    """A column on an axis of 0..1: numbers linearly (logarithmically where they span two decades or more),
+    text as evenly spaced categories; with the axis' labels ``[(y, text)]``. Missing values are NaN."""
+    import numpy
+
+    if isinstance(values, numpy.ndarray) and values.dtype.kind == "f":
+        finite = values[numpy.isfinite(values)]
+        if not len(finite):
+            return numpy.full(len(values), numpy.nan), []
+        low, high = float(finite.min()), float(finite.max())
+        log = low > 0 and high / low >= 100
+        shown = numpy.log10(values) if log else values
+        lo, hi = (math.log10(low), math.log10(high)) if log else (low, high)
+        if hi == lo:
+            return numpy.where(numpy.isfinite(values), 0.5, numpy.nan), [(0.5, format_number(low))]
+        ticks = [10.0**p for p in range(math.ceil(lo), math.floor(hi) + 1)] if log else []
+        ticks = ticks if len(ticks) >= 2 else [10**v if log else v for v in numpy.linspace(lo, hi, 5)]
+        labelled = [((math.log10(t) if log else t) - lo) / (hi - lo) for t in ticks]
+        return (shown - lo) / (hi - lo), [
+            (y, format_number(float(f"{t:.3g}"))) for y, t in zip(labelled, ticks, strict=True)
+        ]
+    texts = ["" if v is None else str(v) for v in values]
+    categories = sorted({t for t in texts if t})
+    where = {c: (i / (len(categories) - 1) if len(categories) > 1 else 0.5) for i, c in enumerate(categories)}
+    scaled = numpy.array([where.get(t, numpy.nan) for t in texts], dtype=float)
+    step = max(1, len(categories) // 12)
+    return scaled, [(where[c], c[:14]) for c in categories[::step]]
 
 
-def _draw(plots: list[Any], label: str, color: str, points: Points) -> None:
-    """One line on each of ``plots``: smoothed over the faint raw one, over its band for a seed group."""
-    from bokeh.models import ColumnDataSource
+def _colours(best: Any, metric: str | None, count: int) -> list[str]:
+    """Each run's colour by the rank of its best value: PALETTE's blue for the best, orange for the worst;
+    ``MUTED`` for a run without one."""
+    import numpy
 
-    from gpumagic.widgets.plots import Smoother, curve
+    if best is None or metric is None:
+        return [MUTED] * count
+    finite = numpy.isfinite(best)
+    order = numpy.argsort(numpy.where(finite, -best if higher_is_better(metric) else best, numpy.inf))
+    rank = numpy.empty(len(best))
+    rank[order] = numpy.arange(len(best))
+    share = 1 - rank / max(1, finite.sum() - 1)  # 1: the best
+    ramp = _ramp()
+    return [ramp[round(min(max(t, 0.0), 1.0) * 255)] if ok else MUTED for t, ok in zip(share, finite, strict=True)]
 
-    columns = {"x": points.x, "value": points.value, "smooth": Smoother().feed(points.value)}
-    if points.lower is not None:
-        columns.update(lower=points.lower, upper=points.upper)
-    source = ColumnDataSource(columns)
-    for plot in plots:
-        if points.lower is not None:
-            plot.varea(
-                x="x",
-                y1="lower",
-                y2="upper",
-                source=source,
-                fill_color=color,
-                fill_alpha=BAND_ALPHA,
-                legend_label=label,
-            )
-        curve(plot, source, "x", "value", label=label, color=color, smooth="smooth")
+
+@functools.cache
+def _ramp() -> list[str]:
+    """256 colours from SCALE's first to its last, through the middle ones."""
+    stops = [tuple(int(c[i : i + 2], 16) for i in (1, 3, 5)) for c in SCALE]
+    found = []
+    for step in range(256):
+        at = step / 255 * (len(stops) - 1)
+        low = min(int(at), len(stops) - 2)
+        a, b, f = stops[low], stops[low + 1], at - low
+        found.append("#" + "".join(f"{round(x + (y - x) * f):02x}" for x, y in zip(a, b, strict=True)))
+    return found

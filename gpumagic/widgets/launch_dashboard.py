@@ -28,6 +28,7 @@ from typing import Any
 from gpumagic.devices.processes import is_running
 from gpumagic.launch.output import in_kernel
 from gpumagic.telemetry.log import TOTAL_STEPS
+from gpumagic.telemetry.metric_kinds import lower_is_better
 from gpumagic.widgets.plots import (
     FIRST_REFRESH_S,
     MUTED,
@@ -42,7 +43,6 @@ from gpumagic.widgets.plots import (
     hover,
     live_model,
     log_tabs,
-    loss_like,
     stream_within,
     styled_figure,
     unsynced,
@@ -445,7 +445,7 @@ class LaunchDashboard:
         plots = self.metric_figures.get(name)
         shown = None
         if plots is None:
-            if loss_like(name):  # a loss spans decades: a log-y tab beside the linear one
+            if lower_is_better(name):  # a loss spans decades: a log-y tab beside the linear one
                 shown, *plots = log_tabs(name, 220, x_label="step")
             else:
                 shown = styled_figure(name, 200, x_label="step")

@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
+from gpumagic.telemetry.metric_kinds import MOST_SMOOTHING, SPARSE_POINTS, smoothing_default
+
 # 20 colours told apart side by side (10 hues, then the same hues darker and turned a little), each at least 3:1
 # against white and against JupyterLab's dark backgrounds (#111111, #212121): WCAG's contrast for graphics
 PALETTE = (
@@ -302,17 +304,11 @@ def forward_only(source: Any, x: str) -> Any:
     return source
 
 
-def auto_smoothing(points: int) -> float:
-    """The smoothing that suits a curve of ``points`` points: none up to 50 (sparse metrics are not lagged),
-    then an average over about a fiftieth of the curve (0.9 at 500 points), at most 0.98."""
-    return 0.0 if points <= 50 else round(min(0.98, 1 - 50 / points), 2)
-
-
 # Run in the browser when the smoothing slider moves and after each stream into a source: the "smooth" column
 # from "value" (the debiased moving average of Smoother) at the slider's weight. Until the user moves the
-# slider, its weight follows the points' density (auto_smoothing of the longest curve).
+# slider, its weight follows the points' density (smoothing_default of the longest curve).
 SMOOTH_JS = """
-const auto = (n) => (n <= 50 ? 0 : Math.round(100 * Math.min(0.98, 1 - 50 / n)) / 100);
+const auto = (n) => (n < sparse ? 0 : Math.round(100 * Math.min(most, 1 - sparse / n)) / 100);
 const column = (data, name) => (data instanceof Map ? data.get(name) : data[name]);
 if (cb_obj === slider && !slider._gm_quiet) slider._gm_user = true;
 if (!slider._gm_user) {
@@ -340,31 +336,32 @@ for (const source of targets) {
 class Smoothing:
     """The smoothing slider of a dashboard (0 = raw points): it re-smooths every curve ``follow``ed, in the
     browser, when moved and after each stream (no kernel needed: it works in a static copy too); its weight
-    follows the points' density (``auto_smoothing``) until the user moves it."""
+    follows the points' density (``smoothing_default``) until the user moves it."""
 
     def __init__(self) -> None:
         from bokeh.models import CustomJS, Slider
 
         self.slider = themed(Slider(start=0, end=0.99, step=0.01, value=0.0, title="smoothing", width=220))
         self.sources: list[Any] = []
-        self._callback = CustomJS(args={"slider": self.slider, "sources": self.sources}, code=SMOOTH_JS)
+        rule = {"sparse": SPARSE_POINTS, "most": MOST_SMOOTHING}  # smoothing_default's, in the browser
+        self._callback = CustomJS(args={"slider": self.slider, "sources": self.sources, **rule}, code=SMOOTH_JS)
         self.slider.js_on_change("value", self._callback)
 
     def follow(self, source: Any) -> None:
         """Smooth ``source`` (a ``StepCurve``'s, not on a page yet) with the slider's weight from now on, and at
         once as the curves' density suits (the caller holds the plots' lock)."""
         self.sources.append(source)
-        self._callback.args = {"slider": self.slider, "sources": list(self.sources)}
+        self._callback.args = {**self._callback.args, "sources": list(self.sources)}
         source.js_on_change("streaming", self._callback)
         if self.slider.document is None:  # not on a page yet: it comes with the weight that suits the points
-            self.slider.value = auto_smoothing(max(len(s.data["value"]) for s in self.sources))
+            self.slider.value = smoothing_default(max(len(s.data["value"]) for s in self.sources))
         source.data = {**source.data, "smooth": Smoother(self.slider.value).feed(source.data["value"])}
 
     def settle(self) -> None:
         """Smooth every followed source in the kernel at the weight their density suits, and show it on the
         slider: what a static copy shows before anyone moves the slider (the caller holds the plots' lock)."""
         longest = max((len(source.data["value"]) for source in self.sources), default=0)
-        weight = auto_smoothing(longest)
+        weight = smoothing_default(longest)
         self.slider.value = weight
         for source in self.sources:
             source.data = {**source.data, "smooth": Smoother(weight).feed(source.data["value"])}
@@ -471,6 +468,14 @@ def unsynced(model: Any) -> Any:
     return model
 
 
+def quiet(layout: Any) -> Any:
+    """Mark ``layout`` as a gpumagic view: the page sends the kernel none of its changes (QUIET_JS: a stream, a
+    selection, a moved slider stay in the browser) and its models are ``unsynced``."""
+    if "gpumagic" not in layout.tags:
+        layout.tags = [*layout.tags, "gpumagic"]
+    return unsynced(layout)
+
+
 def close_tree(widget: Any) -> None:
     """Close an ipywidget and everything it holds: its children, and the layouts and styles ``close()`` leaves
     open (widgets too)."""
@@ -485,20 +490,7 @@ def close_tree(widget: Any) -> None:
         widget.close()
 
 
-LOWER_IS_BETTER = ("loss", "error", "mse", "mae", "nll", "perplexity")
-HIGHER_IS_BETTER = ("acc", "score", "f1", "auc", "reward", "precision", "recall", "iou", "bleu")
 LOAD_COLOURS = ((90.0, "#cf222e"), (50.0, "#d29922"), (0.0, "#2ea043"))  # from this % up: this colour
-
-
-def loss_like(metric: str) -> bool:
-    """Lower is better, and its curve spans decades (a log-y tab): loss, error, mse, nll, perplexity, ..."""
-    name = metric.lower()
-    return any(word in name for word in LOWER_IS_BETTER)
-
-
-def higher_is_better(metric: str) -> bool:
-    """A metric whose best value is its maximum (accuracy, score, f1, auc, reward, precision, ...)."""
-    return not loss_like(metric) and any(word in metric.lower() for word in HIGHER_IS_BETTER)
 
 
 def load_colour(percent: float) -> str:
@@ -526,7 +518,7 @@ def _live_model_class() -> type:
 
         def __init__(self, layout: Any, lock: threading.RLock) -> None:
             self._plots_lock = lock
-            unsynced(layout)
+            quiet(layout)
             super().__init__(layout)
 
         def get_state(self, key: Any = None, drop_defaults: bool = False) -> dict[str, Any]:
@@ -590,12 +582,32 @@ def bokehjs_source() -> str:
         f"if (!(window.Bokeh && window.Bokeh[{version}])) {{ (function () {{\n{core}\n}}).call(window); }}\n"
         f"(function () {{ const b = window.Bokeh && window.Bokeh[{version}];"
         f" if (!b || b.gpumagicExtensions) return; b.gpumagicExtensions = true;\n"
-        f"(function () {{\n{extensions}\n}}).call(window); }})();"
+        f"(function () {{\n{extensions}\n}}).call(window); }})();\n{QUIET_JS}"
     )
 
 
+# jupyter_bokeh's view sends the kernel every change of its document, those the kernel made included (each
+# stream comes back with its points), whatever the models' syncable. The kernel's copy of a dashboard is the
+# only truth (LiveBokehModel drops them all), so on a document that shows a gpumagic dashboard (a root tagged
+# "gpumagic") the view's listener is not registered: moving the slider, zooming or a stream sends nothing.
+QUIET_JS = """
+(function () {
+  const Bokeh = window.Bokeh;
+  if (!Bokeh || Bokeh.gpumagicQuiet) return;
+  Bokeh.gpumagicQuiet = true;
+  const { Document } = Bokeh.require("document");
+  const on_change = Document.prototype.on_change;
+  Document.prototype.on_change = function (callback, allow_batches) {
+    const ours = this.roots().some((root) => (root.tags || []).includes("gpumagic"));
+    if (ours && String(callback).includes("_change_event")) return;
+    return on_change.call(this, callback, allow_batches);
+  };
+})();
+"""
+
+
 _inline_shown = False
-KEPT_FRAMES = 20  # frozen frames kept alive for pages reloaded before they saw the freeze: the latest ones
+KEPT_FRAMES = 8  # frozen frames kept alive for pages reloaded before they saw the freeze: the latest ones
 
 
 def _widget_view(widget: Any, text: str = "") -> dict[str, Any]:

@@ -215,6 +215,10 @@ def test_the_step_rate_is_of_the_latest_steps_and_the_eta_comes_from_total_steps
     dashboard.total_steps = 1210.0
     status = dashboard._status_text()
     assert "step 205 of 1,210 · 50 steps/s · ETA 20s" in status, status
+    fast = LaunchDashboard()
+    fast.state = "running"
+    fast._rank0_points.extend((now - 1 + i * 0.01, i * 15) for i in range(100))  # 1,500 steps/s: no 1.5e+03
+    assert "step 1,485 · 1,500 steps/s" in fast._status_text()
 
 
 def test_total_steps_is_recorded_once_and_not_drawn(tmp_path, monkeypatch):

@@ -540,7 +540,7 @@ class LaunchDashboard:
                 progress += f" of {self.total_steps:,.0f}"
             rate = self.step_rate()
             if rate:
-                progress += f" · {rate:,.3g} steps/s"
+                progress += f" · {rate:,.0f} steps/s" if rate >= 100 else f" · {rate:.3g} steps/s"
                 if self.total_steps and self.total_steps > step and self.state == "running":
                     progress += f" · ETA {_duration((self.total_steps - step) / rate)}"
         behind = self.points_behind

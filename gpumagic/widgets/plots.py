@@ -63,6 +63,9 @@ THEMED_CSS = """
   --inactive-fg: var(--gm-muted);
   color: var(--gm-text);
 }
+.noUi-target { background: var(--jp-layout-color2, #fafafa); border-color: var(--jp-border-color1, #d3d3d3); }
+.noUi-handle { background: var(--jp-layout-color1, #ffffff); border-color: var(--jp-border-color1, #d9d9d9); }
+.noUi-connect { background: var(--jp-brand-color1, #3fb8af); }
 """
 
 

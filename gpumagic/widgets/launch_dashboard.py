@@ -39,6 +39,7 @@ from gpumagic.widgets.plots import (
     StepCurve,
     close_tree,
     curve,
+    embedded,
     forward_only,
     hover,
     live_model,
@@ -116,7 +117,7 @@ class LaunchDashboard:
         self._rank0_points: deque[tuple[float, float]] = deque(maxlen=history)  # (time, step), rank 0's latest
         self._pending_marks: deque[tuple[str, float]] = deque()  # cells started, not drawn yet: (label, time)
         self.cell_marks: deque[tuple[str, float]] = deque(maxlen=MARKS)  # (label, step) on every metric plot
-        self.marks: Any = None  # the cells' marks, a source every metric plot draws (and one of their labels)
+        self.marks: Any = None  # the cells' marks, a source every metric plot draws
         self._readers: list[Any] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -318,10 +319,7 @@ class LaunchDashboard:
                 self.layout.children = [c for c in self.layout.children if c is self._metrics_column]
             drawn = bool(self.layout.children)
         if drawn:
-            from bokeh.embed import components
-
-            script, div = components(self.layout)
-            self._figures_html = div + script
+            self._figures_html = embedded(self.layout, self._plots_lock)
         self._close_widgets()  # first: the live view and its document go before the copy's (same models) come
         self._show_snapshot()
 

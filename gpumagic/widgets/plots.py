@@ -357,17 +357,23 @@ class Smoothing:
         self._callback.args = {**self._callback.args, "sources": list(self.sources)}
         source.js_on_change("streaming", self._callback)
         if self.slider.document is None:  # not on a page yet: it comes with the weight that suits the points
-            self.slider.value = smoothing_default(max(len(s.data["value"]) for s in self.sources))
-        source.data = {**source.data, "smooth": Smoother(self.slider.value).feed(source.data["value"])}
+            self.slider.value = self._suited_weight()
+        _smooth(source, self.slider.value)
 
     def settle(self) -> None:
         """Smooth every followed source in the kernel at the weight their density suits, and show it on the
         slider: what a static copy shows before anyone moves the slider (the caller holds the plots' lock)."""
-        longest = max((len(source.data["value"]) for source in self.sources), default=0)
-        weight = smoothing_default(longest)
-        self.slider.value = weight
+        self.slider.value = weight = self._suited_weight()
         for source in self.sources:
-            source.data = {**source.data, "smooth": Smoother(weight).feed(source.data["value"])}
+            _smooth(source, weight)
+
+    def _suited_weight(self) -> float:
+        return smoothing_default(max((len(source.data["value"]) for source in self.sources), default=0))
+
+
+def _smooth(source: Any, weight: float) -> None:
+    """Set ``source``'s "smooth" column from its "value" column at ``weight`` (``Smoother``)."""
+    source.data = {**source.data, "smooth": Smoother(weight).feed(source.data["value"])}
 
 
 class StepCurve:

@@ -82,6 +82,35 @@ PLOT_TITLES = """() => {
 }"""
 
 
+# WCAG's contrast in the page, for the functions below that start with it: ``contrast(colour, element)`` is the
+# ratio of a CSS colour (its alpha blended) to what is behind ``element``: the backgrounds up the tree (across
+# shadow roots) blended over the page's own
+WCAG_JS = """
+const parse = (text) => {
+    const parts = text.match(/[\\d.]+/g).map(Number);
+    return [parts[0], parts[1], parts[2], parts.length > 3 ? parts[3] : 1];
+};
+const over = (top, bottom) => top.slice(0, 3).map((c, i) => c * top[3] + bottom[i] * (1 - top[3]));
+const luminance = (rgb) => rgb.map((c) => {
+    c /= 255;
+    return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4;
+}).reduce((sum, c, i) => sum + c * [0.2126, 0.7152, 0.0722][i], 0);
+const contrast = (colour, element) => {
+    const layers = [];
+    for (let node = element; node; node = node.parentElement || (node.parentNode && node.parentNode.host)) {
+        if (node.nodeType !== 1) continue;
+        const layer = parse(getComputedStyle(node).backgroundColor);
+        if (layer[3] > 0) layers.push(layer);
+        if (layer[3] >= 1) break;
+    }
+    let behind = parse(getComputedStyle(document.body).backgroundColor).slice(0, 3);
+    for (const layer of layers.reverse()) behind = over(layer, behind);
+    const [a, b] = [luminance(over(parse(colour), behind)), luminance(behind)].sort((x, y) => y - x);
+    return (a + 0.05) / (b + 0.05);
+};
+"""
+
+
 def jupyterlab_servers(tmp_path):
     """A generator (the ``jupyterlab`` fixture): start JupyterLab on 127.0.0.1 serving a notebook of the given
     cells; yields the function that does it, which returns its URL."""

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.browser import PLOTTED, bokeh_trouble, notebook_page, save_and_reload
+from tests.browser import PLOTTED, WCAG_JS, bokeh_trouble, notebook_page, save_and_reload
 
 pytestmark = pytest.mark.kernel
 
@@ -28,32 +28,31 @@ RANGES = """(name) => {
                             model.y_range.end]);
     return found;
 }"""
-# WCAG contrast of the first element matching a selector inside the output of a cell, against the background
-# behind it (the nearest ancestor with an opaque colour); CSS variables as BokehJS reads them on a figure
-CONTRAST = """([selector, property]) => {
-    const parse = (text) => {
-        const m = text.match(/[\\d.]+/g).map(Number);
-        return [m[0], m[1], m[2], m.length > 3 ? m[3] : 1];
-    };
-    const linear = (c) => { c /= 255; return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; };
-    const lum = ([r, g, b]) => 0.2126 * linear(r) + 0.7152 * linear(g) + 0.0722 * linear(b);
+# WCAG contrast (WCAG_JS) of the first element matching a selector inside the notebook (across shadow roots):
+# of its text colour, or of a CSS variable as BokehJS reads it on a figure
+CONTRAST = (
+    """([selector, property]) => {
+"""
+    + WCAG_JS
+    + """
     let element = null;
     const walk = (root) => { for (const e of root.querySelectorAll("*")) { if (element) return;
         if (e.matches(selector)) { element = e; return; } if (e.shadowRoot) walk(e.shadowRoot); } };
     walk(document.querySelector(".jp-Notebook"));
     if (!element) return null;
     const style = getComputedStyle(element);
-    let [r, g, b, a] = parse(property ? style.getPropertyValue(property) : style.color);
-    let node = element, background = [255, 255, 255, 1];
-    while (node) {
-        if (node.nodeType === 1) { const c = parse(getComputedStyle(node).backgroundColor);
-            if (c[3] > 0.9) { background = c; break; } }
-        node = node.parentNode || node.host;
-    }
-    const mixed = [r, g, b].map((c, i) => a * c + (1 - a) * background[i]);
-    const [l1, l2] = [lum(mixed), lum(background)].sort((x, y) => y - x);
-    return {ratio: (l1 + 0.05) / (l2 + 0.05), colour: [r, g, b, a], background};
+    const colour = property ? style.getPropertyValue(property) : style.color;
+    return {ratio: contrast(colour, element), colour};
 }"""
+)
+
+
+LIGHT_TEXT = (
+    ("tick labels", ".bk-Figure", "--bk-major-label-text-color"),
+    ("titles", ".bk-Figure", "--bk-text-color"),
+    ("legend", ".bk-Figure", "--bk-label-text-color"),
+    ("status line", ".widget-html-content", None),
+)
 
 
 def curve_pixels(page, cell: int, path) -> int:
@@ -105,6 +104,9 @@ def test_curves_draw_live_when_the_first_log_comes_4_s_after_the_start(jupyterla
         rate = float(status.split(" steps/s")[0].rsplit("·", 1)[1].replace(",", ""))
         assert 20 < rate < 60, status  # 50 steps/s at most (a 20 ms sleep a step), not 0.0
         assert "of 600" in status and "ETA" in status, status
+        for name, selector, variable in LIGHT_TEXT:  # JupyterLab Light: text at least 4.5:1 too
+            found = page.evaluate(CONTRAST, [selector, variable])
+            assert found is not None and found["ratio"] >= 4.5, (name, found)
         page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=60_000)
         page.wait_for_timeout(1500)
         assert curve_pixels(page, 1, artifacts / "browser-first-log-late-finished.png") >= 300

@@ -12,6 +12,7 @@ import pytest
 from tests.browser import (
     PLOT_TITLES,
     PLOTTED,
+    WCAG_JS,
     WHERE_BACKWARDS,
     bokeh_trouble,
     near_white,
@@ -22,40 +23,23 @@ from tests.browser import (
 pytestmark = pytest.mark.kernel
 
 # WCAG's contrast of the text of every element under ``root`` that holds text of its own (a mark such as ● is
-# a graphic, not text), against what is behind it: the backgrounds up the tree blended, over the page's own
-CONTRASTS = """(root) => {
-    const parse = (text) => {
-        const parts = text.match(/[\\d.]+/g).map(Number);
-        return [parts[0], parts[1], parts[2], parts.length > 3 ? parts[3] : 1];
-    };
-    const over = (top, bottom) => top.slice(0, 3).map((c, i) => c * top[3] + bottom[i] * (1 - top[3]));
-    const luminance = (rgb) => rgb.map((c) => {
-        c /= 255;
-        return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4;
-    }).reduce((sum, c, i) => sum + c * [0.2126, 0.7152, 0.0722][i], 0);
-    const contrast = (element) => {
-        const layers = [];
-        for (let node = element; node && node.nodeType === 1; node = node.parentElement) {
-            const colour = parse(getComputedStyle(node).backgroundColor);
-            if (colour[3] > 0) layers.push(colour);
-            if (colour[3] >= 1) break;
-        }
-        let behind = parse(getComputedStyle(document.body).backgroundColor).slice(0, 3);
-        for (const layer of layers.reverse()) behind = over(layer, behind);
-        const text = over(parse(getComputedStyle(element).color), behind);
-        const [a, b] = [luminance(text), luminance(behind)].sort((x, y) => y - x);
-        return (a + 0.05) / (b + 0.05);
-    };
+# a graphic, not text), against what is behind it (WCAG_JS)
+CONTRASTS = (
+    """(root) => {
+"""
+    + WCAG_JS
+    + """
     const found = [];
     for (const element of [root, ...root.querySelectorAll("*")]) {
         const own = Array.from(element.childNodes).filter((n) => n.nodeType === 3).map((n) => n.textContent);
         const text = own.join("").replace(/[●✖\\s]/g, "");
         if (!text || element.offsetParent === null || element.tagName === "SCRIPT") continue;
         const colour = getComputedStyle(element).color;
-        found.push({ratio: contrast(element), text: text.slice(0, 40), colour});
+        found.push({ratio: contrast(colour, element), text: text.slice(0, 40), colour});
     }
     return found;
 }"""
+)
 # Whether a table's rows keep each cell on one line in a container ``width`` px wide: the table fits, and no row
 # is taller than its lines (a process per line in the processes cell)
 ONE_LINE_ROWS = """([table, width]) => {

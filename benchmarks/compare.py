@@ -28,7 +28,7 @@ TARGET_S = 1.0
 
 
 def write_runs(count: int, points: int) -> list:
-    from gpumagic.telemetry import store
+    from gpumagic.run_dirs import store
     from gpumagic.telemetry.log import Recorder
 
     now = time.time()
@@ -69,7 +69,7 @@ def main() -> None:
     os.environ["GPUMAGIC_RUNS_DIR"] = tempfile.mkdtemp(prefix="gpumagic-compare-bench-")
     os.environ.setdefault("GPUMAGIC_LEASE_DIR", tempfile.mkdtemp(prefix="gpumagic-compare-leases-"))
     import gpumagic
-    from gpumagic.telemetry.store import list_runs
+    from gpumagic.run_dirs.store import list_runs
 
     began = time.perf_counter()
     write_runs(args.runs, args.points)

@@ -145,7 +145,7 @@ def long_session(options: argparse.Namespace) -> None:
         run("%load_ext gpumagic\nimport gpumagic, threading")
         run(f"%ddp start -n 2{' --no-dashboard' if options.no_dashboard else ''}")
         run("%%ddp\nseen = []")
-        dashboard = "gpumagic.ddp_magics.DdpMagics.dashboard"
+        dashboard = "gpumagic.magics.ddp.DdpMagics.dashboard"
         thread = run(f"d = {dashboard}\nprint(d._thread.native_id if d is not None else '')").strip()
         thread_id = int(thread) if thread else None
         run(TIMING_HOOKS)
@@ -250,9 +250,9 @@ while True:
     steps += 1
 """
 SYNC_POINTS = """
-import gpumagic.launch.group_rank as _rank
+import gpumagic.launch.rank_side.group_rank as _rank
 from torch.nn.parallel import DistributedDataParallel as _DDP
-from gpumagic.launch.sync_points import track_ddp_forwards as _track
+from gpumagic.launch.rank_side.sync_points import track_ddp_forwards as _track
 _points = _rank._this_rank.sync
 if counting:
     _track(_points)
@@ -309,7 +309,7 @@ def sync_point_cost_rows(group: Any, cells: int) -> list[tuple[str, str]]:
     group.exec(SYNC_POINTS, namespace={"counting": True})
     import timeit
 
-    from gpumagic.launch.sync_points import SyncPoints
+    from gpumagic.launch.rank_side.sync_points import SyncPoints
 
     points = SyncPoints()
     points.start_cell(1)

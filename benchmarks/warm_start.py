@@ -81,7 +81,7 @@ Isolation: a forked job is *not* equivalent to a fresh spawn; every difference b
   ``sys.path`` (PYTHONPATH, cwd '' at daemon start), ``sys.executable`` and venv. A daemon must be keyed by
   (uid, interpreter, venv, torch/gpumagic versions and mtimes) and must never import user modules. Its
   ``__main__`` is the daemon's script (probe ``main_module``: warm_start.py, fresh: -c), so a job that pickles
-  by reference to ``__main__`` or reads ``sys.argv`` sees the daemon's (gpumagic.launch.rank installs the
+  by reference to ``__main__`` or reads ``sys.argv`` sees the daemon's (gpumagic.launch.rank_side.rank installs the
   notebook's ``__main__`` for its ranks; a forked job must do the same).
 * rlimits, umask, nice, scheduling/cpu affinity, cgroup, namespaces, supplementary groups: inherited from the
   daemon, not from the kernel that submits. The probe lowers RLIMIT_NOFILE in the submitting process after the
@@ -93,7 +93,7 @@ Isolation: a forked job is *not* equivalent to a fresh spawn; every difference b
   kernel's cgroup and limits (the same as a user running ``python train.py`` from there).
 * Stale daemon environment: what is not in the request comes from the daemon's start (HOME, PATH, LD_*,
   CUDA libraries already mapped, locale). The request must carry the whole environment (clear + update, as
-  gpumagic.launch.rank._set_environment does for its forkserver ranks), and even then the import-time reads
+  gpumagic.launch.rank_side.rank._set_environment does for its forkserver ranks), and even then the import-time reads
   above are stale: a daemon has to refuse (or restart for) a request whose environment differs from its own
   in any import-time variable, i.e. effectively keep one daemon per distinct import-time environment.
 * CUDA: the daemon must never initialize CUDA (nor NVML-through-CUDA): ``torch.cuda.is_available()`` itself
@@ -104,7 +104,7 @@ Isolation: a forked job is *not* equivalent to a fresh spawn; every difference b
 * Socket security: the daemon executes whatever code it is sent, as its user. The socket must live in a
   0700 directory owned by the user (XDG_RUNTIME_DIR or a checked private dir, never an abstract-namespace
   socket, which has no permissions), the daemon must check SO_PEERCRED uid == its own on every connection,
-  and the payload should stay sealed (gpumagic.launch.signing HMAC) and be unpickled only in the child, never
+  and the payload should stay sealed (gpumagic.run_dirs.signing HMAC) and be unpickled only in the child, never
   in the daemon (the prototype sends a JSON header and raw payload bytes for this reason).
 * Killing and records: after the double fork the job leads its own session/group, as today, so
   ``kill`` by group works, but it is no longer a descendant of the kernel or of a runner: the daemon must
@@ -398,8 +398,13 @@ import gpumagic.jobs.runner
 if os.fork():
     os._exit(0)
 os.setsid()
-from gpumagic.jobs import records, queue
-from gpumagic.launch import local, plan, rank, signing, output
+from gpumagic.jobs import queue
+from gpumagic.run_dirs import records
+from gpumagic.launch import plan
+from gpumagic.launch.kernel_side import local
+from gpumagic.launch.rank_side import rank
+from gpumagic.run_dirs import signing
+from gpumagic.launch.kernel_side import output
 import cloudpickle, psutil
 with open(sys.argv[1], "w") as handle:
     handle.write(repr(time.time()))

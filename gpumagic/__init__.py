@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from gpumagic.devices.visibility import Visibility
     from gpumagic.jobs.api import Job, JobFailed
     from gpumagic.launch.failures import LaunchError, LaunchInterrupted
-    from gpumagic.launch.persistent import RankGroup
+    from gpumagic.launch.kernel_side.persistent import RankGroup
     from gpumagic.launch.seeding import SeedReport
     from gpumagic.telemetry.log import log
     from gpumagic.widgets.compare import Comparison
@@ -89,8 +89,8 @@ _LAZY = {
     "LaunchInterrupted": ("gpumagic.launch.failures", "LaunchInterrupted"),
     "JobFailed": ("gpumagic.jobs.api", "JobFailed"),
     "Job": ("gpumagic.jobs.api", "Job"),
-    "CellFailed": ("gpumagic.launch.persistent", "CellFailed"),
-    "CellInterrupted": ("gpumagic.launch.persistent", "CellInterrupted"),
+    "CellFailed": ("gpumagic.launch.kernel_side.persistent", "CellFailed"),
+    "CellInterrupted": ("gpumagic.launch.kernel_side.persistent", "CellInterrupted"),
 }
 
 
@@ -109,10 +109,10 @@ def __getattr__(name: str) -> Any:
 def load_ipython_extension(ipython: Any) -> None:
     """Called by ``%load_ext gpumagic``: registers ``%gpu``, ``%%launch_ddp``, ``%ddp``/``%%ddp``,
     ``%%launch_bg`` and ``%jobs``; in a Jupyter kernel, has the ranks end before the kernel does."""
-    from gpumagic.ddp_magics import DdpMagics
-    from gpumagic.job_magics import JobMagics
-    from gpumagic.launch.kernel_end import watch_kernel_end
-    from gpumagic.magics import GpuMagics, LaunchMagics
+    from gpumagic.launch.kernel_side.kernel_end import watch_kernel_end
+    from gpumagic.magics.ddp import DdpMagics
+    from gpumagic.magics.jobs import JobMagics
+    from gpumagic.magics.shell import GpuMagics, LaunchMagics
 
     ipython.register_magics(GpuMagics)
     ipython.register_magics(LaunchMagics)
@@ -215,17 +215,17 @@ def launch_ddp(
 ) -> dict:
     """Call ``fn(*args, **kwargs)`` on ``nprocs`` DDP ranks (process group ready); returns ``{rank: value}``.
 
-    ``fn`` may be defined in the notebook. See ``gpumagic.launch.ddp.launch_ddp`` for the options.
+    ``fn`` may be defined in the notebook. See ``gpumagic.launch.kernel_side.ddp.launch_ddp`` for the options.
     Raises LaunchError naming the failing rank, with its traceback and the other ranks' fates.
     """
-    from gpumagic.launch.ddp import launch_ddp as _launch_ddp
+    from gpumagic.launch.kernel_side.ddp import launch_ddp as _launch_ddp
 
     return _launch_ddp(fn, nprocs, args, kwargs, **options)
 
 
 def spawn(fn: Any, args: tuple = (), nprocs: int = 1, join: bool = True, **options: Any) -> Any:
     """``torch.multiprocessing.spawn`` that works on notebook-defined functions: ``fn(rank, *args)``."""
-    from gpumagic.launch.ddp import spawn as _spawn
+    from gpumagic.launch.kernel_side.ddp import spawn as _spawn
 
     return _spawn(fn, args, nprocs, join, **options)
 
@@ -241,14 +241,14 @@ def ranks(nprocs: int | None = None, **options: Any) -> RankGroup:
     (how long an interrupted rank may stay busy before its collective is broken, default 5 s), ``output``
     (``rank0``, ``all``, ``none``). See docs/launch.md.
     """
-    from gpumagic.launch.persistent import RankGroup
+    from gpumagic.launch.kernel_side.persistent import RankGroup
 
     return RankGroup(nprocs, **options)
 
 
 def ddp_group() -> RankGroup | None:
     """The group ``%ddp start`` (or the first ``%%ddp`` cell) started in this kernel; ``None`` if none runs."""
-    from gpumagic.ddp_magics import DdpMagics
+    from gpumagic.magics.ddp import DdpMagics
 
     group = DdpMagics.group
     return group if group is not None and not group.closed else None
@@ -258,28 +258,28 @@ def keep(*objects: Any, **named: Any) -> None:
     """In a rank of a persistent group: state to restore when a dead rank is replaced (``keep(model, optimizer)``
     or ``keep(model=m)``). A healthy rank's copy is sent to the fresh rank; DDP models are wrapped again. Outside
     such a rank it does nothing."""
-    from gpumagic.launch.group_rank import keep as _keep
+    from gpumagic.launch.rank_side.group_rank import keep as _keep
 
     _keep(*objects, **named)
 
 
 def runs() -> list:
     """Every run of this user (launches and kernels that logged), oldest first; see ``load_run``."""
-    from gpumagic.telemetry.store import list_runs
+    from gpumagic.run_dirs.store import list_runs
 
     return list_runs()
 
 
 def load_run(run_id: str) -> Any:
     """Reopen a run by id (or a unique prefix): ``.metrics()`` gives ``{rank: {name: Series}}``."""
-    from gpumagic.telemetry.store import load_run as _load_run
+    from gpumagic.run_dirs.store import load_run as _load_run
 
     return _load_run(run_id)
 
 
 def plot_run(run: Any, metrics: list[str] | None = None) -> Any:
     """Plot a run (a ``Run`` or its id): one figure per metric, one curve per rank; displays in a notebook."""
-    from gpumagic.telemetry.store import Run, load_run
+    from gpumagic.run_dirs.store import Run, load_run
     from gpumagic.widgets.run_plot import RunPlot
 
     return RunPlot(run if isinstance(run, Run) else load_run(str(run)), metrics)

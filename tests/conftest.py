@@ -204,7 +204,7 @@ def no_job_left_running():
     """Whatever a test does, the background jobs it started end with it."""
     yield
     import gpumagic
-    from gpumagic.jobs import records
+    from gpumagic.run_dirs import records
 
     for job in gpumagic.list_jobs():
         if job.status in records.ACTIVE:
@@ -346,7 +346,7 @@ def start_kernel(isolated_leases):
 @pytest.fixture
 def jupyterlab(tmp_path):
     """Start JupyterLab serving a notebook of the given cells: ``url = jupyterlab(cells, theme=..., **env)``."""
-    from tests.browser import jupyterlab_servers
+    from tests.browser.pages import jupyterlab_servers
 
     yield from jupyterlab_servers(tmp_path)
 
@@ -354,6 +354,6 @@ def jupyterlab(tmp_path):
 @pytest.fixture
 def artifacts():
     """Where screenshots go (kept by CI)."""
-    from tests.browser import artifacts_folder
+    from tests.browser.pages import artifacts_folder
 
     return artifacts_folder()

@@ -1,5 +1,5 @@
 """Forged queue tickets (issue #24, part 2): what another user (Bob) does to keep a waiting pick (Alice's) from
-free GPUs, as scripts Bob runs, and Alice's waiting pick, timed. Used by ``tests/test_shared_leases.py`` (which
+free GPUs, as scripts Bob runs, and Alice's waiting pick, timed. Used by ``tests/unit/test_shared_leases.py`` (which
 asks that Alice gets a GPU) and ``benchmarks/tickets.py`` (which times it, this checkout beside a baseline).
 
 Each attack starts in Bob's process, prints ``ready`` once its tickets are in place, and runs until killed:

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from gpumagic.errors import GpumagicError, InvalidArgument, KillRefused
-from gpumagic.jobs import executors, records
+from gpumagic.jobs import executors
 from gpumagic.jobs.executors import Entry, Submission, executor_of
-from gpumagic.telemetry.run_files import RunFiles
+from gpumagic.run_dirs import records
+from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.units import format_duration, parse_duration
 
 MAX_RANKS = 256
@@ -45,7 +46,7 @@ class Job:
 
     @property
     def info(self) -> dict[str, Any]:
-        """Everything ``run.json`` records (see ``jobs.records``)."""
+        """Everything ``run.json`` records (see ``run_dirs.records``)."""
         return records.read(self.path)
 
     @property
@@ -96,7 +97,7 @@ class Job:
             raise JobFailed(self, self._failure_report(status))
         import cloudpickle
 
-        from gpumagic.launch.signing import read_sealed
+        from gpumagic.run_dirs.signing import read_sealed
 
         path = RunFiles(self.path).result
         return cloudpickle.loads(read_sealed(path, f"job {self.name}'s result ({path})"))
@@ -115,7 +116,7 @@ class Job:
 
     def logs(self, tail: int | None = None) -> str:
         """Its stdout and stderr so far (the last ``tail`` lines); a Slurm job's ranks one after another."""
-        from gpumagic.launch.output import RankOutput
+        from gpumagic.launch.kernel_side.output import RankOutput
 
         parts: list[str] = []
         sources = self._outputs()
@@ -138,7 +139,7 @@ class Job:
 
         Returns the job's status when following stopped.
         """
-        from gpumagic.launch.output import RankOutput
+        from gpumagic.launch.kernel_side.output import RankOutput
 
         write = write or _print
         sources = self._outputs()
@@ -175,7 +176,7 @@ class Job:
 
     def metrics(self) -> dict[int, dict[str, Any]]:
         """``{rank: {metric: Series}}`` of everything it has logged with ``gpumagic.log``."""
-        from gpumagic.telemetry.store import Run
+        from gpumagic.run_dirs.store import Run
 
         return Run(self.path, self.info).metrics()
 

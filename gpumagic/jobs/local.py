@@ -13,10 +13,10 @@ from typing import Any
 
 from gpumagic.devices.model import MAX_GPUS, Inventory
 from gpumagic.errors import InvalidArgument
-from gpumagic.jobs import records
 from gpumagic.jobs.executors import Entry, Submission
 from gpumagic.jobs.queue import Request, Ticket, remove_tickets
-from gpumagic.telemetry.run_files import RunFiles
+from gpumagic.run_dirs import records
+from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.units import format_bytes, parse_size
 
 RUNNER_PID_WAIT_S = 10.0  # a job killed a moment after its submission: its runner has not written its pid yet
@@ -158,8 +158,8 @@ def _process_tree(pid: int) -> list[Any]:
 def _start_runner(path: Path) -> None:
     """Start the job's runner, detached (it forks again and leaves its parent, which exits at once)."""
     from gpumagic.launch.plan import command_environment
-    from gpumagic.telemetry.private import open_private
-    from gpumagic.telemetry.store import runs_root
+    from gpumagic.run_dirs.private import open_private
+    from gpumagic.run_dirs.store import runs_root
 
     env = command_environment()
     env["GPUMAGIC_RUNS_DIR"] = str(runs_root())

@@ -4,7 +4,7 @@ It detaches from the kernel (double fork, its own session: the kernel's interrup
 not reach it), waits for the jobs named with ``after``, queues for GPUs (``jobs.queue``), holds their leases
 while the job runs, starts the job's ranks with the launcher of ``%%launch_ddp`` (``spawn``: the ranks start
 fresh, carrying their GPUs in their environment), and records everything in the job's directory
-(``jobs.records``). Its process group is the job's: ``kill`` signals the group.
+(``run_dirs.records``). Its process group is the job's: ``kill`` signals the group.
 
 Kept light at import: the ``spawn`` ranks import this module as their main module.
 """
@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any
 
-from gpumagic.telemetry.run_files import RunFiles
+from gpumagic.run_dirs.layout import RunFiles
 
 
 def main(argv: list[str]) -> int:
@@ -47,9 +47,8 @@ class _Runner:
 
         from gpumagic.devices.processes import process_start_time
         from gpumagic.errors import DiskFull, RunsDirectoryError
-        from gpumagic.jobs import records
-        from gpumagic.launch.signing import PayloadRejected
-        from gpumagic.telemetry import private
+        from gpumagic.run_dirs import private, records
+        from gpumagic.run_dirs.signing import PayloadRejected
 
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._on_signal)
@@ -83,7 +82,7 @@ class _Runner:
         import traceback
 
         from gpumagic.errors import DiskFull
-        from gpumagic.jobs import records
+        from gpumagic.run_dirs import records
 
         try:
             if not self._wait_for_dependencies(spec):
@@ -102,19 +101,19 @@ class _Runner:
     def _fail_before_start(self, err: Exception) -> None:
         import time
 
-        from gpumagic.jobs import records
+        from gpumagic.run_dirs import records
 
         self._write(self.files.error, f"{err}\n")
         records.update(self.run_dir, status="failed", reason="", exit=str(err), ended=time.time(), runner_pid=None)
 
     def _write(self, path: Any, text: str) -> None:
-        from gpumagic.telemetry.private import write_private
+        from gpumagic.run_dirs.private import write_private
 
         write_private(path, text.encode())
 
     def _disk_full(self, err: Any, report: str = "", **fields: Any) -> None:
         """Record that the job failed because a file of it could not be written, and what it kept."""
-        from gpumagic.jobs import records
+        from gpumagic.run_dirs import records
 
         records.release_reserve(self.run_dir)  # the space held for this record
         why = f"disk full: {err.path} ({err.reason}); saved: {self._saved()}; free space or set GPUMAGIC_RUNS_DIR"
@@ -125,7 +124,7 @@ class _Runner:
 
     def _saved(self) -> str:
         """What of the job is on disk: its output, its metrics, its result."""
-        from gpumagic.telemetry.store import Run
+        from gpumagic.run_dirs.store import Run
 
         kept = []
         with contextlib.suppress(OSError):
@@ -159,7 +158,7 @@ class _Runner:
     def _finish(self, status: str, why: str, **fields: Any) -> None:
         import time
 
-        from gpumagic.jobs import records
+        from gpumagic.run_dirs import records
 
         records.update(self.run_dir, status=status, reason="", exit=why, ended=time.time(), **fields)
 
@@ -168,7 +167,8 @@ class _Runner:
         import time
 
         from gpumagic.errors import InvalidArgument
-        from gpumagic.jobs import executors, records
+        from gpumagic.jobs import executors
+        from gpumagic.run_dirs import records
 
         pending = list(spec.get("after") or [])
         last = None
@@ -192,7 +192,8 @@ class _Runner:
         return True
 
     def _wait_for_gpus(self, spec: dict[str, Any]) -> list[Any]:
-        from gpumagic.jobs import queue, records
+        from gpumagic.jobs import queue
+        from gpumagic.run_dirs import records
 
         request = queue.Request.from_json(spec["request"])
         if request.wants == 0:
@@ -212,14 +213,14 @@ class _Runner:
         import cloudpickle
 
         from gpumagic.errors import DiskFull
-        from gpumagic.jobs import records
-        from gpumagic.launch import local
         from gpumagic.launch.failures import LaunchError, LaunchInterrupted
-        from gpumagic.launch.output import RankOutput
+        from gpumagic.launch.kernel_side import local
+        from gpumagic.launch.kernel_side.output import RankOutput
         from gpumagic.launch.plan import LaunchPlan, assign_gpus
-        from gpumagic.launch.rank import make_launch_directories, remove_launch_directories
-        from gpumagic.launch.signing import PayloadRejected, read_sealed, write_sealed
-        from gpumagic.telemetry.private import open_private, out_of_space
+        from gpumagic.launch.rank_side.rank import make_launch_directories, remove_launch_directories
+        from gpumagic.run_dirs import records
+        from gpumagic.run_dirs.private import open_private, out_of_space
+        from gpumagic.run_dirs.signing import PayloadRejected, read_sealed, write_sealed
 
         ddp = spec.get("ddp")
         nprocs = ddp or 1
@@ -242,7 +243,7 @@ class _Runner:
         if spec.get("memory_limit") and reserve:  # each rank capped at the job's reservation (--memory-limit)
             import dataclasses
 
-            from gpumagic.launch.rank import MEMORY_LIMIT_VARIABLE
+            from gpumagic.launch.rank_side.rank import MEMORY_LIMIT_VARIABLE
 
             plan = dataclasses.replace(plan, base_env={**plan.base_env, MEMORY_LIMIT_VARIABLE: str(int(reserve))})
         records.update(
@@ -297,7 +298,7 @@ class _Runner:
     def _output(self, data: bytes) -> None:
         """Append the job's output to output.log, all of a chunk or none of it (a full disk never leaves part
         of a line behind); if it cannot be written, stop the job (its output would be lost) and remember why."""
-        from gpumagic.telemetry.private import append_whole, disk_error
+        from gpumagic.run_dirs.private import append_whole, disk_error
 
         if self.output_error is not None:
             return

@@ -5,7 +5,7 @@ gpumagic does not schedule anything here: it writes the job's directory as for a
 ``run.json``), hands submitit a small task that names that directory, and reads the directory back. Every
 Slurm task becomes one rank with the environment torchrun gives (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR`` = the first node, ``MASTER_PORT`` derived from the job id) and runs the shipped code
-(``launch.rank``); with more than one task the ranks form one DDP group across the allocation. Output,
+(``launch.rank_side.rank``); with more than one task the ranks form one DDP group across the allocation. Output,
 metrics and results come back through the job directory, so it must be on a filesystem the nodes share.
 
 ``GPUMAGIC_SLURM=local`` puts submitit's local executor in Slurm's place (one node, tasks as processes): the
@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from gpumagic.errors import InvalidArgument
-from gpumagic.jobs import records
 from gpumagic.jobs.executors import Entry, Submission
-from gpumagic.telemetry.run_files import RunFiles
+from gpumagic.run_dirs import records
+from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.units import parse_duration, parse_size
 
 LOCAL_VARIABLE = "GPUMAGIC_SLURM"
@@ -83,7 +83,7 @@ def submit(entries: list[Entry], target: Target, submission: Submission) -> list
         InvalidArgument: a malformed Slurm option, an ``after`` job not on Slurm, or sbatch's refusal.
     """
     from gpumagic.jobs.queue import Request
-    from gpumagic.launch.rank import write_spec
+    from gpumagic.launch.rank_side.rank import write_spec
 
     params, ranks = parameters("check", target.options, target.gpus, submission.ddp, target.cluster)
     if submission.after:
@@ -290,7 +290,7 @@ class Task:
     def __call__(self) -> int:
         import submitit
 
-        from gpumagic.launch.rank import run_rank
+        from gpumagic.launch.rank_side.rank import run_rank
 
         run_dir = Path(self.run_dir)
         env = submitit.JobEnvironment()
@@ -336,8 +336,8 @@ def record_outcome(run_dir: Path, world_size: int, wait_s: float = 60.0) -> None
     import cloudpickle
 
     from gpumagic.launch.failures import LaunchError, root_cause
-    from gpumagic.launch.rank import rank_outcomes
-    from gpumagic.launch.signing import read_sealed, write_sealed
+    from gpumagic.launch.rank_side.rank import rank_outcomes
+    from gpumagic.run_dirs.signing import read_sealed, write_sealed
 
     files = RunFiles(run_dir)
 
@@ -353,7 +353,7 @@ def record_outcome(run_dir: Path, world_size: int, wait_s: float = 60.0) -> None
     failure = root_cause(outcomes)
     if failure is not None:
         error = LaunchError(outcomes, failure)
-        from gpumagic.telemetry.private import write_private
+        from gpumagic.run_dirs.private import write_private
 
         write_private(files.error, (error.report() + "\n").encode())
         records.update(run_dir, status="failed", reason="", exit=error.headline(), ended=time.time())

@@ -83,7 +83,7 @@ class LaunchPlan:
     ) -> LaunchPlan:
         """The plan of a launch whose ranks all run here, started by this process, now: their store is a Unix
         socket in the run's private launch directory (``RunFiles.store_socket``)."""
-        from gpumagic.telemetry.run_files import RunFiles
+        from gpumagic.run_dirs.layout import RunFiles
 
         nprocs = len(rank_gpus)
         return cls(
@@ -109,7 +109,7 @@ class LaunchPlan:
 
     def environment(self, local_rank: int) -> dict[str, str]:
         """The rank's whole environment: ``base_env``, the variables torchrun sets, its GPUs and thread count."""
-        from gpumagic.telemetry.store import RUN_DIR_VARIABLE
+        from gpumagic.run_dirs.store import RUN_DIR_VARIABLE
 
         env = dict(self.base_env)
         env.update(

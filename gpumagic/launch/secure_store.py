@@ -48,7 +48,7 @@ class StoreRefused(ConnectionError):
 
 def store_key() -> bytes:
     """The key that opens this user's stores: derived from gpumagic's payload key (``signing``), never sent."""
-    from gpumagic.launch.signing import derived_key
+    from gpumagic.run_dirs.signing import derived_key
 
     return derived_key(b"gpumagic rendezvous store")
 

@@ -105,7 +105,7 @@ def resolve(selection: Any) -> list[Any]:
         InvalidArgument: a name that is no job or run, a pattern matching nothing, or nothing to compare.
     """
     from gpumagic.jobs.api import Job, list_jobs
-    from gpumagic.telemetry.store import Run
+    from gpumagic.run_dirs.store import Run
 
     if selection is None:
         found: list[Any] = list_jobs()
@@ -137,9 +137,9 @@ def resolve(selection: Any) -> list[Any]:
 
 def _named(name: str) -> list[Any]:
     """The jobs a name or pattern means, else the run it names."""
-    from gpumagic.jobs import records
     from gpumagic.jobs.api import Job
-    from gpumagic.telemetry.store import load_run
+    from gpumagic.run_dirs import records
+    from gpumagic.run_dirs.store import load_run
 
     if any(c in name for c in "*?["):  # never in a job name: a pattern
         paths = []
@@ -162,10 +162,11 @@ def _named(name: str) -> list[Any]:
 
 def read_member(source: Any) -> Member:
     """A job's or run's row material as it is on disk now."""
-    from gpumagic.jobs import executors, records
+    from gpumagic.jobs import executors
     from gpumagic.jobs.api import Job
-    from gpumagic.telemetry.run_files import RunFiles
-    from gpumagic.telemetry.store import RankReader, load_run
+    from gpumagic.run_dirs import records
+    from gpumagic.run_dirs.layout import RunFiles
+    from gpumagic.run_dirs.store import RankReader, load_run
 
     if isinstance(source, Job):
         info = source.info
@@ -202,7 +203,7 @@ def _forward(series: Any) -> Any:
         return series
     before = numpy.maximum.accumulate(numpy.concatenate(([-math.inf], steps[:-1])))
     kept = numpy.flatnonzero(steps >= before).tolist()
-    from gpumagic.telemetry.store import Series
+    from gpumagic.run_dirs.store import Series
 
     return Series(*([column[i] for i in kept] for column in (series.steps, series.values, series.times)))
 
@@ -432,7 +433,7 @@ class RunComparison:
         self.sort(sort_by, descending)
 
     def _read(self) -> None:
-        from gpumagic.telemetry.run_files import RunFiles
+        from gpumagic.run_dirs.layout import RunFiles
 
         self.sources = [s for s in self.sources if RunFiles(s.path).record.exists()]  # a job removed meanwhile
         if not self.sources:

@@ -17,8 +17,8 @@ from array import array
 from pathlib import Path
 
 from gpumagic.errors import GpumagicError
-from gpumagic.telemetry import private, store
-from gpumagic.telemetry.run_files import RunFiles
+from gpumagic.run_dirs import private, store
+from gpumagic.run_dirs.layout import RunFiles
 
 FLUSH_INTERVAL_S = 0.1
 _log = logging.getLogger("gpumagic")

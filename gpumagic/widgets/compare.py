@@ -469,7 +469,7 @@ class Comparison(RunComparison):
         return [[h, fields.get(h, h if h in self.columns else ""), shared.get(h, "")] for h in self.export_columns()]
 
     def _ipython_display_(self) -> None:
-        from gpumagic.launch.output import in_kernel
+        from gpumagic.launch.kernel_side.output import in_kernel
         from gpumagic.widgets.plots import LiveFrame
 
         if not in_kernel():

@@ -56,10 +56,10 @@ def job_row(
 ) -> JobRow:
     """A job's row, read once from its directory (``info`` and rank 0's ``latest`` metrics if known; ``place``:
     where it waits in the machine's queue, ``jobs.queue.places``)."""
-    from gpumagic.jobs import records
     from gpumagic.jobs.api import _format_metrics
     from gpumagic.jobs.executors import executor_of
     from gpumagic.jobs.queue import one_line_why
+    from gpumagic.run_dirs import records
 
     info = info if info is not None else job.info
     runs_on = executor_of(info)

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from gpumagic.telemetry.run_files import RunFiles
+from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.widgets.gpu_watch import ERROR, TEXT, _owned_box_class
 from gpumagic.widgets.job_table import status_html
 from gpumagic.widgets.plots import (
@@ -182,7 +182,7 @@ class JobWatch:
             self._update()
 
     def _update(self) -> None:
-        from gpumagic.jobs import records
+        from gpumagic.run_dirs import records
 
         if self._switch_to is not None:
             self._reset_curves(self._switch_to)
@@ -244,7 +244,7 @@ class JobWatch:
     def _add_job(self, path: Path, name: str) -> None:
         import ipywidgets
 
-        from gpumagic.telemetry.store import RankReader
+        from gpumagic.run_dirs.store import RankReader
 
         colour = self.colours[path] = PALETTE[len(self.colours) % len(PALETTE)]  # repeats past 20 jobs only
         kill = ipywidgets.Button(description="Kill", icon="stop", layout=ipywidgets.Layout(width="80px"))
@@ -343,7 +343,7 @@ class JobWatch:
             self._switch_to = metric  # carried out by the thread, the only writer of the plot
 
     def _reset_curves(self, metric: str) -> None:
-        from gpumagic.telemetry.store import RankReader
+        from gpumagic.run_dirs.store import RankReader
 
         self.metric = metric
         with self._plots_lock:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumagic.devices.processes import is_running
-from gpumagic.launch.output import in_kernel
+from gpumagic.launch.kernel_side.output import in_kernel
 from gpumagic.telemetry.log import TOTAL_STEPS
 from gpumagic.telemetry.metric_kinds import lower_is_better
 from gpumagic.widgets.plots import (
@@ -153,8 +153,8 @@ class LaunchDashboard:
     ) -> None:
         """The ranks started: follow the run's metrics and their processes until ``finish`` (a pid ``None``: a
         rank on another node, its metrics only; ``rank_gpus``: each rank's GPU UUIDs)."""
-        from gpumagic.telemetry.run_files import RunFiles
-        from gpumagic.telemetry.store import RankReader
+        from gpumagic.run_dirs.layout import RunFiles
+        from gpumagic.run_dirs.store import RankReader
 
         self.run_dir = Path(run_dir)
         self._attached = time.monotonic()

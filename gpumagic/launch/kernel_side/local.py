@@ -1,0 +1,274 @@
+"""Starting a plan's ranks on this machine through multiprocessing (the contexts ``torch.multiprocessing``
+wraps; the launcher itself never imports torch, so a background job's runner stays small) and watching them.
+
+Ranks start from the rank server (``rank_server``: a forkserver with torch imported), so a relaunch costs a
+fork, not a torch import (``spawn`` is the fallback); the kernel itself is never forked. The watch loop is
+all or nothing, as in torch elastic: every rank succeeds, or at the first failure the rest are stopped
+(SIGTERM, then SIGKILL) and one error names the root cause, the rank that failed first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gpumagic.launch.failures import LaunchError, LaunchInterrupted, RankOutcome, root_cause
+from gpumagic.launch.kernel_side.process_set import Exit, ProcessSet
+from gpumagic.launch.plan import LaunchPlan
+from gpumagic.run_dirs.layout import RunFiles
+
+START_METHODS = ("forkserver", "spawn")
+
+
+def run_local(
+    plan: LaunchPlan,
+    packed: bytes,
+    *,
+    start_method: str = "forkserver",
+    listener: Any = None,
+    on_output: Callable[[int, bytes], None] | None = None,
+    on_start: Callable[[LaunchPlan, list[int]], None] | None = None,
+    cancel: threading.Event | None = None,
+    poll_s: float = 0.1,
+) -> dict[int, Any]:
+    """Run a packed payload (``shipping.pack``) on ``plan.nprocs`` local ranks; return ``{rank: value}``.
+
+    Raises:
+        LaunchError: a rank failed (raised, exited non-zero, was killed); all ranks are gone when it is raised.
+        LaunchInterrupted: KeyboardInterrupt (the kernel's interrupt); all ranks are gone when it is raised.
+    """
+    from gpumagic.launch.rank_side.rank import make_launch_directories, read_result
+    from gpumagic.run_dirs.signing import write_sealed
+
+    files = RunFiles(plan.run_dir)
+    make_launch_directories(files)
+    write_sealed(files.payload, packed)
+    with _context(start_method) as context:  # held until the ranks ended: the server is not restarted under them
+        ranks = _start(plan, context, start_method, listener)
+        watcher = _Watcher(plan, ranks, on_output or (lambda rank, data: None), poll_s, cancel)
+        try:
+            if on_start is not None:
+                on_start(plan, ranks.pids)
+            outcomes = watcher.watch()
+        except (KeyboardInterrupt, _Cancelled) as reason:
+            started = time.monotonic()
+            watcher.stop_all(signal.SIGINT)
+            why = "stopped from the dashboard" if isinstance(reason, _Cancelled) else "interrupted"
+            raise LaunchInterrupted(
+                f"{why}; stopped ranks {', '.join(map(str, range(plan.nprocs)))} in "
+                f"{time.monotonic() - started:.1f}s. The next launch starts fresh."
+            ) from None
+        except BaseException:  # gpumagic's own failure (a callback, a full disk): no rank outlives the launch
+            watcher.stop_all(signal.SIGTERM)
+            raise
+        finally:
+            watcher.close()
+    failure = root_cause(outcomes)
+    if failure is not None:
+        raise LaunchError(outcomes, failure, _full_disk_note(plan.run_dir))
+    return {o.rank: read_result(files, o.rank) for o in outcomes}
+
+
+def loopback_port(port: int | None) -> int:
+    """A port number for ``MASTER_PORT`` (``port`` if free on 127.0.0.1, else any free one), which only code that
+    reads it uses: gpumagic's own groups meet on the run's store (``store_listener``), never on a TCP port.
+
+    Raises:
+        InvalidArgument: ``port`` is taken.
+    """
+    import socket
+
+    from gpumagic.errors import InvalidArgument
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port or 0))
+        except OSError as err:
+            raise InvalidArgument(
+                f"port {port} is taken on 127.0.0.1 ({err.strerror}); leave out --port to use a free one"
+            ) from None
+        return probe.getsockname()[1]
+
+
+def store_listener(files: RunFiles) -> Any:
+    """The listening Unix socket of a local launch's store, in the run's private launch directory (made first):
+    handed to rank 0, which serves the store on it (``secure_store``); no other user can connect to it."""
+    from gpumagic.launch.secure_store import listen
+
+    listener = listen(f"unix:{files.store_socket}")
+    listener.set_inheritable(False)
+    return listener
+
+
+@contextlib.contextmanager
+def _context(start_method: str) -> Any:
+    if start_method == "forkserver":
+        from gpumagic.launch.rank_side.rank_server import forkserver_context
+
+        with forkserver_context() as context:
+            yield context
+        return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # now, so it does not inherit a rank's GPUs (_initial_environment)
+    yield multiprocessing.get_context(start_method)
+
+
+class _Ranks(ProcessSet):
+    """The rank processes of a local launch, with the read ends of their output pipes."""
+
+    readers: dict[int, tuple[int, Any]]
+
+
+def _start(plan: LaunchPlan, context: Any, start_method: str, listener: Any) -> _Ranks:
+    from gpumagic.launch.rank_side.rank import run_local_rank
+
+    pipes = [context.Pipe(duplex=False) for _ in range(plan.nprocs)]
+    processes = []
+    try:
+        for local_rank in range(plan.nprocs):
+            process = context.Process(
+                target=run_local_rank,
+                args=(local_rank, plan, [w for _, w in pipes], listener),
+                name=f"rank-{local_rank}",
+            )
+            with _initial_environment(plan, local_rank, start_method):
+                process.start()
+            processes.append(process)
+    except BaseException:
+        started = ProcessSet(processes, groups=True)
+        started.stop(signal.SIGKILL, grace_s=5.0)
+        started.close()
+        for reader, _ in pipes:
+            reader.close()
+        raise
+    finally:
+        for _, writer in pipes:
+            writer.close()
+        if listener is not None:
+            listener.close()
+    ranks = _Ranks(processes, groups=True)
+    ranks.readers = {reader.fileno(): (rank, reader) for rank, (reader, _) in enumerate(pipes)}
+    return ranks
+
+
+@contextlib.contextmanager
+def _initial_environment(plan: LaunchPlan, local_rank: int, start_method: str) -> Any:
+    """With ``spawn``, start the rank with its GPUs in its initial environment (the one ``/proc`` shows, so the
+    simulated inventory counts the rank on its GPU); the rank sets the rest of its environment itself."""
+    gpus = plan.rank_gpus[local_rank] if plan.rank_gpus else ()
+    if start_method != "spawn" or not gpus:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
+    os.environ.update(CUDA_VISIBLE_DEVICES=",".join(gpus), CUDA_DEVICE_ORDER="PCI_BUS_ID")
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _full_disk_note(run_dir: str) -> str:
+    """A note for a failed launch whose ranks' files have no space left: a rank that cannot write its result
+    cannot write its error report either, and would seem to have exited without one."""
+    from gpumagic.run_dirs.private import out_of_space
+
+    if not out_of_space(run_dir):
+        return ""
+    return (
+        f"disk full: {run_dir} has no space left, so a rank may have failed writing its result or its report; "
+        "free space or set GPUMAGIC_RUNS_DIR"
+    )
+
+
+class _Cancelled(Exception):
+    """The launch's cancel event was set (the dashboard's Stop button)."""
+
+
+class _Watcher:
+    """Multiplexes the ranks' output pipes and their ends in one ``select`` loop."""
+
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        ranks: _Ranks,
+        on_output: Callable[[int, bytes], None],
+        poll_s: float,
+        cancel: threading.Event | None = None,
+    ) -> None:
+        self.files = RunFiles(plan.run_dir)
+        self.ranks = ranks
+        self.readers = dict(ranks.readers)
+        self.on_output = on_output
+        self.poll_s = poll_s
+        self.cancel = cancel
+        self.outcomes: dict[int, RankOutcome] = {}
+
+    def watch(self) -> list[RankOutcome]:
+        while self.ranks.running:
+            ended, ready = self.ranks.poll(self.poll_s, also=list(self.readers))
+            for fd in ready:
+                self._read(fd)
+            for exit in ended:
+                self._ended(exit)
+            self.ranks.escalate()
+            if self.cancel is not None and self.cancel.is_set() and not self.ranks.stopping:
+                raise _Cancelled()
+        self.ranks.end_leftovers()  # first: what they left running may hold their output pipes open
+        self.drain(timeout=2.0)
+        return [self.outcomes[r] for r in range(len(self.ranks))]
+
+    def _read(self, fd: int) -> None:
+        rank, _ = self.readers[fd]
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            data = b""
+        if data:
+            self.on_output(rank, data)
+        else:
+            self.readers.pop(fd)[1].close()
+
+    def _ended(self, exit: Exit) -> None:
+        from gpumagic.launch.rank_side.rank import ProcessEnd, read_outcome
+
+        end = ProcessEnd(exit.pid, exit.exitcode, exit.time, exit.stopped and exit.exitcode != 0)
+        outcome = read_outcome(self.files, exit.index, 0, end)
+        self.outcomes[exit.index] = outcome
+        if not outcome.ok:
+            self.ranks.begin_stop(signal.SIGTERM)  # the others: SIGTERM, SIGKILL after the grace period
+
+    def stop_all(self, first: int) -> None:
+        """Stop every rank now (interrupt): ``first`` signal, SIGKILL after the grace period; reap all."""
+        self.ranks.stop(first)
+        for exit in self.ranks.exits.values():
+            if exit.index not in self.outcomes:
+                self._ended(exit)
+        self.ranks.end_leftovers()
+        self.drain(timeout=0.5)
+
+    def drain(self, timeout: float) -> None:
+        """Read what the ranks wrote before they ended (their pipes close when they exit)."""
+        import select
+
+        deadline = time.monotonic() + timeout
+        while self.readers and time.monotonic() < deadline:
+            ready, _, _ = select.select(list(self.readers), [], [], max(0.0, deadline - time.monotonic()))
+            for fd in ready:
+                self._read(fd)
+
+    def close(self) -> None:
+        for _, reader in self.readers.values():
+            reader.close()
+        self.readers.clear()
+        self.ranks.close()

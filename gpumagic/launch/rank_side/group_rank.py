@@ -1,0 +1,695 @@
+"""A rank that lives across cells (``%%ddp``, ``gpumagic.ranks``): the rank runtime's set-up, then a loop that
+runs what the kernel sends (cells, functions, pull/push, re-forming the process group) in one namespace that
+persists, until the kernel closes the group or dies.
+
+Two threads. The main thread runs the user's code, so the kernel's interrupt (SIGINT) raises
+KeyboardInterrupt there. The control thread reads every message from the kernel: ``status`` and ``break``
+(shut the process group's connections so a collective stuck waiting for a peer fails at once) it answers
+itself, even while the main thread is busy; the rest it queues for the main thread.
+
+Started from the rank server like a launch's ranks (``run_local_rank``); imported there, so nothing heavy is
+imported at module level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import os
+import queue
+import signal
+import socket
+import stat
+import threading
+import time
+import types
+from typing import Any
+
+from gpumagic.launch import replay, replicas
+from gpumagic.launch.plan import LaunchPlan
+from gpumagic.launch.rank_side.rank import (
+    RankSetup,
+    _accept_the_users_own_set_up,
+    _die_with,
+    _end_own_group,
+    _fork_for_workers,
+    _keep_ended_process_groups,
+    _notebook_main,
+    _replace_in_torch_distributed,
+    _route_output,
+    _seed_from_environment,
+    _set_environment,
+    failure_report,
+    flush,
+    join_process_group,
+    plan_setup,
+    rank_namespace,
+)
+from gpumagic.launch.rank_side.sync_points import SyncPoints, track_ddp_forwards
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "recv",
+)
+
+POINT_TO_POINT = ("send", "recv")  # tracked, but no sync point: only some ranks make them
+_kept: dict[str, None] = {}  # names registered with gpumagic.keep, in registration order
+_this_rank: GroupRank | None = None
+
+
+def serve_group_rank(local_rank: int, plan: LaunchPlan, output: Any, connection: Any, status: Any) -> None:
+    """The target of a group rank's process: set up, then serve the kernel until it closes the group."""
+    os.setpgid(0, 0)  # the rank leads its own process group: what it starts ends with it
+    _die_with(plan.launcher_pid)
+    _route_output(0, [output])
+    _set_environment(plan.environment(local_rank))
+    code = GroupRank(plan_setup(plan, local_rank), connection, status).serve()
+    flush()
+    os._exit(code)
+
+
+def keep(*objects: Any, **named: Any) -> None:
+    """Register state to restore in a rank that replaces a dead one (``gpumagic.keep``); a no-op outside a
+    persistent group. See ``gpumagic.keep``."""
+    if _this_rank is None:
+        return
+    namespace = _this_rank.namespace
+    for name, value in named.items():
+        namespace[name] = value
+        _kept[name] = None
+    for value in objects:
+        names = [n for n, v in namespace.items() if v is value and not n.startswith("_")]
+        if not names:
+            raise ValueError(
+                f"gpumagic.keep: this {type(value).__name__} has no name in the cell's namespace; "
+                "assign it to a variable first, or name it: gpumagic.keep(model=model)"
+            )
+        _kept[sorted(names)[0]] = None
+
+
+class GroupRank:
+    """One rank of a persistent group: its namespace, its process group, and the loop serving the kernel."""
+
+    def __init__(self, setup: RankSetup, connection: Any, status_connection: Any) -> None:
+        self.setup = setup
+        self.connection = connection
+        self.status_connection = status_connection
+        self.jobs: queue.Queue[tuple] = queue.Queue()
+        self.sending = threading.Lock()
+        self.namespace: dict[str, Any] = {}
+        self.shipped: dict[str, int] = {}  # names the kernel sent: the id of the object each was sent as
+        self.device: Any = None
+        self.executing: str | None = None  # the cell being run
+        self.executing_since = 0.0
+        self.collective: tuple[str, float] | None = None
+        self.collectives = 0  # collectives called so far: peers that differ are out of step
+        self.group_sockets: dict[int, int] = {}  # fd -> inode of the process group's connections
+        self.broken = False
+        self.to_wrap: dict[str, dict[str, Any]] = {}  # kept DDP models a fresh rank got as modules
+        self.sync = SyncPoints()  # where the rank is, for an interrupt that stops every rank at one point
+        self.before: dict[str, Any] = {}  # the plain numbers of the namespace when the last cell started
+
+    # --- the loop --------------------------------------------------------------------------------------
+
+    def serve(self) -> int:
+        global _this_rank
+        try:
+            self.set_up()
+        except BaseException as err:  # noqa: BLE001 - the kernel must hear why the rank cannot serve
+            self.send(("failed", 0, failure_report("setup", err)))
+            return 1
+        _this_rank = self
+        threading.Thread(target=self._control, name="gpumagic-control", daemon=True).start()
+        threading.Thread(target=self._answer_status, name="gpumagic-status", daemon=True).start()
+        self.send(("ready", 0, os.getpid()))
+        while True:
+            try:
+                message = self.jobs.get()
+            except KeyboardInterrupt:  # an interrupt that came after the cell it was meant for ended
+                continue
+            kind, ident, *args = message
+            if kind == "close":
+                self.send(("done", ident, None))
+                return 0
+            reply = self._handle(kind, ident, args)
+            self.send(reply)
+            if reply[0] != "done":  # what the failed code held (DataLoader workers...) ends now, not mid-cell
+                gc.collect()
+
+    def _handle(self, kind: str, ident: int, args: list[Any]) -> tuple:
+        """Do one request; the reply. An interrupt meant for the user's code that arrives late (while the
+        reply is made) is absorbed here: it must never end the loop."""
+        cell = kind in ("exec", "call")
+        if cell:
+            self.sync.start_cell(ident)
+        while True:
+            try:
+                try:
+                    return ("done", ident, getattr(self, f"do_{kind}")(*args))
+                except KeyboardInterrupt:
+                    collective = self.collective
+                    name = collective[0] if collective else None
+                    return ("interrupted", ident, name, self.collectives, self.sync.stopped_at)
+                except BaseException as err:  # noqa: BLE001 - every failure goes back to the kernel
+                    self.executing = None
+                    return ("failed", ident, {**failure_report("user code", err), "collectives": self.collectives})
+                finally:
+                    self.executing = None  # before the reply: a late interrupt must not hit the loop
+                    self.collective = None
+                    if cell:
+                        self.sync.end_cell()
+                        if signal.getsignal(signal.SIGINT) != self._on_interrupt:  # a cell took it over
+                            signal.signal(signal.SIGINT, self._on_interrupt)
+                    flush()
+            except KeyboardInterrupt:
+                if cell:
+                    return ("interrupted", ident, None, self.collectives, None)
+
+    def send(self, message: tuple) -> None:
+        with self.sending:
+            try:
+                self.connection.send(message)
+            except (OSError, ValueError):  # the kernel is gone: so is this rank
+                _end_own_group()
+
+    def _answer_status(self) -> None:
+        """The status channel: answered at once, whatever the main thread does (the kernel may ask from another
+        thread than the one running cells)."""
+        while True:
+            try:
+                ident = self.status_connection.recv()
+                self.status_connection.send((ident, self.status()))
+            except (EOFError, OSError):
+                return
+
+    def _control(self) -> None:
+        """Read the kernel's messages: ``break`` now, the rest queued for the main thread."""
+        while True:
+            try:
+                message = self.connection.recv()
+            except (EOFError, OSError):
+                _end_own_group()
+                return
+            if message[0] == "break":
+                self.break_group()
+            elif message[0] == "pause":  # ("pause", request, cell): where the rank is, held at its next point
+                where = self.sync.pause(message[2])
+                inside = self.collective  # (name, since): waiting there may be for a peer that never comes
+                if where is not None and inside is not None:
+                    where["inside"] = time.time() - inside[1]
+                self.send(("paused", message[1], where))
+            elif message[0] == "stop_at":  # ("stop_at", request, cell, point)
+                self.sync.stop_at(message[2], message[3])
+            else:
+                self.jobs.put(message)
+
+    # --- set-up ----------------------------------------------------------------------------------------
+
+    def set_up(self) -> None:
+        import torch
+
+        setup = self.setup
+        torch.set_num_threads(setup.threads)
+        _fork_for_workers()
+        _keep_ended_process_groups()
+        _seed_from_environment()
+        _accept_the_users_own_set_up(setup.backend or "gloo", setup.world_size, setup.rank, made_by="%ddp start")
+        self._track_collectives()
+        track_ddp_forwards(self.sync)
+        _end_stuck_data_loader_workers_soon()
+        self.device = torch.device("cpu")
+        if setup.use_cuda:
+            torch.cuda.set_device(0)
+            self.device = torch.device("cuda", 0)
+        self.namespace = _notebook_main().__dict__
+        self.namespace.update(rank_namespace(setup.rank, setup.local_rank, setup.world_size, self.device))
+        self.provided = set(self.namespace)
+        signal.signal(signal.SIGINT, self._on_interrupt)
+
+    def _on_interrupt(self, signum: int, frame: Any) -> None:
+        if self.executing is not None:
+            raise KeyboardInterrupt
+
+    def _track_collectives(self) -> None:
+        """Note which collective the rank is in, and since when (for ``status`` and interrupts)."""
+        import torch.distributed as dist
+
+        def wrap(original: Any) -> Any:
+            name = original.__name__
+            # every rank makes the default group's collectives alike; not so a send, a recv or a subgroup's
+            counted = name not in POINT_TO_POINT
+
+            def collective(*args: Any, **kwargs: Any) -> Any:
+                outer = self.collective
+                if outer is None:
+                    if counted and kwargs.get("group") in (None, dist.GroupMember.WORLD):
+                        self.sync.enter()  # an interrupt meant for every rank at once stops here
+                    self.collective = (name, time.time())
+                    self.collectives += 1
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    if outer is None:
+                        self.collective = None
+
+            return collective
+
+        for name in COLLECTIVES:
+            _replace_in_torch_distributed(name, wrap)
+
+    # --- the process group -----------------------------------------------------------------------------
+
+    def do_join(self, ident: int, address: str | None) -> str:
+        """Join a fresh process group. Rank 0 serves its store (``secure_store``) on a new Unix socket in the
+        run's private launch directory and reports the address first; the others are given it."""
+        import torch.distributed as dist
+
+        from gpumagic.launch import secure_store
+
+        if dist.is_initialized():  # the old group could not be left: joining would reuse it
+            raise RuntimeError("this rank is still in its old process group; %ddp restart starts a fresh group")
+        before = set(_socket_inodes().values())
+        listener = None
+        if address is None:
+            address = f"unix:{self.setup.files.launch / f'store-{ident}.sock'}"
+            listener = secure_store.listen(address)
+            self.send(("store", -1, address))  # persistent.STORE
+        os.environ[secure_store.VARIABLE] = address
+        join_process_group(
+            self.setup.backend or "gloo",
+            address,
+            self.setup.rank,
+            self.setup.world_size,
+            self.setup.timeout_s,
+            listener,
+        )
+        self.group_sockets = {fd: inode for fd, inode in _socket_inodes().items() if inode not in before}
+        self.broken = False
+        self.collectives = 0  # counted from this group's start, the same on every rank
+        return address
+
+    def do_leave(self) -> None:
+        """Leave the process group (broken first, so that no peer waits on this rank)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        if not self.broken:
+            self.break_group()
+        from gpumagic.launch.rank_side.rank import _ENDED_PROCESS_GROUPS, close_served_stores
+
+        close_served_stores()
+
+        kept = len(_ENDED_PROCESS_GROUPS)
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - an aborted group may refuse; it is left behind either way
+            pass
+        # Unlike a launch's (rank._keep_ended_process_groups), a group left here is broken first: no collective
+        # of it is in flight, so its destructor has no worker to wait for. Released, a re-form leaks nothing
+        # (kept, each cost rank 0 four threads and 14 descriptors).
+        del _ENDED_PROCESS_GROUPS[kept:]
+        gc.collect()
+        from gpumagic.launch import secure_store
+
+        secure_store.forget_clients()  # after the group that used them is gone
+
+    def break_group(self) -> None:
+        """End every connection of the process group now, from any thread: a collective waiting on a peer fails
+        at once ("Connection closed by peer") instead of after the group's timeout. NCCL groups are aborted."""
+        self.broken = True
+        if (self.setup.backend or "gloo") != "gloo":
+            try:
+                from torch.distributed import distributed_c10d
+
+                distributed_c10d._abort_process_group()
+            except Exception:  # noqa: BLE001 - the kernel kills the rank if it stays stuck
+                pass
+        for fd, inode in self.group_sockets.items():
+            try:
+                if os.stat(f"/proc/self/fd/{fd}").st_ino != inode:
+                    continue
+                connection = socket.socket(fileno=fd)
+            except OSError:
+                continue
+            try:
+                if connection.family in (socket.AF_INET, socket.AF_INET6) and not connection.getsockopt(
+                    socket.SOL_SOCKET, socket.SO_ACCEPTCONN
+                ):
+                    connection.shutdown(socket.SHUT_RDWR)  # the store's connections are Unix sockets: they stay
+            except OSError:
+                pass
+            finally:
+                connection.detach()
+
+    def do_wrapped(self) -> list[str]:
+        """The names of DistributedDataParallel models here (and kept ones a fresh rank is to wrap)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        found = {n for n, v in self.namespace.items() if isinstance(v, DistributedDataParallel)}
+        return sorted(found | set(self.to_wrap))
+
+    def do_rewrap(self, names: list[str]) -> list[str]:
+        """After the group was re-formed: the DistributedDataParallel models ``names`` wrapped anew on it (the old
+        ones hold the ended group). A collective: every rank wraps the same names in the same order."""
+        for name in names:
+            old = self.namespace[name]
+            if name in self.to_wrap:
+                self.namespace[name] = _wrap_like(old, None, self.to_wrap.pop(name))
+            else:
+                self.namespace[name] = _wrap_like(old.module, old)
+        self.to_wrap.clear()
+        return names
+
+    # --- the user's code -------------------------------------------------------------------------------
+
+    def do_exec(self, label: str, packed: bytes) -> tuple[Any, list[str], list[str]]:
+        """Run a shipped cell (``shipping.CellPayload``) in the namespace; its value (pickled), and the names the
+        ranks now hold as their own and all the names they hold."""
+        import cloudpickle
+
+        payload = cloudpickle.loads(packed)
+        payload.prepare()
+        self.receive(payload.names)
+        self._start(label)
+        value = payload.run(self._context(), self.namespace)
+        return (_dumps_to_cpu(value), *self.names(), self.collectives)
+
+    def do_call(self, label: str, packed: bytes) -> tuple[Any, list[str], list[str]]:
+        """Call a shipped function (``shipping.FunctionPayload``)."""
+        import cloudpickle
+
+        payload = cloudpickle.loads(packed)
+        payload.prepare()
+        fn = self._in_namespace(payload.fn)
+        self._start(label)
+        value = fn(*payload.args, **payload.kwargs)
+        return (_dumps_to_cpu(value), *self.names(), self.collectives)
+
+    def receive(self, names: dict[str, Any]) -> None:
+        """Take the notebook's names (their values as the kernel sent them) into the namespace."""
+        for name, value in list(names.items()):
+            names[name] = self._in_namespace(value)
+            self.shipped[name] = id(names[name])
+        self.namespace.update(names)
+
+    def _in_namespace(self, value: Any, seen: dict[int, Any] | None = None) -> Any:
+        """A notebook function (or class) as if defined here: its globals are the rank's namespace, so it sees
+        what the cells made on the rank (``model``), as the notebook's own functions see the notebook's names.
+        The notebook names it refers to (sent along with it) join the namespace, made at home there the same
+        way, unless the rank made its own. ``seen``: what this call made already (functions refer to each
+        other, and to themselves)."""
+        seen = {} if seen is None else seen
+        if id(value) in seen:
+            return seen[id(value)]
+        if isinstance(value, type) and value.__module__ == "__main__":
+            seen[id(value)] = value
+            for cls in value.__mro__:  # its notebook base classes' methods too
+                if cls.__module__ != "__main__" or cls is object:
+                    continue
+                for attribute, member in list(vars(cls).items()):
+                    rebound = _rebind(member, lambda function: self._in_namespace(function, seen))
+                    if rebound is not member:
+                        setattr(cls, attribute, rebound)
+            return value
+        if not isinstance(value, types.FunctionType) or value.__module__ != "__main__":
+            return value  # an importable function keeps its module's globals
+        if value.__globals__ is self.namespace:
+            return value
+        function = types.FunctionType(
+            value.__code__, self.namespace, value.__name__, value.__defaults__, value.__closure__
+        )
+        for attribute in ("__kwdefaults__", "__qualname__", "__doc__", "__module__", "__annotations__"):
+            setattr(function, attribute, getattr(value, attribute))
+        function.__dict__.update(value.__dict__)
+        seen[id(value)] = function
+        for name, known in value.__globals__.items():
+            held = name in self.namespace and self.shipped.get(name) != id(self.namespace[name])
+            if not name.startswith("__") and not held:
+                self.namespace[name] = self._in_namespace(known, seen)
+                self.shipped[name] = id(self.namespace[name])
+        return function
+
+    def _start(self, label: str) -> None:
+        self.executing = label
+        self.executing_since = time.time()
+        self.before = self.numbers()
+
+    def numbers(self) -> dict[str, Any]:
+        """The rank's own plain numbers (``steps``): compared between ranks after an interrupt."""
+        sent = {n for n, i in self.shipped.items() if id(self.namespace.get(n)) == i}  # the notebook's: alike
+        return replicas.scalars_of(self.namespace, self.provided | sent)
+
+    def _context(self) -> dict[str, Any]:
+        return {k: self.namespace.get(k) for k in ("rank", "local_rank", "world_size", "device", "dist", "gpumagic")}
+
+    def names(self) -> tuple[list[str], list[str]]:
+        """The names this rank holds as its own (made by its code or pushed), and every name it holds."""
+        present = [n for n in self.namespace if not _hidden(n) and n not in self.provided]
+        own = [n for n in present if self.shipped.get(n) != id(self.namespace[n])]
+        return own, present
+
+    def do_pull(self, name: str) -> bytes:
+        """A name's value, pickled with every tensor copied to the CPU (a DDP model: its module)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        if name not in self.namespace or _hidden(name):
+            raise NameError(f"name {name!r} is not defined on rank {self.setup.rank}")
+        value = self.namespace[name]
+        if isinstance(value, DistributedDataParallel):
+            value = value.module
+        return _dumps_to_cpu(value)
+
+    def do_push(self, packed: bytes) -> None:
+        import cloudpickle
+
+        values = cloudpickle.loads(packed)
+        self.namespace.update(values)
+        for name in values:
+            self.shipped.pop(name, None)  # pushed: the rank's own from now on
+
+    def do_export(self) -> tuple[bytes, list[str]]:
+        """The state registered with ``gpumagic.keep``, pickled together (DDP models as their modules), and
+        the names it could not include."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        from gpumagic.launch.shipping import dumps
+
+        state: dict[str, Any] = {}
+        wrapped: dict[str, dict[str, Any]] = {}
+        missing = []
+        for name in _kept:
+            if name not in self.namespace:
+                missing.append(name)
+                continue
+            value = self.namespace[name]
+            if isinstance(value, DistributedDataParallel):
+                wrapped[name] = _wrapping_of(value)
+                value = value.module
+            state[name] = value
+        modules = {
+            n: v.__name__
+            for n, v in self.namespace.items()
+            if isinstance(v, types.ModuleType) and not _hidden(n) and n not in self.provided
+        }
+        return dumps((state, wrapped, list(_kept), modules)), missing
+
+    def do_restore(self, names: bytes, definitions: list[replay.Definition], state: bytes | None) -> dict[str, Any]:
+        """A fresh rank that replaces a dead one takes back what it can: the notebook's names the dead rank was
+        sent (``names``, pickled), its cells' imports and definitions (``definitions``, run again), and the state
+        another rank exported (``state``: the kept names, tensors landing on this rank's device, and that
+        rank's imported modules). What it got, and why anything could not be redone."""
+        import importlib
+
+        import cloudpickle
+
+        received = cloudpickle.loads(names)
+        self.receive(received)
+        replayed, failed, why = replay.replay(self.namespace, definitions)
+        kept: list[str] = []
+        modules: list[str] = []
+        if state is not None:
+            values, wrapped, registered, imported = cloudpickle.loads(state)
+            for name, module in imported.items():  # the healthy rank's imports: cheap to redo, never "lost"
+                with contextlib.suppress(ImportError):
+                    self.namespace.setdefault(name, importlib.import_module(module))
+                    modules.append(name)
+            self.namespace.update(values)
+            self.to_wrap.update(wrapped)  # wrapped with the others' (a collective), in do_rewrap
+            _kept.update(dict.fromkeys(registered))
+            kept = sorted(values)
+        if failed:  # a definition may need what the kept state brought (a default argument, a base class)
+            again, failed, why = replay.replay(self.namespace, failed)
+            replayed += again
+        return {
+            "notebook": sorted(received),
+            "replayed": sorted(set(replayed)),
+            "kept": kept,
+            "modules": sorted(set(modules)),
+            "failed": why,
+        }
+
+    def do_describe(self) -> dict[str, Any]:
+        """This rank's fingerprints of the state replicas keep alike (``replicas.describe``)."""
+        return replicas.describe(self.namespace, _kept, self.before)
+
+    def do_replicated(self) -> list[str]:
+        """The names of the state replicas keep alike here (models, optimizers, schedulers, kept names)."""
+        return sorted(replicas.replicated(self.namespace, _kept))
+
+    def do_kinds(self, names: list[str]) -> dict[str, Any]:
+        """How this rank holds ``names`` (``replicas.plan_kinds``), for the kernel's sync plan."""
+        return replicas.plan_kinds(self.namespace, names)
+
+    def do_kept(self) -> list[str]:
+        return list(_kept)
+
+    def do_free(self) -> dict[str, Any]:
+        """Collect garbage and return cached GPU memory; what was released."""
+        import torch
+
+        cuda = self.setup.use_cuda and torch.cuda.is_initialized()
+        before = torch.cuda.memory_reserved() if cuda else 0
+        collected = gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        after = torch.cuda.memory_reserved() if cuda else 0
+        return {"collected": collected, "reserved_before": before, "reserved_after": after, "cuda": cuda}
+
+    def status(self) -> dict[str, Any]:
+        import torch
+
+        cuda = self.setup.use_cuda and torch.cuda.is_initialized()
+        return {
+            "rank": self.setup.rank,
+            "pid": os.getpid(),
+            "cell": self.executing,
+            "since": self.executing_since if self.executing else None,
+            "collective": self.collective,
+            "allocated": torch.cuda.memory_allocated() if cuda else None,
+            "reserved": torch.cuda.memory_reserved() if cuda else None,
+            "rss": _rss(),
+        }
+
+
+def sync_here(source: int, plan: list[tuple[str, str]]) -> list[str]:
+    """``replicas.sync_from`` on this rank's namespace (what ``RankGroup.sync`` runs on every rank); the numbers
+    compared after it are those it left."""
+    rank = _this_rank
+    if rank is None:
+        raise RuntimeError("sync_here runs on a rank of a persistent group")
+    synced = replicas.sync_from(rank.namespace, source, plan)
+    rank.before = rank.numbers()
+    return synced
+
+
+def _hidden(name: str) -> bool:
+    """Python's own names in a namespace (``__builtins__``, ``__warningregistry__``): never the user's state."""
+    return name.startswith("__") and name.endswith("__")
+
+
+def _rebind(member: Any, rebind: Any) -> Any:
+    """A class attribute with its functions rebound by ``rebind`` (methods, static and class methods, properties,
+    cached properties); the attribute itself where it holds none."""
+    if isinstance(member, types.FunctionType):
+        return rebind(member)
+    if isinstance(member, (staticmethod, classmethod)):
+        return type(member)(rebind(member.__func__))
+    if isinstance(member, property):
+        parts = [rebind(f) if isinstance(f, types.FunctionType) else f for f in (member.fget, member.fset, member.fdel)]
+        return type(member)(*parts, member.__doc__)
+    if isinstance(member, functools.cached_property):
+        cached = functools.cached_property(rebind(member.func))
+        cached.attrname, cached.__doc__ = member.attrname, member.__doc__
+        return cached
+    return member
+
+
+def _end_stuck_data_loader_workers_soon() -> None:
+    """A DataLoader whose worker raised leaves its other workers waiting for work that never comes (torch 2.13):
+    ending the iterator joins each for ``MP_STATUS_CHECK_INTERVAL`` (5 s) before terminating it, which held a
+    failed rank 10 s and got it killed. Joined for 0.25 s each, they are terminated at once. Only the rank's
+    joins change: the workers poll with the value they imported."""
+    from torch.utils.data import _utils
+
+    _utils.MP_STATUS_CHECK_INTERVAL = min(_utils.MP_STATUS_CHECK_INTERVAL, 0.25)
+
+
+def _wrapping_of(model: Any) -> dict[str, Any]:
+    how = {
+        "device_ids": model.device_ids,
+        "output_device": model.output_device,
+        "find_unused_parameters": model.find_unused_parameters,
+        "gradient_as_bucket_view": model.gradient_as_bucket_view,
+    }
+    if not model.broadcast_buffers:  # deprecated as an argument: given only when it differs from the default
+        how["broadcast_buffers"] = False
+    return how
+
+
+def _wrap_like(module: Any, old: Any, how: dict[str, Any] | None = None) -> Any:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(module, **(how if how is not None else _wrapping_of(old)))
+
+
+def _dumps_to_cpu(value: Any) -> bytes:
+    """``value`` pickled (cloudpickle: what the notebook's ranks defined travels by value) with every GPU
+    tensor copied to the CPU, so the kernel can load it without a GPU."""
+    import io
+
+    import torch
+
+    from gpumagic.launch.shipping import pickler_class
+
+    class ToCpu(pickler_class()):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+                copy = obj.detach().to("cpu")
+                if isinstance(obj, torch.nn.Parameter):
+                    copy = torch.nn.Parameter(copy, requires_grad=obj.requires_grad)
+                return copy.__reduce_ex__(self.proto)
+            return super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    ToCpu(buffer).dump(value)
+    return buffer.getvalue()
+
+
+def _socket_inodes() -> dict[int, int]:
+    """This process's open sockets: file descriptor -> inode."""
+    found = {}
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            status = os.stat(f"/proc/self/fd/{entry}")
+        except OSError:
+            continue
+        if stat.S_ISSOCK(status.st_mode):
+            found[int(entry)] = status.st_ino
+    return found
+
+
+def _rss() -> int | None:
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None

@@ -1,0 +1,313 @@
+"""``%ddp`` and ``%%ddp``: a group of DDP ranks that lives across cells, over
+``launch.kernel_side.persistent.RankGroup``."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, ClassVar
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+
+from gpumagic.errors import GpumagicError
+from gpumagic.launch.kernel_side.output import OUTPUT_MODES, cell_number, in_kernel
+from gpumagic.magics.shell import _Help, _parse, _Parser, _split, _subcommand
+
+MIB = float(1 << 20)
+
+
+def _parsers() -> dict[str, _Parser]:
+    start = _Parser(
+        "%ddp start",
+        "Start N ranks with their process group ready; %%ddp cells then run on them, each rank keeping its\n"
+        "namespace (rank, world_size, device, dist defined). Example: %ddp start -n 4 --gpus auto",
+    )
+    start.add_argument("-n", "--nprocs", type=int, metavar="N", help="ranks (default: one per GPU, else 2)")
+    start.add_argument("--gpus", metavar="SPEC", help="GPUs to lease: auto (pick free ones), 0,2, GPU:*, none")
+    start.add_argument("--gpus-per-rank", type=int, default=1, metavar="K", help="GPUs per rank (1)")
+    start.add_argument("--backend", help="nccl with GPUs, gloo without (default)")
+    start.add_argument("--timeout", default="30m", metavar="DURATION", help="the process group's timeout (30m)")
+    start.add_argument(
+        "--grace", default="5s", metavar="DURATION", help="how long an interrupted rank may stay stuck (5s)"
+    )
+    start.add_argument("--output", default="rank0", choices=OUTPUT_MODES, help="whose output cells show (rank0)")
+    start.add_argument("--no-dashboard", action="store_true", help="no live dashboard under this cell")
+    simple = {
+        "stop": "End the ranks and their processes, release the group's GPUs.",
+        "restart": "Stop the group and start a fresh one with the same options (every namespace is lost).",
+        "status": "Each rank: alive, the cell it runs and since when, the collective it is in, its memory.",
+        "free": "Collect garbage and empty the CUDA cache on every rank; says what was released.",
+        "watch": "Show the group's live dashboard (loss curves across cells, each rank's resources) here.",
+        "kept": "The names gpumagic.keep registered: what a replaced rank gets back.",
+        "check": "Compare the replicas: DDP models, optimizers, schedulers, kept names, step counters.",
+    }
+    sync = _Parser(
+        "%ddp sync",
+        "Make the replicas alike again: copy the named state (default: every DDP model, its optimizers and\n"
+        "schedulers, the kept names, and what %ddp check found different) from one rank to every other.\n"
+        "Example: %ddp sync --from 0",
+    )
+    sync.add_argument("names", nargs="*", metavar="NAME", help="only these names")
+    sync.add_argument("--from", dest="source", type=int, default=0, metavar="RANK", help="the rank to copy (0)")
+    parsers = {"start": start, "sync": sync}
+    parsers.update({name: _Parser(f"%ddp {name}", text) for name, text in simple.items()})
+    return parsers
+
+
+def _cell_parser() -> _Parser:
+    parser = _Parser(
+        "%%ddp",
+        "Run the cell on the group's ranks (started with the defaults if none runs). Names the cell reads from\n"
+        "the notebook are sent once and again only when they change; names the ranks made stay theirs.\n"
+        "The interrupt button stops the cell on every rank, namespaces kept.",
+    )
+    parser.add_argument("--ranks", metavar="R", help="only these ranks: 0 or 0,2")
+    parser.add_argument("-o", metavar="VAR", help="store {rank: value of the last expression} in VAR")
+    parser.add_argument("--timeout", metavar="DURATION", help="stop the cell after this long (as an interrupt)")
+    parser.add_argument("--output", choices=OUTPUT_MODES, help="whose output to show (the group's default)")
+    return parser
+
+
+_PARSERS = _parsers()
+_CELL_PARSER = _cell_parser()
+_OVERVIEW = (
+    "%ddp SUBCOMMAND — a DDP group that lives across cells.\n\n"
+    "  %ddp start [-n N] [--gpus SPEC|auto] [--gpus-per-rank K] [--backend B] [--timeout D] [--grace D]\n"
+    "  %%ddp [--ranks 0] [-o VAR] [--timeout D]   run the cell on every rank (or some)\n"
+    "  %ddp check                          are the replicas alike (models, optimizers, step counters)?\n"
+    "  %ddp sync [--from R] [NAME ...]     make them alike again, from rank R (0)\n"
+    "  %ddp status | free | watch | kept | restart | stop\n\n"
+    "Python API: group = gpumagic.ranks(2); group.exec(code); group.run(fn); group.pull('model'); group.close()"
+)
+
+
+@magics_class
+class DdpMagics(Magics):
+    """``%ddp``/``%%ddp``: one persistent group of ranks per kernel."""
+
+    group: Any = None
+    dashboard: Any = None
+    start_options: ClassVar[dict[str, Any]] = {}
+
+    @line_cell_magic
+    def ddp(self, line: str, cell: str | None = None) -> Any:
+        if cell is not None:
+            return self._cell(line, cell)
+        name, rest = _subcommand(line, "%ddp", "status", _PARSERS)
+        if name is None:
+            return _Help(_OVERVIEW)
+        parser = _PARSERS[name]
+        args = _parse(parser, rest)
+        if args is None or args.help:
+            return _Help(parser.format_help())
+        try:
+            return getattr(self, f"_{name}")(args)
+        except GpumagicError as err:
+            raise UsageError(f"{parser.prog}: {err}") from None
+
+    # --- subcommands -------------------------------------------------------------------------------------
+
+    def _start(self, args: argparse.Namespace) -> None:
+        if self._running() is not None:
+            raise UsageError("%ddp start: a group is running already; %ddp restart for a fresh one, or %ddp stop")
+        options = {
+            "nprocs": args.nprocs,
+            "gpus": args.gpus,
+            "gpus_per_rank": args.gpus_per_rank,
+            "backend": args.backend,
+            "timeout": args.timeout,
+            "grace": args.grace,
+            "output": args.output,
+        }
+        self._start_group(options, dashboard=not args.no_dashboard)
+
+    def _start_group(self, options: dict[str, Any], dashboard: bool = True) -> None:
+        from gpumagic.launch.kernel_side.persistent import RankGroup
+
+        started = time.monotonic()
+        try:
+            group = RankGroup(**{k: v for k, v in options.items() if v is not None})
+        except KeyboardInterrupt:
+            raise UsageError("%ddp start interrupted; no group was started") from None
+        DdpMagics.group = group
+        DdpMagics.start_options = dict(options, dashboard=dashboard)
+        where = "CPU" if not group.use_cuda else f"GPUs {', '.join(g[0][:12] for g in group.rank_gpus if g)}"
+        print(
+            f"[gpumagic] {group.nprocs} ranks ready ({group.backend}, {where}) in {time.monotonic() - started:.1f}s; "
+            "%%ddp cells run on them, %ddp stop ends them"
+        )
+        if dashboard and in_kernel():
+            self._show_dashboard()
+
+    def _stop(self, args: argparse.Namespace | None = None) -> None:
+        group = self._running()
+        if group is None:
+            print("[gpumagic] no group is running")
+            return
+        pids = group.pids
+        group.close()
+        if DdpMagics.dashboard is not None:
+            DdpMagics.dashboard.finish("finished")
+            DdpMagics.dashboard.join(5)  # its thread gone when the cell returns
+            DdpMagics.dashboard = None
+        DdpMagics.group = None
+        print(f"[gpumagic] stopped {len(pids)} ranks (pids {', '.join(map(str, pids))}) and what they started")
+
+    def _restart(self, args: argparse.Namespace) -> None:
+        options = dict(DdpMagics.start_options)
+        if not options:
+            raise UsageError("%ddp restart: no group was started in this kernel; %ddp start first")
+        self._stop()
+        dashboard = options.pop("dashboard", True)
+        self._start_group(options, dashboard=dashboard)
+
+    def _status(self, args: argparse.Namespace) -> _Help:
+        group = self._running()
+        if group is None:
+            return _Help("[gpumagic] no group is running; %ddp start (or a %%ddp cell) starts one")
+        rows = group.status()
+        now = time.time()
+        lines = [
+            f"{group.nprocs} ranks ({group.backend}); {group.cells} cells run, {group.replaced} ranks replaced, "
+            f"process group re-formed {group.reformed} times",
+            f"{'rank':>4}  {'pid':>7}  {'alive':5}  {'busy with':28}  {'in collective':22}  "
+            f"{'GPU alloc/reserved':18}  rss",
+        ]
+        for row in rows:
+            busy = f"{row['cell']} for {now - row['since']:.1f}s" if row.get("cell") else "idle"
+            collective = row.get("collective")
+            inside = f"{collective[0]} for {now - collective[1]:.1f}s" if collective else "-"
+            gpu = "-"
+            if row.get("allocated") is not None:
+                gpu = f"{row['allocated'] / MIB:.0f}/{row['reserved'] / MIB:.0f} MiB"
+            rss = f"{row['rss'] / MIB:.0f} MiB" if row.get("rss") else "-"
+            alive = "yes" if row["alive"] else "no"
+            lines.append(f"{row['rank']:>4}  {row['pid']:>7}  {alive:5}  {busy:28}  {inside:22}  {gpu:18}  {rss}")
+        return _Help("\n".join(lines))
+
+    def _free(self, args: argparse.Namespace) -> _Help:
+        group = self._require()
+        rows = group.free()
+        lines = []
+        for row in rows:
+            if row["cuda"]:
+                released = (row["reserved_before"] - row["reserved_after"]) / MIB
+                lines.append(
+                    f"rank {row['rank']}: released {released:.0f} MiB of cached GPU memory "
+                    f"({row['reserved_after'] / MIB:.0f} MiB still reserved); {row['collected']} objects collected"
+                )
+            else:
+                lines.append(f"rank {row['rank']}: {row['collected']} objects collected (a CPU rank: no GPU cache)")
+        return _Help("\n".join(lines))
+
+    def _watch(self, args: argparse.Namespace) -> None:
+        self._require()
+        if not in_kernel():
+            raise UsageError("%ddp watch: the dashboard needs a notebook (a Jupyter kernel)")
+        self._show_dashboard()
+
+    def _kept(self, args: argparse.Namespace) -> _Help:
+        names = self._require().kept()
+        if not names:
+            return _Help("nothing is kept: in a %%ddp cell, gpumagic.keep(model, optimizer) registers state")
+        return _Help("kept (restored on a replaced rank): " + ", ".join(names))
+
+    def _check(self, args: argparse.Namespace) -> _Help:
+        group = self._require()
+        divergence = group.check()
+        unseen = "".join(f"\nnot compared: {name} ({why})" for name, why in sorted(divergence.uncomparable.items()))
+        if divergence:
+            return _Help(
+                f"the replicas differ: {divergence.describe()}\n%ddp sync makes every rank like rank 0 "
+                "(%ddp sync --from R: like rank R)" + unseen
+            )
+        checked = ", ".join(divergence.checked) or "nothing to compare (no DDP model, optimizer or kept name)"
+        return _Help(f"the replicas are alike: {checked}" + unseen)
+
+    def _sync(self, args: argparse.Namespace) -> _Help:
+        group = self._require()
+        names = group.sync(args.source, args.names or None)
+        if not names:
+            return _Help("nothing to sync: no DDP model, optimizer, kept name or difference found")
+        return _Help(f"every rank now has rank {args.source}'s {', '.join(names)}")
+
+    # --- the cell ----------------------------------------------------------------------------------------
+
+    def _cell(self, line: str, cell: str) -> Any:
+        args = _CELL_PARSER.parse_args(_split(line, _CELL_PARSER.prog))
+        if args.help:
+            return _Help(_CELL_PARSER.format_help())
+        if args.o is not None and not args.o.isidentifier():
+            raise UsageError(f"%%ddp: -o needs a variable name, got {args.o!r}")
+        ranks = _ranks(args.ranks)
+        group = self._running()
+        if group is None:
+            print("[gpumagic] no group was running: starting one with the defaults (%ddp start -n N to choose)")
+            try:
+                self._start_group({"nprocs": None, "gpus": None}, dashboard=in_kernel())
+            except GpumagicError as err:
+                raise UsageError(f"%%ddp: {err}") from None
+            group = DdpMagics.group
+        saved = group.output
+        if args.output is not None:
+            group.output = args.output
+        if DdpMagics.dashboard is not None:
+            DdpMagics.dashboard.mark(f"In[{cell_number(self.shell)}]")
+        try:
+            results = group.exec(
+                self.shell.transform_cell(cell),
+                self.shell.user_ns,
+                ranks=ranks,
+                timeout=args.timeout,
+                filename=f"<%%ddp cell In[{cell_number(self.shell)}]>",
+                hidden=set(self.shell.user_ns_hidden),
+            )
+        except GpumagicError as err:
+            from gpumagic.launch.kernel_side.persistent import CellFailed, CellInterrupted
+
+            if isinstance(err, (CellFailed, CellInterrupted)):
+                raise  # they render as the rank's traceback, and what was kept and lost
+            raise UsageError(f"%%ddp: {err}") from None
+        finally:
+            group.output = saved
+            if DdpMagics.dashboard is not None and not group.closed:
+                DdpMagics.dashboard.follow(group.pids)  # a replaced rank is followed from now on
+        if args.o is not None:
+            self.shell.user_ns[args.o] = results
+        return None
+
+    # --- helpers -----------------------------------------------------------------------------------------
+
+    def _running(self) -> Any:
+        group = DdpMagics.group
+        if group is not None and group.closed:
+            DdpMagics.group = None
+            return None
+        return group
+
+    def _require(self) -> Any:
+        group = self._running()
+        if group is None:
+            raise UsageError("no group is running; %ddp start (or a %%ddp cell) starts one")
+        return group
+
+    def _show_dashboard(self) -> None:
+        from gpumagic.widgets.launch_dashboard import LaunchDashboard
+
+        group = self._require()
+        if DdpMagics.dashboard is not None:  # it keeps its last picture; the group goes on in the new one
+            DdpMagics.dashboard.finish("superseded")
+            DdpMagics.dashboard.join(5)
+        dashboard = LaunchDashboard(title="%ddp group")
+        dashboard.attach(group.run_dir, group.pids, rank_gpus=group.rank_gpus, use_gpus=group.use_cuda)
+        DdpMagics.dashboard = dashboard
+
+
+def _ranks(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"%%ddp: --ranks takes rank numbers such as 0 or 0,2, got {text!r}") from None

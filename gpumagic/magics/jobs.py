@@ -1,0 +1,340 @@
+"""``%%launch_bg`` and ``%jobs``: the IPython shell over ``gpumagic.jobs``.
+
+As with ``%gpu``, every bad input is a one-line ``UsageError``; a job's own failure (``%jobs result``) shows
+the job's traceback. Interrupting ``%jobs wait`` or ``%jobs logs -f`` stops the waiting, never the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+
+from gpumagic.errors import GpumagicError
+from gpumagic.launch.kernel_side.output import cell_number, in_kernel
+from gpumagic.magics.shell import _Help, _parse, _Parser, _split, _subcommand, add_slurm_arguments, slurm_options
+
+
+def _launch_bg_parser() -> _Parser:
+    parser = _Parser(
+        "%%launch_bg",
+        "Run the cell as a background job: detached from this kernel (it survives interrupts, restarts and\n"
+        "closing the notebook), queued on this machine until its GPUs are free. The notebook names the cell\n"
+        "uses are shipped by value; the value of its last expression is the job's result. %jobs follows it.\n"
+        "Example: %%launch_bg --name A1 --gpus 1 --min-free 20GB",
+    )
+    parser.add_argument("--name", help="the job's name (default: job, job-2, ...)")
+    parser.add_argument(
+        "--gpus", metavar="N|SPEC", help="how many GPUs (default 1, or one per rank; 0 = CPU), or a spec: GPU:1"
+    )
+    parser.add_argument(
+        "--min-free", metavar="SIZE", help="memory the job needs per GPU (20GB): reserved, may share a GPU with jobs"
+    )
+    parser.add_argument(
+        "--memory-limit", action="store_true", help="cap the job at its --min-free on each GPU (fails naming it)"
+    )
+    parser.add_argument("--ddp", metavar="N", help="run as a DDP group of N ranks (process group ready)")
+    parser.add_argument("--after", metavar="NAME", help="start after these jobs finish (A or A,B)")
+    parser.add_argument("--backend", help="process group backend with --ddp: nccl, gloo, mpi, ucc")
+    parser.add_argument("--timeout", default="30m", metavar="DURATION", help="process group timeout (30m)")
+    add_slurm_arguments(parser, shape=True)
+    return parser
+
+
+WATCH_STATES = "queued, running, finished, failed, killed, cancelled, lost"  # jobs.api.STATES (not imported here)
+
+
+def _jobs_parsers() -> dict[str, _Parser]:
+    listing = _Parser("%jobs list", "Every job: name, status (and why it waits), GPUs, elapsed, latest metrics.")
+    logs = _Parser("%jobs logs", "A job's output (stdout and stderr); -f follows it until the job ends.")
+    logs.add_argument("name")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    logs.add_argument("--tail", metavar="N", help="only the last N lines")
+    kill = _Parser("%jobs kill", "Stop jobs and their whole process trees: SIGTERM, then SIGKILL after 5s.")
+    kill.add_argument("names", nargs="+", metavar="name")
+    wait = _Parser("%jobs wait", "Block until the jobs end (an interrupt stops the waiting, not the jobs).")
+    wait.add_argument("names", nargs="+", metavar="name")
+    wait.add_argument("--timeout", metavar="DURATION", help="give up waiting after this long (10m)")
+    result = _Parser("%jobs result", "A finished job's result (x = %jobs result A1); a failed job's traceback.")
+    result.add_argument("name")
+    remove = _Parser("%jobs rm", "Delete ended jobs: their output, metrics and result.")
+    remove.add_argument("names", nargs="+", metavar="name")
+    watch = _Parser(
+        "%jobs watch",
+        "A live table of jobs with Kill and Logs buttons (why each waits, in one line), and every job's curve in\n"
+        "one plot, a colour per job. Closed (watch.close()) or re-run, it keeps its last picture.\n"
+        "Example: %jobs watch A-* --state running,queued --metric loss",
+    )
+    watch.add_argument(
+        "names", nargs="*", metavar="name", help="jobs by name or pattern (A-* matches A-1, A-2); default all"
+    )
+    watch.add_argument("--state", metavar="S[,S]", help=f"only jobs in these states: {WATCH_STATES}")
+    watch.add_argument("--metric", default="loss", help="the metric to compare (default loss)")
+    watch.add_argument("--interval", default="1s", metavar="DURATION", help="refresh period (1s)")
+    compare = _Parser(
+        "%jobs compare",
+        "Jobs side by side: a table (status, duration, GPUs, the configuration that differs, each metric's last\n"
+        "and best value) and one figure per metric with a curve per job. Jobs that differ only by their seed are\n"
+        "drawn as their mean with a band of ± one standard deviation. Read from disk: works in a new kernel.\n"
+        "Example: %jobs compare A-* --metric loss --sort-by loss",
+    )
+    compare.add_argument(
+        "names", nargs="*", metavar="name", help="jobs (A-* matches by pattern) or run ids; default all"
+    )
+    compare.add_argument(
+        "--metric", action="append", metavar="M", help="a metric to show (repeat, or loss,acc; default every one)"
+    )
+    compare.add_argument("--x", default="step", help="x axis: step (default), elapsed or time")
+    compare.add_argument("--sort-by", metavar="COL", help="a column (lr, duration, 'loss last') or a metric's best")
+    direction = compare.add_mutually_exclusive_group()
+    direction.add_argument("--descending", action="store_true", help="sort descending (default: best first)")
+    direction.add_argument("--ascending", action="store_true", help="sort ascending")
+    compare.add_argument(
+        "--all-columns", action="store_true", help="every configuration key, not only those that differ"
+    )
+    compare.add_argument("--no-seed-groups", action="store_true", help="a curve per job, also for seeds")
+    compare.add_argument(
+        "--filter",
+        action="append",
+        metavar="COND",
+        help="keep the runs that pass COND: lr<=0.001, opt=adam, name~A- (repeatable)",
+    )
+    helper = _Parser("%jobs help", "Help on a subcommand.")
+    helper.add_argument("subcommand", nargs="?")
+    return {
+        "list": listing,
+        "logs": logs,
+        "kill": kill,
+        "wait": wait,
+        "result": result,
+        "rm": remove,
+        "watch": watch,
+        "compare": compare,
+        "help": helper,
+    }
+
+
+_LAUNCH_BG = _launch_bg_parser()
+_JOBS = _jobs_parsers()
+_OVERVIEW = (
+    "%jobs — background jobs (started with %%launch_bg or gpumagic.submit/sweep)\n\n"
+    "  %jobs                      list them: status, why they wait, GPUs, elapsed, latest metrics\n"
+    "  %jobs logs NAME [-f]       output so far; -f follows it\n"
+    "  %jobs kill NAME...         stop them (SIGTERM, then SIGKILL)\n"
+    "  %jobs wait NAME...         block until they end\n"
+    "  %jobs result NAME          the result (x = %jobs result A1)\n"
+    "  %jobs rm NAME...           delete ended jobs\n"
+    "  %jobs watch [NAME...]      live table with actions and every job's curve (A-*; --state, --metric)\n"
+    "  %jobs compare [NAME...]    table and curves side by side (A-* for a sweep; --metric, --x, --sort-by)\n"
+    "  %jobs help SUBCOMMAND      details"
+)
+
+
+def _executor(args: argparse.Namespace, prog: str) -> dict[str, Any]:
+    slurm = slurm_options(args, prog)
+    return {} if slurm is None else {"executor": "slurm", "slurm": slurm}
+
+
+@magics_class
+class JobMagics(Magics):
+    """``%%launch_bg`` (a cell as a background job) and ``%jobs`` (list, follow, kill, ...)."""
+
+    @cell_magic
+    def launch_bg(self, line: str, cell: str) -> Any:
+        from gpumagic.jobs.api import submit_cell
+
+        args = _LAUNCH_BG.parse_args(_split(line, _LAUNCH_BG.prog))
+        if args.help:
+            return _Help(_LAUNCH_BG.format_help())
+        ddp = None
+        if args.ddp is not None:
+            try:
+                ddp = int(args.ddp)
+            except ValueError:
+                raise UsageError(f"%%launch_bg: --ddp needs a number of ranks, got {args.ddp!r}") from None
+        try:
+            job = submit_cell(
+                self.shell.transform_cell(cell),
+                self.shell.user_ns,
+                filename=f"<%%launch_bg cell In[{cell_number(self.shell)}]>",
+                hidden=set(self.shell.user_ns_hidden),
+                name=args.name,
+                gpus=args.gpus,
+                min_free=args.min_free,
+                memory_limit=args.memory_limit,
+                ddp=ddp,
+                after=args.after,
+                backend=args.backend,
+                timeout=args.timeout,
+                **_executor(args, _LAUNCH_BG.prog),
+            )
+        except GpumagicError as err:
+            raise UsageError(f"%%launch_bg: {err}") from None
+        return _Help(f"Submitted job {job.name} ({job.status}); %jobs lists it, %jobs logs {job.name} -f follows it")
+
+    @line_magic
+    def jobs(self, line: str) -> Any:
+        name, rest = _subcommand(line, "%jobs", "list", _JOBS)
+        if name is None:
+            return _Help(_OVERVIEW)
+        parser = _JOBS[name]
+        args = _parse(parser, rest)
+        if args is None:
+            return _Help(parser.format_help())
+        try:
+            return _HANDLERS[name](args)
+        except (GpumagicError, TimeoutError) as err:
+            if type(err).__name__ == "JobFailed":
+                raise  # renders as the job's own traceback
+            raise UsageError(f"{parser.prog}: {err}") from None
+
+
+def _list(args: argparse.Namespace) -> Any:
+    import gpumagic
+    from gpumagic.widgets.job_table import JobTable
+
+    return JobTable(gpumagic.list_jobs())
+
+
+def _logs(args: argparse.Namespace) -> Any:
+    import gpumagic
+
+    tail = None
+    if args.tail is not None:
+        try:
+            tail = int(args.tail)
+        except ValueError:
+            raise UsageError(f"%jobs logs: --tail needs a number of lines, got {args.tail!r}") from None
+        if tail < 0:
+            raise UsageError("%jobs logs: --tail needs a number of lines of 0 or more")
+    job = gpumagic.job(args.name)
+    if args.follow:
+        return _Help(f"[job {job.name}: {job.follow(tail=tail)}]")
+    text = job.logs(tail)
+    print(text, end="" if text.endswith("\n") or not text else "\n", flush=True)
+    return None
+
+
+def _kill(args: argparse.Namespace) -> Any:
+    import gpumagic
+
+    names = list(dict.fromkeys(args.names))  # "kill A A" stops A once
+    jobs = [gpumagic.job(name) for name in names]  # every name checked before anything is stopped
+    lines = []
+    for job in jobs:
+        job.kill()
+        lines.append(f"{job.name}: {job.status} ({job.reason})")
+    return _Help("\n".join(lines))
+
+
+def _wait(args: argparse.Namespace) -> Any:
+    import time
+
+    import gpumagic
+    from gpumagic.units import parse_duration
+
+    jobs = [gpumagic.job(name) for name in args.names]
+    limit = parse_duration(args.timeout) if args.timeout is not None else None
+    started = time.monotonic()
+    try:
+        for job in jobs:
+            left = None if limit is None else max(0.0, limit - (time.monotonic() - started))
+            job.wait(left)
+    except KeyboardInterrupt:
+        return _Help("Stopped waiting; the jobs go on:\n" + "\n".join(j.describe() for j in jobs))
+    return _Help("\n".join(j.describe() for j in jobs))
+
+
+def _result(args: argparse.Namespace) -> Any:
+    import gpumagic
+
+    job = gpumagic.job(args.name)
+    status = job.status
+    if status in ("queued", "running"):
+        raise UsageError(f"%jobs result: job {job.name} is {status}; %jobs wait {job.name} first")
+    return job.result()
+
+
+def _remove(args: argparse.Namespace) -> Any:
+    import gpumagic
+
+    names = list(dict.fromkeys(args.names))  # "rm A A" removes A once
+    jobs = [gpumagic.job(name) for name in names]
+    active = [j.name for j in jobs if j.status in ("queued", "running")]
+    if active:
+        raise UsageError(f"%jobs rm: {', '.join(active)} still active; %jobs kill them first")
+    for job in jobs:
+        job.remove()
+    return _Help(f"Removed {', '.join(names)}")
+
+
+def _watch(args: argparse.Namespace) -> Any:
+    import gpumagic
+    from gpumagic.units import parse_duration
+
+    interval = parse_duration(args.interval)
+    if interval < 0.1:
+        raise UsageError("%jobs watch: --interval must be at least 100ms")
+    if not args.metric.strip():
+        raise UsageError("%jobs watch: --metric needs a metric name")
+    if not in_kernel():
+        from gpumagic.widgets.job_table import JobTable
+
+        return JobTable(gpumagic.select_jobs(args.names or None, args.state))
+    watch = gpumagic.watch_jobs(args.names or None, args.state, metric=args.metric, interval=interval)
+    while _WATCHES:
+        _WATCHES.pop().close()  # replaced: it keeps its last picture, as a static copy
+    _WATCHES.append(watch)
+    return watch
+
+
+def _compare(args: argparse.Namespace) -> Any:
+    import gpumagic
+
+    metrics = None
+    if args.metric:
+        metrics = [m.strip() for text in args.metric for m in text.split(",") if m.strip()]
+        if not metrics:
+            raise UsageError("%jobs compare: --metric needs a metric name")
+    descending = True if args.descending else False if args.ascending else None
+    comparison = gpumagic.compare(
+        args.names or None,
+        metrics,
+        args.x,
+        sort_by=args.sort_by,
+        descending=descending,
+        all_columns=args.all_columns,
+        group_seeds=not args.no_seed_groups,
+    )
+    return comparison.filter(*args.filter) if args.filter else comparison
+
+
+def _help(args: argparse.Namespace) -> Any:
+    if args.subcommand is None:
+        return _Help(_OVERVIEW)
+    if args.subcommand in ("launch_bg", "%%launch_bg"):
+        return _Help(_LAUNCH_BG.format_help())
+    parser = _JOBS.get(args.subcommand)
+    if parser is None:
+        raise UsageError(f"%jobs has no subcommand {args.subcommand!r}; use one of: {', '.join(_JOBS)}")
+    return _Help(parser.format_help())
+
+
+_WATCHES: list[Any] = []
+_HANDLERS: dict[str, Callable[[argparse.Namespace], Any]] = {
+    "list": _list,
+    "logs": _logs,
+    "kill": _kill,
+    "wait": _wait,
+    "result": _result,
+    "rm": _remove,
+    "watch": _watch,
+    "compare": _compare,
+    "help": _help,
+}
+
+JobMagics.launch_bg.__doc__ = _LAUNCH_BG.format_help()
+JobMagics.jobs.__doc__ = _OVERVIEW + "\n\n" + "\n".join(p.format_help() for p in _JOBS.values())

@@ -1,0 +1,156 @@
+"""Every path of a run directory, in one place (the model: submitit's ``JobPaths``).
+
+A run directory is a launch's, a background job's or a kernel's own (``run_dirs.store.new_run``)::
+
+    run.json                    the run's record: id, kind, ranks, pid, status ... (``store``)
+    metrics/rank-R.names|.bin   rank R's logged metrics (``store``, ``log``)
+    launch/spec.json            how the ranks run: backend, timeout, CUDA, world (sealed JSON)
+    launch/payload.pkl          the code every rank runs (sealed)
+    launch/stop                 written by the notebook: every node's agent stops its ranks
+    launch/store.sock           the ranks' rendezvous store on one machine (rank 0 serves it)
+    ranks/rank-R.log            rank R's stdout and stderr (elastic and Slurm ranks; local ranks use pipes)
+    ranks/rank-R.json           rank R's latest start: attempt, pid, host, time
+    ranks/rank-R.result.pkl     rank R's value (sealed)
+    ranks/rank-R.error.A.json   how rank R failed in attempt A (0 first, 1 after the first restart ...)
+    ranks/rank-R.fatal.A.txt    rank R's Python stack when a fatal signal (SIGSEGV, SIGABRT ...) ended attempt A
+    agents/                     elastic agents' events and logs
+    job.json payload.pkl output.log result.pkl error.txt kill.json runner.log .reserve   a background job's
+                                (``run_dirs.records``)
+
+Only this module spells these names; everything else asks it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """The files of the run directory ``root``."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    # every run
+    @property
+    def record(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics"
+
+    def metric_names(self, rank: int) -> Path:
+        return self.metrics / f"rank-{rank}.names"
+
+    def metric_points(self, rank: int) -> Path:
+        return self.metrics / f"rank-{rank}.bin"
+
+    def metric_ranks(self) -> list[int]:
+        """The ranks that logged metrics."""
+        return sorted(int(p.name[len("rank-") : -len(".bin")]) for p in self.metrics.glob("rank-*.bin"))
+
+    # a launch's ranks
+    @property
+    def launch(self) -> Path:
+        return self.root / "launch"
+
+    @property
+    def spec(self) -> Path:
+        return self.launch / "spec.json"
+
+    @property
+    def payload(self) -> Path:
+        return self.launch / "payload.pkl"
+
+    @property
+    def store_socket(self) -> Path:
+        return self.launch / "store.sock"
+
+    @property
+    def stop(self) -> Path:
+        return self.launch / "stop"
+
+    @property
+    def ranks(self) -> Path:
+        return self.root / "ranks"
+
+    def rank_log(self, rank: int) -> Path:
+        return self.ranks / f"rank-{rank}.log"
+
+    def rank_start(self, rank: int) -> Path:
+        return self.ranks / f"rank-{rank}.json"
+
+    def rank_result(self, rank: int) -> Path:
+        return self.ranks / f"rank-{rank}.result.pkl"
+
+    def rank_error(self, rank: int, attempt: int = 0) -> Path:
+        return self.ranks / f"rank-{rank}.error.{attempt}.json"
+
+    def rank_errors(self, rank: int) -> list[Path]:
+        """Every attempt's error report of ``rank``."""
+        return sorted(self.ranks.glob(f"rank-{rank}.error.*.json"))
+
+    def rank_fatal(self, rank: int, attempt: int = 0) -> Path:
+        return self.ranks / f"rank-{rank}.fatal.{attempt}.txt"
+
+    @property
+    def agents(self) -> Path:
+        return self.root / "agents"
+
+    def agent_events(self, label: str) -> Path:
+        return self.agents / f"{label}.events.jsonl"
+
+    def agent_event_files(self) -> dict[str, Path]:
+        """Every agent's events file, by the agent's label."""
+        suffix = ".events.jsonl"
+        return {p.name[: -len(suffix)]: p for p in sorted(self.agents.glob(f"*{suffix}"))}
+
+    @property
+    def notebook_agent_log(self) -> Path:
+        return self.agents / "notebook-node.log"
+
+    @property
+    def torchelastic_logs(self) -> Path:
+        return self.agents / "torchelastic"
+
+    # a background job
+    @property
+    def job(self) -> Path:
+        return self.root / "job.json"
+
+    @property
+    def job_payload(self) -> Path:
+        return self.root / "payload.pkl"
+
+    @property
+    def output(self) -> Path:
+        return self.root / "output.log"
+
+    @property
+    def result(self) -> Path:
+        return self.root / "result.pkl"
+
+    @property
+    def error(self) -> Path:
+        return self.root / "error.txt"
+
+    @property
+    def kill_request(self) -> Path:
+        return self.root / "kill.json"
+
+    @property
+    def runner_log(self) -> Path:
+        return self.root / "runner.log"
+
+    @property
+    def reserve(self) -> Path:
+        return self.root / ".reserve"
+
+    @property
+    def slurm(self) -> Path:
+        return self.root / "slurm"

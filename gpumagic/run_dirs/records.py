@@ -1,0 +1,257 @@
+"""A background job's directory: a run directory (``run_dirs.store``) of kind ``job`` with a few more files.
+
+    run.json      the run's fields, plus name, request, status, reason, GPUs, runner pid, the job's process
+                  pids, started, ended, exit (why it ended), exitcode, signal
+    job.json      what the runner runs (name, request, ddp, backend, timeout, after, sys_path, cwd,
+                  memory_limit), sealed: the runner reads these from here, never from run.json
+    payload.pkl   the shipped code (cloudpickle, sealed: ``run_dirs.signing``)
+    output.log    the job's stdout and stderr (``[rank N]`` prefixes with --ddp)
+    result.pkl    the return value (rank 0's; ``{rank: value}`` with --ddp), sealed
+    error.txt     the failure: the failing rank's traceback and every rank's fate
+    kill.json     written by ``kill`` before it signals the job, so the job records who stopped it
+    runner.log    the runner's own messages (empty unless gpumagic itself failed)
+    .reserve      64 KiB held while the job lives, so that on a full disk the runner can still record why
+                  the job failed
+
+Only the runner writes ``run.json`` while the job lives; a job whose runner died without a word reads as
+``lost``. The directory is private to its user (0700, files 0600), like every run.
+``run_dirs.layout`` names these files. This module is the job's data; what a job's state means now is its
+executor's to say (``jobs.executors``: ``local``, ``slurm``), and neither is imported here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import itertools
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Collection, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from gpumagic.errors import DiskFull, InvalidArgument
+from gpumagic.run_dirs import private, store
+from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.run_dirs.signing import read_sealed, write_sealed
+
+ACTIVE = ("queued", "running")
+ENDED = ("finished", "failed", "killed", "cancelled", "lost")
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.,=+-]{0,79}$")
+RUNNER_FIELDS = ("name", "submitted", "request", "ddp", "backend", "timeout_s", "after", "sys_path", "cwd")
+RUNNER_FIELDS += ("memory_limit",)
+RESERVE_BYTES = 64 << 10
+
+
+def check_name(name: str) -> str:
+    """Raises InvalidArgument unless ``name`` is a usable job name."""
+    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        raise InvalidArgument(
+            f"job names are 1-80 letters, digits and _ . , = + - (starting with a letter or digit), got {name!r}"
+        )
+    return name
+
+
+def take_names(wanted: Sequence[tuple[str | None, str]]) -> list[str]:
+    """The names of new jobs, one per ``(name, base)``: each given name checked, each None made unique from
+    its ``base``. Call under ``names_locked()``.
+
+    Raises:
+        InvalidArgument: a malformed name, or one a job has already.
+    """
+    taken = set(names())  # read once: each job's run.json
+    chosen = []
+    for explicit, base in wanted:
+        if explicit is not None:
+            check_name(explicit)
+            if explicit in taken:
+                raise InvalidArgument(
+                    f"a job named {explicit!r} exists already; choose another name, or remove it (%jobs rm {explicit})"
+                )
+            chosen.append(explicit)
+        else:
+            chosen.append(free_name(sanitize_name(base), taken))
+        taken.add(chosen[-1])
+    return chosen
+
+
+def free_name(base: str, taken: Collection[str]) -> str:
+    """``base``, or ``base-2``, ``base-3`` ... whichever is not ``taken``."""
+    if base not in taken:
+        return base
+    for number in itertools.count(2):
+        candidate = f"{base}-{number}"
+        if candidate not in taken:
+            return candidate
+    raise AssertionError("unreachable")
+
+
+def sanitize_name(text: str) -> str:
+    """``text`` made a usable job name (other characters become ``_``, at most 80)."""
+    cleaned = re.sub(r"[^A-Za-z0-9_.,=+-]", "_", text).lstrip("_.,=+-")[:80]
+    return cleaned or "job"
+
+
+@contextlib.contextmanager
+def names_locked() -> Iterator[None]:
+    """Held while a name is checked and taken, so two kernels cannot take the same name. The lock is in the
+    user's own state directory: a runs directory may be shared with others, who could hold a lock there."""
+    import platformdirs
+
+    state = Path(platformdirs.user_state_dir("gpumagic"))
+    state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(state / "jobs.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def create(name: str, packed: bytes, reserve: bool = True, **fields: Any) -> Path:
+    """A new job directory holding ``packed``, status ``queued``. Call under ``names_locked()``.
+
+    What changes what the runner runs (``RUNNER_FIELDS``) is sealed in ``job.json`` too. ``reserve``: hold
+    ``RESERVE_BYTES`` for the runner's last record (a job without a runner of ours, on Slurm, needs none).
+
+    Raises:
+        DiskFull: no space for the job (nothing is left behind). RunsDirectoryError: an unsafe runs directory.
+    """
+    submitted = time.time()
+    path = store.new_run(
+        "job",
+        ranks=fields.pop("ranks", 1),
+        name=name,
+        submitted=submitted,
+        status="queued",
+        reason="starting",
+        **fields,
+    )
+    files = RunFiles(path)
+    try:
+        spec = {"id": path.name, "name": name, "submitted": submitted, **fields}
+        write_sealed(files.job, json.dumps({k: spec.get(k) for k in ("id", *RUNNER_FIELDS)}).encode())
+        write_sealed(files.job_payload, packed)
+        private.write_private(files.output, b"")
+        if reserve:
+            _reserve(path)
+    except BaseException as err:
+        shutil.rmtree(path, ignore_errors=True)
+        if isinstance(err, DiskFull):
+            raise DiskFull(path.parent, err.reason, err.errno) from None  # the job is gone: name where it was to be
+        raise
+    return path
+
+
+def read_spec(path: Path) -> dict[str, Any]:
+    """What the runner runs, from the sealed ``job.json`` of the job at ``path``.
+
+    Raises:
+        PayloadRejected: not sealed with the user's key, changed, or written for another job.
+    """
+    from gpumagic.run_dirs.signing import PayloadRejected
+
+    where = RunFiles(path).job
+    spec = json.loads(read_sealed(where, f"the description of job {path.name} ({where})"))
+    if spec.get("id") != path.name:
+        raise PayloadRejected(f"{where} describes job {spec.get('id')!r}, not {path.name}; it will not be run")
+    return spec
+
+
+def _reserve(path: Path) -> None:
+    """Hold ``RESERVE_BYTES`` of the disk for the job's last record (``release_reserve`` frees them)."""
+    fd = os.open(RunFiles(path).reserve, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, RESERVE_BYTES)
+    except OSError as err:
+        if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise private.disk_error(err, path) from None
+        private.write_all(fd, bytes(RESERVE_BYTES))  # a filesystem without fallocate
+    finally:
+        os.close(fd)
+
+
+def release_reserve(path: Path) -> bool:
+    """Free the space held for the job's last record; whether there was any."""
+    try:
+        os.unlink(RunFiles(path).reserve)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def read(path: Path) -> dict[str, Any]:
+    return json.loads(RunFiles(path).record.read_text())
+
+
+update = store.update_run  # change some fields of run.json, atomically
+
+
+def all_jobs() -> list[Path]:
+    """Every job directory of this user, in submission order."""
+    root = store.runs_root()
+    if not root.exists():
+        return []
+    found = []
+    for entry in os.scandir(root):
+        path = Path(entry.path)
+        if "-job-" in entry.name and private.is_own_run(entry):  # a shared runs directory lists others' too
+            submitted = _submitted.get(path)
+            if submitted is None:
+                try:
+                    submitted = _submitted[path] = float(read(path).get("submitted", 0))
+                except (OSError, ValueError):
+                    continue
+            found.append((submitted, path.name, path))
+    return [path for _, _, path in sorted(found)]
+
+
+_submitted: dict[Path, float] = {}  # a job's submission time never changes: read it once
+
+
+def find(name: str) -> Path:
+    """The directory of the job called ``name``.
+
+    Raises:
+        InvalidArgument: no such job (the message lists the jobs there are).
+    """
+    for path in all_jobs():
+        with contextlib.suppress(OSError, ValueError):
+            if read(path).get("name") == name:
+                return path
+    known = ", ".join(names()) or "none yet"
+    raise InvalidArgument(f"no job named {name!r} (jobs: {known}); %jobs lists them")
+
+
+def exists(name: str) -> bool:
+    return name in names()
+
+
+def names() -> list[str]:
+    """The names of this user's jobs, in submission order."""
+    found = []
+    for path in all_jobs():
+        with contextlib.suppress(OSError, ValueError):
+            found.append(read(path).get("name", ""))
+    return found
+
+
+def request_kill(path: Path) -> None:
+    """Write ``kill.json`` (this process, now) before the job is signalled, so its end names who stopped it."""
+    private.write_private(RunFiles(path).kill_request, json.dumps({"pid": os.getpid(), "time": time.time()}).encode())
+
+
+def record_killed(path: Path, how: str) -> None:
+    """Record the job as killed (``how``: its exit), unless it recorded its own end first."""
+    if read(path).get("status") in ACTIVE:
+        update(path, status="killed", reason="", exit=how, ended=time.time())
+
+
+def elapsed(info: dict[str, Any]) -> float:
+    """Seconds the job has run (so far, or in all), or waited if it never started."""
+    start = info.get("started") or info.get("submitted") or time.time()
+    return max(0.0, (info.get("ended") or time.time()) - start)

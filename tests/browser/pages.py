@@ -1,0 +1,254 @@
+"""Shared parts of the browser tests: a real JupyterLab (``jupyterlab_servers``, the ``jupyterlab`` fixture),
+headless Chromium on it (``open_and_run``), and what to read from the page's BokehJS (``PLOTTED``, ...)."""
+
+import contextlib
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_notebook
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+LOGGED_POINTS = """() => {
+    const bokeh = window.Bokeh;
+    if (!bokeh || !bokeh.documents) return -1;
+    let points = 0;
+    for (const doc of bokeh.documents)
+        for (const model of doc.all_models)
+            if (model.data && model.data.value) points += model.data.value.length;
+    return points;
+}"""
+
+
+PLOTTED = """() => {
+    const seen = {documents: 0, series: 0, points: 0, backwards: 0};
+    if (!window.Bokeh || !window.Bokeh.documents) return seen;
+    seen.documents = window.Bokeh.documents.length;
+    for (const doc of window.Bokeh.documents)
+        for (const model of doc.all_models) {
+            if (model.type !== "GlyphRenderer") continue;
+            const x = model.glyph.x, data = model.data_source && model.data_source.data;
+            if (!data || !x || typeof x !== "object" || !("field" in x)) continue;
+            const xs = data instanceof Map ? data.get(x.field) : data[x.field];
+            if (!xs) continue;
+            seen.series += 1;
+            seen.points += xs.length;
+            for (let i = 1; i < xs.length; i++) if (xs[i] < xs[i - 1]) seen.backwards += 1;
+        }
+    return seen;
+}"""
+WHERE_BACKWARDS = """() => {
+    const found = [];
+    window.Bokeh.documents.forEach((doc, number) => {
+        for (const model of doc.all_models) {
+            if (model.type !== "GlyphRenderer" || !model.data_source) continue;
+            const x = model.glyph.x, data = model.data_source.data;
+            const xs = data instanceof Map ? data.get(x.field) : data[x.field];
+            if (!xs) continue;
+            for (let i = 1; i < xs.length; i++)
+                if (xs[i] < xs[i - 1])
+                    found.push({document: number, x: x.field, y: model.glyph.y.field, at: i, of: xs.length,
+                                around: Array.from(xs.slice(Math.max(0, i - 3), i + 3))});
+        }
+    });
+    return found.slice(0, 8);
+}"""
+BOKEH_TROUBLE = ("inconsistent lengths", "Failed to create view", "Bokeh", "bokeh", "Cannot read properties")
+
+
+PLOT_TITLES = """() => {
+    const titles = [];
+    for (const doc of window.Bokeh.documents)
+        for (const model of doc.all_models)
+            if (model.type === "Title") titles.push(model.text);
+    return titles;
+}"""
+
+
+# WCAG's contrast in the page, for the functions below that start with it: ``contrast(colour, element)`` is the
+# ratio of a CSS colour (its alpha blended) to what is behind ``element``: the backgrounds up the tree (across
+# shadow roots) blended over the page's own
+WCAG_JS = """
+const parse = (text) => {
+    const parts = text.match(/[\\d.]+/g).map(Number);
+    return [parts[0], parts[1], parts[2], parts.length > 3 ? parts[3] : 1];
+};
+const over = (top, bottom) => top.slice(0, 3).map((c, i) => c * top[3] + bottom[i] * (1 - top[3]));
+const luminance = (rgb) => rgb.map((c) => {
+    c /= 255;
+    return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4;
+}).reduce((sum, c, i) => sum + c * [0.2126, 0.7152, 0.0722][i], 0);
+const contrast = (colour, element) => {
+    const layers = [];
+    for (let node = element; node; node = node.parentElement || (node.parentNode && node.parentNode.host)) {
+        if (node.nodeType !== 1) continue;
+        const layer = parse(getComputedStyle(node).backgroundColor);
+        if (layer[3] > 0) layers.push(layer);
+        if (layer[3] >= 1) break;
+    }
+    let behind = parse(getComputedStyle(document.body).backgroundColor).slice(0, 3);
+    for (const layer of layers.reverse()) behind = over(layer, behind);
+    const [a, b] = [luminance(over(parse(colour), behind)), luminance(behind)].sort((x, y) => y - x);
+    return (a + 0.05) / (b + 0.05);
+};
+"""
+
+
+def jupyterlab_servers(tmp_path):
+    """A generator (the ``jupyterlab`` fixture): start JupyterLab on 127.0.0.1 serving a notebook of the given
+    cells; yields the function that does it, which returns its URL."""
+    servers = []
+
+    def start(cells: list[str], theme: str | None = None, **env_extra: str) -> str:
+        notebook = new_notebook(
+            cells=[new_code_cell(cell) for cell in cells],
+            metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+        )
+        nbformat.write(notebook, tmp_path / "live.ipynb")
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        token = secrets.token_hex(16)
+        env = dict(
+            os.environ,
+            JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+            JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+            **env_extra,
+        )
+        settings = tmp_path / "config/lab/user-settings/@jupyterlab/apputils-extension"
+        settings.mkdir(parents=True, exist_ok=True)
+        (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
+        if theme is not None:
+            (settings / "themes.jupyterlab-settings").write_text(f'{{"theme": "{theme}"}}')
+        log = open(tmp_path / "server.log", "w")
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jupyterlab",
+                "--no-browser",
+                "--allow-root",
+                "--ip",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                f"--IdentityProvider.token={token}",
+                f"--ServerApp.root_dir={tmp_path}",
+                "--LabApp.news_url=",
+                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        servers.append((server, log))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.3)
+        return f"http://127.0.0.1:{port}/lab/tree/live.ipynb?token={token}"
+
+    yield start
+    for server, log in servers:
+        server.terminate()
+        server.wait(15)
+        log.close()
+
+
+def artifacts_folder():
+    """Where screenshots go (kept by CI)."""
+    folder = ROOT / "artifacts"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def save_and_reload(page) -> None:
+    """Save the notebook (outputs included), reload the page and wait for its kernel."""
+    page.keyboard.press("Control+s")
+    page.wait_for_timeout(1500)
+    page.reload()
+    page.wait_for_selector("text=Python 3 (ipykernel) | Idle", timeout=60_000)
+
+
+def open_and_run(playwright, url: str, cells: int, console: list[str] | None = None) -> tuple:
+    """Chromium on the notebook; run its first ``cells`` cells in order. Returns (browser, page). The page's
+    console messages and errors are appended to ``console``."""
+    browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
+    page = browser.new_page(viewport={"width": 1300, "height": 1000})
+    if console is not None:
+        page.on("console", lambda message: console.append(f"{message.type}: {message.text}"))
+        page.on("pageerror", lambda error: console.append(f"pageerror: {error}"))
+    page.goto(url)
+    page.wait_for_selector(".jp-Notebook .jp-Cell .jp-InputArea-editor", timeout=60_000)
+    page.wait_for_selector("text=Python 3 (ipykernel) | Idle", timeout=60_000)
+    page.click(".jp-Cell .jp-InputArea-editor")
+    for number in range(cells):
+        page.keyboard.press("Shift+Enter")
+        if number < cells - 1:
+            page.wait_for_selector(
+                f".jp-Cell >> nth={number} >> .jp-InputPrompt:has-text('[{number + 1}]')", timeout=60_000
+            )
+    return browser, page
+
+
+@contextlib.contextmanager
+def notebook_page(url: str, cells: int, console: list[str] | None = None):
+    """Headless Chromium on the notebook at ``url`` with its first ``cells`` cells run (``open_and_run``);
+    yields the page, and closes the browser after."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser, page = open_and_run(playwright, url, cells, console)
+        try:
+            yield page
+        finally:
+            browser.close()
+
+
+def points_grow(page, within_s: float = 60) -> list[int]:
+    """The number of points in the page's Bokeh documents, sampled until it grew twice (or ``within_s``)."""
+    seen: list[int] = []
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and not (len(seen) >= 3 and seen[-1] > seen[-3] > 0):
+        seen.append(page.evaluate(LOGGED_POINTS))
+        time.sleep(0.7)
+    return seen
+
+
+def bokeh_trouble(console: list[str]) -> list[str]:
+    """Errors of Bokeh or of its views, and Bokeh's warning about sources with columns of different lengths."""
+    return [
+        line
+        for line in console
+        if (line.startswith(("error:", "pageerror:")) and any(word in line for word in BOKEH_TROUBLE))
+        or "inconsistent lengths" in line
+    ]
+
+
+def near_white(screenshot, box) -> float:
+    """The share of a screenshot's pixels in ``box`` that are near white."""
+    from PIL import Image
+
+    area = (int(box["x"]), int(box["y"]), int(box["x"] + box["width"]), int(box["y"] + box["height"]))
+    histogram = Image.open(screenshot).convert("L").crop(area).histogram()
+    return sum(histogram[200:]) / max(1, sum(histogram))

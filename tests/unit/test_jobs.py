@@ -1,0 +1,307 @@
+"""Background jobs with real runners on simulated GPUs: the queue, sharing with settling, results, failures,
+kills of whole process trees, --after ordering, and the API's checks."""
+
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+import gpumagic
+from gpumagic.run_dirs import records
+from gpumagic.run_dirs.layout import RunFiles
+
+pytestmark = pytest.mark.usefixtures("no_job_left_running")
+
+
+def wait_until(predicate, timeout=60.0, every=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(every)
+    raise AssertionError("timed out")
+
+
+def variant(k, seconds=3.0):
+    import time
+
+    for step in range(4):
+        gpumagic.log(loss=k / (step + 1))
+        time.sleep(seconds / 4)
+    return k * 10
+
+
+def test_four_variants_run_at_once_and_a_fifth_waits_for_a_free_gpu(simulated):
+    jobs = [gpumagic.submit(variant, k, name=f"A{k}") for k in range(5)]
+    reasons = set()
+    while jobs[4].status == "queued":
+        reasons.add(jobs[4].reason)
+        time.sleep(0.05)
+    assert [j.wait("2m") for j in jobs] == ["finished"] * 5
+    infos = [j.info for j in jobs]
+    first = infos[:4]
+    assert max(i["started"] for i in first) < min(i["ended"] for i in first), "the four ran at the same time"
+    assert sorted(i["gpus"][0] for i in first) == [0, 1, 2, 3]
+    assert infos[4]["started"] >= min(i["ended"] for i in first), "the fifth started when a GPU was free"
+    assert any(r.startswith("waiting for 1 GPU — GPU 0: leased by") and "job A" in r for r in reasons), reasons
+    assert [j.result() for j in jobs] == [0, 10, 20, 30, 40]
+    assert [len(j.metrics()[0]["loss"]) for j in jobs] == [4] * 5
+    assert jobs[1].last_metrics() == {"loss": (3.0, 0.25)}
+
+
+def test_a_job_sees_exactly_its_gpus_and_a_cpu_job_none(simulated):
+    def visible():
+        import os
+
+        return os.environ["CUDA_VISIBLE_DEVICES"]
+
+    on_gpu, on_cpu = gpumagic.submit(visible, gpus="GPU:2"), gpumagic.submit(visible, gpus=0)
+    assert on_gpu.result("1m") == gpumagic.gpus()[2].uuid and on_gpu.gpus == (2,)
+    assert on_cpu.result("1m") == "" and on_cpu.gpus == ()
+
+
+def test_failure_records_the_traceback_and_the_exit(simulated):
+    def diverge():
+        raise FloatingPointError("loss is nan at step 7")
+
+    job = gpumagic.submit(diverge, gpus=0)
+    assert job.wait("1m") == "failed"
+    assert job.reason == "rank 0 failed: raised FloatingPointError: loss is nan at step 7 (in user code)"
+    with pytest.raises(gpumagic.JobFailed) as caught:
+        job.result()
+    text = caught.value._render_traceback_()[0]
+    assert 'raise FloatingPointError("loss is nan at step 7")' in text and "in diverge" in text
+    log = job.logs()  # the traceback is in the log too, where a script's would be
+    assert 'raise FloatingPointError("loss is nan at step 7")' in log and log.startswith("rank 0 failed")
+
+
+def test_follow_from_the_last_lines_misses_nothing_after_them(simulated, tmp_path):
+    import threading
+
+    flag = tmp_path / "go"
+
+    def count(flag):
+        import os
+        import time
+
+        for line in range(3):
+            print(line, flush=True)
+        while not os.path.exists(flag):
+            time.sleep(0.05)
+        for line in range(3, 6):
+            print(line, flush=True)
+
+    job = gpumagic.submit(count, str(flag), gpus=0)
+    wait_until(lambda: job.logs() == "0\n1\n2\n")
+    threading.Timer(0.5, flag.touch).start()  # the rest is written while follow() runs
+    seen = []
+    assert job.follow(seen.append, tail=2) == "finished"
+    assert "".join(seen) == "1\n2\n3\n4\n5\n"
+
+
+def test_a_job_killed_by_a_signal_records_which(simulated):
+    def crash():
+        import os
+        import signal
+
+        print("about to crash", flush=True)
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+    job = gpumagic.submit(crash, gpus=1)
+    assert job.wait("1m") == "failed"
+    assert job.info["signal"] == "SIGSEGV" and "killed by SIGSEGV" in job.reason
+    assert job.logs().startswith("about to crash\n\nrank 0 failed: killed by SIGSEGV")
+
+
+def test_kill_stops_the_whole_tree_of_a_running_job(simulated):
+    def spawner():
+        import time
+
+        child = subprocess.Popen(["sleep", "300"])
+        print(child.pid, flush=True)
+        while True:
+            time.sleep(1)
+
+    job = gpumagic.submit(spawner, name="tree")
+    wait_until(lambda: job.logs().strip().isdigit())
+    grandchild = int(job.logs())
+    runner, (rank,) = job.info["runner_pid"], job.info["pids"]
+    assert psutil.Process(grandchild).ppid() == rank and psutil.Process(rank).ppid() == runner
+    on_its_gpu = {p.pid for p in gpumagic.gpus()[job.gpus[0]].processes}
+    assert on_its_gpu == {rank, grandchild}, "the job's processes, and nothing of gpumagic's own"
+    started = time.monotonic()
+    assert job.kill() == "killed"
+    assert time.monotonic() - started < 5
+    assert job.reason == "killed with %jobs kill"
+    for pid in (grandchild, rank, runner):
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    with pytest.raises(gpumagic.InvalidArgument, match="already ended"):
+        job.kill()
+
+
+def test_only_the_jobs_user_can_kill_it(simulated):
+    gpumagic.use("GPU:*")
+    job = gpumagic.submit(variant, 1)
+    state = job.path / "run.json"
+    os.chown(state, 65534, 65534)  # as if another user's job (its directory would also be private to them)
+    try:
+        with pytest.raises(gpumagic.KillRefused, match="belongs to another user"):
+            job.kill()
+        assert job.status == "queued"
+    finally:
+        os.chown(state, os.getuid(), os.getgid())
+
+
+def test_kill_falls_back_to_sigkill_for_a_job_that_ignores_signals(simulated):
+    def stubborn():
+        import signal
+        import time
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("ignoring", flush=True)
+        while True:
+            time.sleep(0.1)
+
+    job = gpumagic.submit(stubborn, gpus=0)
+    wait_until(lambda: job.logs() == "ignoring\n")
+    tree = [psutil.Process(job.info["runner_pid"]), *psutil.Process(job.info["runner_pid"]).children(True)]
+    assert job.kill(grace_s=1) == "killed"
+    assert "SIGKILL" in job.reason or job.reason == "killed with %jobs kill"
+    _, alive = psutil.wait_procs(tree, timeout=5)
+    assert not alive
+
+
+def test_kill_of_a_queued_job_and_its_place_is_given_back(simulated):
+    gpumagic.use("GPU:*")  # this process holds every GPU: the job waits
+    job = gpumagic.submit(variant, 1)
+    wait_until(lambda: job.reason.startswith("waiting for 1 GPU"))
+    assert "GPU 0: leased by root" in job.reason or "GPU 0: leased by" in job.reason
+    assert job.kill() == "killed" and job.reason == "killed with %jobs kill while queued"
+    assert job.gpus == ()
+    from gpumagic.jobs.queue import waiting_tickets
+
+    assert waiting_tickets() == []
+
+
+def test_after_orders_jobs_and_a_failed_dependency_cancels(simulated):
+    def fail():
+        raise RuntimeError("no")
+
+    a = gpumagic.submit(variant, 1, 1.0, name="A")
+    b = gpumagic.submit(variant, 2, 0.2, name="B", after="A")
+    f = gpumagic.submit(fail, gpus=0, name="F")
+    c = gpumagic.submit(variant, 3, name="C", after=["B", f])
+    wait_until(lambda: b.reason == "waiting for job A to finish", timeout=30)
+    assert c.wait("2m") == "cancelled" and b.wait("2m") == "finished"
+    assert b.info["started"] >= a.info["ended"]
+    assert c.reason == "cancelled: job F, which it runs after, failed"
+    with pytest.raises(gpumagic.JobFailed, match="cancelled"):
+        c.result()
+
+
+def test_ddp_job_runs_a_process_group(simulated):
+    def reduce_ranks():
+        import torch
+        import torch.distributed as dist
+
+        value = torch.tensor([dist.get_rank() + 1.0])
+        dist.all_reduce(value)
+        print("world", dist.get_world_size())
+        return value.item()
+
+    job = gpumagic.submit(reduce_ranks, ddp=2, name="pair")
+    assert job.wait("2m") == "finished"
+    assert job.result() == {0: 3.0, 1: 3.0}
+    assert sorted(job.logs().splitlines()) == ["[rank 0] world 2", "[rank 1] world 2"]
+    assert len(job.gpus) == 2 and job.info["backend"] == "gloo"
+
+
+def test_names_are_unique_and_sweeps_name_their_points(simulated):
+    gpumagic.use("GPU:*")  # keep the jobs queued: only names matter here
+    jobs = gpumagic.sweep(variant, {"k": [1, 2], "seconds": [0.5]}, name="lr")
+    assert [j.name for j in jobs] == ["lr-k=1,seconds=0.5", "lr-k=2,seconds=0.5"]
+    assert [j.info["params"] for j in jobs] == [{"k": "1", "seconds": "0.5"}, {"k": "2", "seconds": "0.5"}]
+    assert gpumagic.submit(variant, 1).name == "variant" and gpumagic.submit(variant, 1).name == "variant-2"
+    with pytest.raises(gpumagic.InvalidArgument, match="a job named 'variant' exists already"):
+        gpumagic.submit(variant, 1, name="variant")
+    with pytest.raises(gpumagic.InvalidArgument, match="exists already"):
+        gpumagic.sweep(variant, {"k": [3, 1], "seconds": [0.5]}, name="lr")  # one name taken: none submitted
+    assert not records.exists("lr-k=3,seconds=0.5")
+    assert gpumagic.job("variant-2") == jobs[0].__class__(records.find("variant-2"))
+    assert [j.name for j in gpumagic.list_jobs()] == [
+        "lr-k=1,seconds=0.5",
+        "lr-k=2,seconds=0.5",
+        "variant",
+        "variant-2",
+    ]
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"gpus": 5}, "asks for 5 GPUs; this machine has 4"),
+        ({"gpus": -1}, "gpus must be from 0 to 64"),
+        ({"gpus": "GPU:9"}, "GPU 9"),
+        ({"gpus": 1.5}, "number of GPUs or a device spec"),
+        ({"gpus": "²"}, "²"),  # str.isdigit says yes; it is no number of GPUs
+        ({"min_free": "500GB"}, "more than any GPU here has"),
+        ({"min_free": "lots"}, "size"),
+        ({"gpus": 0, "min_free": "1GB"}, "min_free needs GPUs"),
+        ({"ddp": 0}, "ddp is the number of ranks"),
+        ({"ddp": 2, "gpus": 3}, "cannot be split evenly among 2 ranks"),
+        ({"after": "nobody"}, "no job named 'nobody'"),
+        ({"name": "bad name"}, "job names are"),
+        ({"backend": "carrier-pigeon"}, "unknown backend"),
+        ({"timeout": "0s"}, "timeout must be more than 0"),
+    ],
+)
+def test_bad_options_are_one_line_errors_and_submit_nothing(simulated, options, message):
+    with pytest.raises(gpumagic.GpumagicError, match=message) as caught:
+        gpumagic.submit(variant, 1, **options)
+    assert "\n" not in str(caught.value)
+    assert gpumagic.list_jobs() == []
+
+
+def test_no_gpu_machine_says_to_use_the_cpu(no_gpu_machine):
+    with pytest.raises(gpumagic.InvalidArgument, match=r"this machine has no GPU .*submit with gpus=0"):
+        gpumagic.submit(variant, 1)
+
+
+def test_unpicklable_arguments_are_named(simulated):
+    import threading
+
+    with pytest.raises(gpumagic.GpumagicError, match="cannot send 'args\\[0\\]' \\(a lock\\)"):
+        gpumagic.submit(variant, threading.Lock())
+
+
+def test_a_job_whose_runner_vanished_reads_as_lost(simulated):
+    gpumagic.use("GPU:*")
+    job = gpumagic.submit(variant, 1)
+    wait_until(lambda: job.info.get("runner_pid") is not None)
+    os.kill(job.info["runner_pid"], signal.SIGKILL)
+    wait_until(lambda: job.status == "lost")
+    assert "is gone without recording an end" in job.reason
+    job.remove()
+    assert gpumagic.list_jobs() == []
+
+
+def test_remove_refuses_an_active_job(simulated):
+    gpumagic.use("GPU:*")
+    job = gpumagic.submit(variant, 1)
+    with pytest.raises(gpumagic.InvalidArgument, match="kill it first"):
+        job.remove()
+
+
+def test_a_slurm_job_holds_no_space_for_a_runner_it_does_not_have(monkeypatch):
+    """A local job holds 64 KiB for its runner's last record on a full disk until it ends; a Slurm job has no
+    runner of ours, and would hold them for good."""
+    monkeypatch.setenv("GPUMAGIC_SLURM", "local")
+    local = gpumagic.submit(variant, 1, 0.5, gpus=0, name="local")
+    on_slurm = gpumagic.submit(variant, 2, 0.5, gpus=0, name="on-slurm", executor="slurm", slurm={"time": "5m"})
+    assert RunFiles(local.path).reserve.stat().st_size == records.RESERVE_BYTES
+    assert [local.wait("2m"), on_slurm.wait("2m")] == ["finished", "finished"]
+    assert not RunFiles(local.path).reserve.exists() and not RunFiles(on_slurm.path).reserve.exists()

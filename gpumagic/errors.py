@@ -13,6 +13,18 @@ class GpumagicError(Exception):
     """Base class of every error gpumagic raises on purpose."""
 
 
+class ReportedError(GpumagicError):
+    """An error whose message is the whole story: IPython shows ``Type: message`` alone, without the kernel-side
+    traceback (which would only show gpumagic's own frames). Subclasses with a longer report override ``shown``."""
+
+    def shown(self) -> str:
+        """What the notebook shows after the error's type name."""
+        return str(self)
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self.shown()}"]
+
+
 class InvalidArgument(GpumagicError, ValueError):
     """An argument a user typed is malformed (a size, a duration, a device spec, ...)."""
 
@@ -30,15 +42,14 @@ class NotEnoughGpusError(GpumagicError):
         reasons: NVML index -> why that GPU did not qualify.
     """
 
-    def __init__(self, wanted: int, chosen: tuple[int, ...], reasons: Mapping[int, str], note: str = ""):
+    def __init__(
+        self, wanted: int, chosen: tuple[int, ...], reasons: Mapping[int, str], note: str = "", why: str = ""
+    ) -> None:
         self.wanted = wanted
         self.chosen = chosen
         self.reasons = dict(reasons)
         message = f"Only {len(chosen)} of the {wanted} GPUs asked for qualify{note}"
-        if self.reasons:  # one line, as every refusal a magic shows: GPU by GPU, then what to do
-            from gpumagic.devices.placement import explain
-
-            why = explain(self.reasons, len(self.reasons))
+        if why:  # one line, as every refusal a magic shows: GPU by GPU (``devices.placement.explain``), then what to do
             message += f" ({why}). Lower --min-free/--max-util, free a GPU, or add --wait 10m to wait for one."
         else:
             message += "."
@@ -57,15 +68,12 @@ class KillRefused(GpumagicError):
     """``kill`` was asked to signal a process gpumagic must not touch."""
 
 
-class RunsDirectoryError(GpumagicError):
+class RunsDirectoryError(ReportedError):
     """The runs directory (``GPUMAGIC_RUNS_DIR``, ``--runs-dir``) is one another user could write to, or a run
     directory in it is not this user's own: nothing is written there."""
 
-    def _render_traceback_(self) -> list[str]:
-        return [f"{type(self).__name__}: {self}"]
 
-
-class DiskFull(GpumagicError, OSError):
+class DiskFull(ReportedError, OSError):
     """A file of a run could not be written: the disk (or the user's quota) is full.
 
     Attributes:
@@ -83,6 +91,3 @@ class DiskFull(GpumagicError, OSError):
 
     def __reduce__(self) -> tuple:
         return type(self), (self.path, self.reason, self.errno)
-
-    def _render_traceback_(self) -> list[str]:
-        return [f"{type(self).__name__}: {self}"]

@@ -116,7 +116,9 @@ def pick(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 note = f" after waiting {format_duration(timeout)}" if timeout else ""
-                raise NotEnoughGpusError(n, tuple(g.nvml_index for g in placed.qualify), placed.reasons, note)
+                chosen = tuple(g.nvml_index for g in placed.qualify)
+                why = explain(placed.reasons, len(placed.reasons)) if placed.reasons else ""
+                raise NotEnoughGpusError(n, chosen, placed.reasons, note, why)
             if ticket is None:
                 label = leasing.book().holder_name() or f"pid {os.getpid()}"
                 ticket = Ticket.create(label[:80], request, time.time(), f"pick-{os.getpid()}", kind="pick")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpumagic.errors import GpumagicError, InvalidArgument, KillRefused
+from gpumagic.errors import InvalidArgument, KillRefused, ReportedError
 from gpumagic.jobs import executors
 from gpumagic.jobs.executors import Entry, Submission, executor_of
 from gpumagic.run_dirs import records
@@ -26,16 +26,13 @@ KILL_GRACE_S = 5.0
 STATES = (*records.ACTIVE, *records.ENDED)  # every status a job can have
 
 
-class JobFailed(GpumagicError):
+class JobFailed(ReportedError):
     """A job's result was asked for, but it did not finish. Shows the job's own traceback in a notebook."""
 
     def __init__(self, job: Job, report: str) -> None:
         self.job = job
         self.report = report
         super().__init__(report)
-
-    def _render_traceback_(self) -> list[str]:
-        return [f"JobFailed: {self.report}"]
 
 
 class Job:

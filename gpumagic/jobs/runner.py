@@ -217,8 +217,8 @@ class _Runner:
         from gpumagic.launch.kernel_side import local
         from gpumagic.launch.kernel_side.output import RankOutput
         from gpumagic.launch.plan import LaunchPlan, assign_gpus
-        from gpumagic.launch.rank_side.rank import make_launch_directories, remove_launch_directories
         from gpumagic.run_dirs import records
+        from gpumagic.run_dirs.launch_files import make_launch_directories, remove_launch_directories
         from gpumagic.run_dirs.private import open_private, out_of_space
         from gpumagic.run_dirs.signing import PayloadRejected, read_sealed, write_sealed
 

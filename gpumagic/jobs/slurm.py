@@ -83,7 +83,7 @@ def submit(entries: list[Entry], target: Target, submission: Submission) -> list
         InvalidArgument: a malformed Slurm option, an ``after`` job not on Slurm, or sbatch's refusal.
     """
     from gpumagic.jobs.queue import Request
-    from gpumagic.launch.rank_side.rank import write_spec
+    from gpumagic.run_dirs.launch_files import write_spec
 
     params, ranks = parameters("check", target.options, target.gpus, submission.ddp, target.cluster)
     if submission.after:

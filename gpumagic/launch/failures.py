@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
-from gpumagic.errors import GpumagicError
+from gpumagic.errors import ReportedError
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class RankOutcome:
         return f"rank {self.rank}: exited with code {self.exitcode} without an error report (pid {self.pid})"
 
 
-class LaunchError(GpumagicError):
+class LaunchError(ReportedError):
     """A launch failed. ``root_cause`` is the earliest failure; ``outcomes`` has every rank's fate.
 
     In a notebook it renders as the root-cause rank's own traceback followed by the other ranks' fates.
@@ -93,15 +93,12 @@ class LaunchError(GpumagicError):
             text += f", after rank {root.rank} failed"
         return text
 
-    def _render_traceback_(self) -> list[str]:  # IPython shows this instead of the kernel-side traceback
-        return [f"LaunchError: {self.report()}"]
+    def shown(self) -> str:
+        return self.report()
 
 
-class LaunchInterrupted(GpumagicError):
+class LaunchInterrupted(ReportedError):
     """The user interrupted a launch; every rank was stopped."""
-
-    def _render_traceback_(self) -> list[str]:
-        return [f"LaunchInterrupted: {self}"]
 
 
 def root_cause(outcomes: list[RankOutcome]) -> RankOutcome | None:

@@ -339,7 +339,7 @@ class Run:
             return self
         if self.info.get("pid_space") != _pid_space() or _kernel_alive(self.info):
             return self  # another machine's or container's run cannot be judged from here
-        from gpumagic.launch.rank_side.rank import remove_launch_directories
+        from gpumagic.run_dirs.launch_files import remove_launch_directories
 
         remove_launch_directories(RunFiles(self.path))
         try:

@@ -1,5 +1,5 @@
 """The comparison of runs in a notebook (``gpumagic.compare``, ``%jobs compare``): it draws what
-``gpumagic.telemetry.comparison`` reads. One Bokeh document, interactive in the browser alone (a busy or ended
+``gpumagic.jobs.comparison`` reads. One Bokeh document, interactive in the browser alone (a busy or ended
 kernel changes nothing): a filter box, the smoothing slider and a CSV button; parallel coordinates (an axis per
 hyperparameter and one for the metric, a polyline per run coloured by the metric); the table (sorts by a click
 on any column); the curves of every run, per metric. All three share one selection: rows picked in the table, a
@@ -17,7 +17,7 @@ import html
 import math
 from typing import Any
 
-from gpumagic.telemetry.comparison import RunComparison, format_number, plain, seed_groups
+from gpumagic.jobs.comparison import RunComparison, format_number, plain, seed_groups
 from gpumagic.telemetry.metric_kinds import higher_is_better, lower_is_better, smoothing_default
 from gpumagic.widgets.plots import MUTED, PALETTE, close_tree
 

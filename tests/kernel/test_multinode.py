@@ -156,8 +156,8 @@ def test_a_rank_that_keeps_failing_ends_in_one_error_after_its_restarts(no_lefto
 
 
 def _sealed_run(tmp_path: Path) -> Path:
-    from gpumagic.launch.rank_side.rank import write_spec
     from gpumagic.launch.shipping import pack, ship_function
+    from gpumagic.run_dirs.launch_files import write_spec
     from gpumagic.run_dirs.layout import RunFiles
 
     run_dir = tmp_path / "run"
@@ -262,7 +262,7 @@ def test_launch_ddp_magic_runs_on_two_nodes_in_a_kernel(start_kernel):
     started: list[subprocess.Popen] = []
 
     def second_node() -> None:  # what the user does on the other node, with the command the cell printed
-        from gpumagic.launch.rank_side.rank import read_spec
+        from gpumagic.run_dirs.launch_files import read_spec
         from gpumagic.run_dirs.layout import RunFiles
 
         deadline = time.monotonic() + 60

@@ -330,7 +330,7 @@ def test_jobs_compare_bad_input_is_a_one_line_usage_error(sweep, shell, line, me
 
 
 def test_importing_gpumagic_imports_no_plotting():
-    heavy = ("bokeh", "ipywidgets", "torch", "pandas", "gpumagic.widgets.compare", "gpumagic.telemetry.comparison")
+    heavy = ("bokeh", "ipywidgets", "torch", "pandas", "gpumagic.widgets.compare", "gpumagic.jobs.comparison")
     code = f"import gpumagic, sys; print(sorted(m for m in {heavy} if m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
 
@@ -377,16 +377,16 @@ def test_random_compare_lines_work_or_raise_a_one_line_usage_error(sweep, shell,
 def member(name, params, steps, values):
     from pathlib import Path
 
+    from gpumagic.jobs.comparison import Member
     from gpumagic.run_dirs.store import Series
-    from gpumagic.telemetry.comparison import Member
 
     series = Series(list(steps), list(values), [1000.0 + s for s in steps])
     return Member(name, "finished", 1.0, "cpu", params, {"loss": series}, Path(name))
 
 
 def test_seed_groups_keep_to_one_sweep_and_a_short_seed_cuts_nothing_short():
-    from gpumagic.telemetry.comparison import group_points as _group_points
-    from gpumagic.telemetry.comparison import seed_groups
+    from gpumagic.jobs.comparison import group_points as _group_points
+    from gpumagic.jobs.comparison import seed_groups
 
     runs = [
         member("A-lr=1,seed=1", {"lr": 1, "seed": 1}, range(4), [4, 3, 2, 1]),
@@ -403,8 +403,8 @@ def test_seed_groups_keep_to_one_sweep_and_a_short_seed_cuts_nothing_short():
 
 
 def test_a_step_logged_again_from_0_is_not_drawn_back_to_the_start():
+    from gpumagic.jobs.comparison import _forward
     from gpumagic.run_dirs.store import Series
-    from gpumagic.telemetry.comparison import _forward
 
     restarted = _forward(Series([0, 1, 2, 0, 1, 3], [5, 4, 3, 9, 8, 2], [1, 2, 3, 4, 5, 6]))
     assert (restarted.steps, restarted.values) == ([0, 1, 2, 3], [5, 4, 3, 2])
@@ -412,7 +412,7 @@ def test_a_step_logged_again_from_0_is_not_drawn_back_to_the_start():
 
 def test_a_launch_run_shows_its_gpus_as_indices_not_uuids(simulated):
     from gpumagic.devices.inventory import read_inventory
-    from gpumagic.telemetry.comparison import _run_gpus
+    from gpumagic.jobs.comparison import _run_gpus
 
     uuids = [gpu.uuid for gpu in read_inventory().gpus]
     assert _run_gpus([[uuids[2]], [uuids[3]]], "finished") == "2,3"
@@ -487,7 +487,7 @@ def test_hundreds_of_runs_each_metrics_best_and_last_value_and_gpu_hours(simulat
 
 
 def _expected_order(comparison, column, descending):
-    from gpumagic.telemetry.comparison import sort_key
+    from gpumagic.jobs.comparison import sort_key
 
     keys = [(sort_key(r[column]), r["name"]) for r in comparison._unsorted]
     present = [(k, n) for k, n in keys if k is not None]

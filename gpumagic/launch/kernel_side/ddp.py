@@ -15,9 +15,9 @@ from gpumagic.launch.failures import LaunchInterrupted
 from gpumagic.launch.kernel_side.local import loopback_port, store_listener
 from gpumagic.launch.kernel_side.output import OUTPUT_MODES, RankOutput, progress_lines
 from gpumagic.launch.plan import LaunchPlan, assign_gpus, check_backend, check_timeout, threads_per_rank
-from gpumagic.launch.rank_side.rank import make_launch_directories, remove_launch_directories
 from gpumagic.launch.shipping import pack, ship_cell, ship_function
 from gpumagic.run_dirs import store
+from gpumagic.run_dirs.launch_files import make_launch_directories, remove_launch_directories
 from gpumagic.run_dirs.layout import RunFiles
 
 DEFAULT_CPU_RANKS = 2

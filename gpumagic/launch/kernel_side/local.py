@@ -43,7 +43,8 @@ def run_local(
         LaunchError: a rank failed (raised, exited non-zero, was killed); all ranks are gone when it is raised.
         LaunchInterrupted: KeyboardInterrupt (the kernel's interrupt); all ranks are gone when it is raised.
     """
-    from gpumagic.launch.rank_side.rank import make_launch_directories, read_result
+    from gpumagic.launch.rank_side.rank import read_result
+    from gpumagic.run_dirs.launch_files import make_launch_directories
     from gpumagic.run_dirs.signing import write_sealed
 
     files = RunFiles(plan.run_dir)

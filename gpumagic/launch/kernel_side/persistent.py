@@ -34,11 +34,10 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumagic.errors import GpumagicError, InvalidArgument
+from gpumagic.errors import GpumagicError, InvalidArgument, ReportedError
 from gpumagic.launch.failures import LaunchError, RankOutcome, root_cause
 from gpumagic.launch.kernel_side.output import OUTPUT_MODES, ProgressLines, RankOutput, progress_lines
 from gpumagic.launch.plan import LaunchPlan, assign_gpus, check_backend, check_timeout
-from gpumagic.launch.rank_side.rank import make_launch_directories, remove_launch_directories
 from gpumagic.launch.replay import Definition, ReplayLog, definitions
 from gpumagic.launch.replicas import Divergence, compare, sync_plan
 from gpumagic.launch.shipping import (
@@ -52,6 +51,7 @@ from gpumagic.launch.shipping import (
     ship_function,
 )
 from gpumagic.launch.value_keys import change_key, has_cheap_key
+from gpumagic.run_dirs.launch_files import make_launch_directories, remove_launch_directories
 from gpumagic.run_dirs.layout import RunFiles
 
 DEFAULT_GRACE_S = 5.0
@@ -64,19 +64,13 @@ class GroupError(GpumagicError):
     """The group could not do what was asked (it is closed, it could not start, a rank could not rejoin)."""
 
 
-class CellInterrupted(GpumagicError):
+class CellInterrupted(ReportedError):
     """A cell on the group was interrupted or timed out; the message says what was kept and what was lost."""
-
-    def _render_traceback_(self) -> list[str]:
-        return [f"{type(self).__name__}: {self}"]
 
 
 class CellFailed(LaunchError):
     """A cell raised on some rank (or a rank died): the first failure's traceback, every rank's fate, and what
     gpumagic did about it (a replaced rank, lost names)."""
-
-    def _render_traceback_(self) -> list[str]:
-        return [f"CellFailed: {self.report()}"]
 
 
 @dataclass

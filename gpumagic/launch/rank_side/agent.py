@@ -111,7 +111,7 @@ def run_agent(
         PayloadRejected: the run's description or code does not carry the user's seal.
         AgentError: bad arguments for this run, or the rendezvous cannot be served or reached.
     """
-    from gpumagic.launch.rank_side.rank import read_spec
+    from gpumagic.run_dirs.launch_files import read_spec
     from gpumagic.run_dirs.signing import read_sealed
 
     files = RunFiles(run_dir)

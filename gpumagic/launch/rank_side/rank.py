@@ -28,6 +28,7 @@ from typing import Any
 
 from gpumagic.launch.failures import RankOutcome
 from gpumagic.launch.plan import LaunchPlan
+from gpumagic.run_dirs.launch_files import read_spec
 from gpumagic.run_dirs.layout import RunFiles
 
 PR_SET_PDEATHSIG = 1
@@ -248,43 +249,6 @@ def run_rank(run_dir: Path) -> int:
 
 
 # --- the run's description and the ranks' reports, as launchers read them -------------------------------
-
-
-def make_launch_directories(files: RunFiles) -> None:
-    """The ranks' private directories of a run (``launch/``, ``ranks/``: 0700 whatever the umask).
-
-    Raises:
-        DiskFull: no space for them.
-    """
-    from gpumagic.run_dirs.private import private_directory
-
-    for directory in (files.launch, files.ranks):
-        if not directory.is_dir():
-            private_directory(directory)
-
-
-def remove_launch_directories(files: RunFiles) -> None:
-    """The code, results and reports of the ranks: gone once the launch ended (the metrics stay)."""
-    import shutil
-
-    for directory in (files.launch, files.ranks):
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def write_spec(files: RunFiles, spec: dict[str, Any], packed: bytes) -> None:
-    """Write what the ranks of a run need, sealed: ``launch/spec.json`` and ``launch/payload.pkl``."""
-    from gpumagic.run_dirs.signing import write_sealed
-
-    make_launch_directories(files)
-    write_sealed(files.payload, packed)
-    write_sealed(files.spec, json.dumps(spec, indent=1).encode())
-
-
-def read_spec(files: RunFiles) -> dict[str, Any]:
-    """The sealed spec of a run (raises PayloadRejected if it was changed, FileNotFoundError if absent)."""
-    from gpumagic.run_dirs.signing import read_sealed
-
-    return json.loads(read_sealed(files.spec, f"the launch description {files.spec}"))
 
 
 @dataclass(frozen=True)

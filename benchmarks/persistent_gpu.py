@@ -68,8 +68,8 @@ def main() -> None:
     for _ in range(options.repeat):
         notes: list[str] = []
         started = time.perf_counter()
-        group._break(-2)  # what an interrupt past the grace period does
-        group._reform(notes, {})
+        group.members.break_group(-2)  # what an interrupt past the grace period does
+        group.recovery.reform(notes, {})
         group.exec(STEP, namespace={})
         reforms.append(time.perf_counter() - started)
     rows.append(

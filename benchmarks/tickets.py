@@ -53,6 +53,7 @@ import json, os, statistics, time
 import gpumagic
 from gpumagic.devices import leases, placement
 from gpumagic.devices.inventory import read_inventory
+from gpumagic.devices.pick_lock import pick_lock
 
 def timed(call, repeats=20):
     times = []
@@ -67,7 +68,7 @@ request = placement.Request(1, shares=False)
 mine = placement.Ticket.create("alice", request, time.time(), f"pick-{os.getpid()}", kind="pick")
 
 def look():
-    with leases.pick_lock(exclusive=False):
+    with pick_lock(exclusive=False):
         placement.place(request, inventory, leases.read_view(leases.book()), mine)
 
 print(json.dumps({"status": timed(gpumagic.status), "look": timed(look)}))

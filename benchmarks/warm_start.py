@@ -93,7 +93,7 @@ Isolation: a forked job is *not* equivalent to a fresh spawn; every difference b
   kernel's cgroup and limits (the same as a user running ``python train.py`` from there).
 * Stale daemon environment: what is not in the request comes from the daemon's start (HOME, PATH, LD_*,
   CUDA libraries already mapped, locale). The request must carry the whole environment (clear + update, as
-  gpumagic.launch.rank_side.rank._set_environment does for its forkserver ranks), and even then the import-time reads
+  gpumagic.launch.rank_side.runtime.set_environment does for its forkserver ranks), and even then the import-time reads
   above are stale: a daemon has to refuse (or restart for) a request whose environment differs from its own
   in any import-time variable, i.e. effectively keep one daemon per distinct import-time environment.
 * CUDA: the daemon must never initialize CUDA (nor NVML-through-CUDA): ``torch.cuda.is_available()`` itself

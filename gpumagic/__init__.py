@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from gpumagic.devices.visibility import Visibility
     from gpumagic.jobs.api import Job, JobFailed
     from gpumagic.launch.failures import LaunchError, LaunchInterrupted
-    from gpumagic.launch.kernel_side.persistent import RankGroup
+    from gpumagic.launch.kernel_side.group import RankGroup
     from gpumagic.launch.seeding import SeedReport
     from gpumagic.telemetry.log import log
     from gpumagic.widgets.compare import Comparison
@@ -89,14 +89,15 @@ _LAZY = {
     "LaunchInterrupted": ("gpumagic.launch.failures", "LaunchInterrupted"),
     "JobFailed": ("gpumagic.jobs.api", "JobFailed"),
     "Job": ("gpumagic.jobs.api", "Job"),
-    "CellFailed": ("gpumagic.launch.kernel_side.persistent", "CellFailed"),
-    "CellInterrupted": ("gpumagic.launch.kernel_side.persistent", "CellInterrupted"),
+    "CellFailed": ("gpumagic.launch.kernel_side.group", "CellFailed"),
+    "CellInterrupted": ("gpumagic.launch.kernel_side.group", "CellInterrupted"),
 }
 
 
 def __getattr__(name: str) -> Any:
     """Import ``log`` and the launch errors on first use, keeping ``import gpumagic`` light."""
     if name in _LAZY:
+        # lazy: import gpumagic stays a few milliseconds
         import importlib
 
         module, attribute = _LAZY[name]
@@ -109,10 +110,12 @@ def __getattr__(name: str) -> Any:
 def load_ipython_extension(ipython: Any) -> None:
     """Called by ``%load_ext gpumagic``: registers ``%gpu``, ``%%launch_ddp``, ``%ddp``/``%%ddp``,
     ``%%launch_bg`` and ``%jobs``; in a Jupyter kernel, has the ranks end before the kernel does."""
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.launch.kernel_side.kernel_end import watch_kernel_end
     from gpumagic.magics.ddp import DdpMagics
+    from gpumagic.magics.gpu import GpuMagics
     from gpumagic.magics.jobs import JobMagics
-    from gpumagic.magics.shell import GpuMagics, LaunchMagics
+    from gpumagic.magics.launch import LaunchMagics
 
     ipython.register_magics(GpuMagics)
     ipython.register_magics(LaunchMagics)
@@ -127,6 +130,7 @@ def gpus() -> Inventory:
     Simulated GPUs when ``GPUMAGIC_SIMULATE`` is set. With no driver the inventory is empty and its
     ``problem`` says why. Raises InvalidArgument if ``GPUMAGIC_SIMULATE`` is malformed.
     """
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.devices.inventory import read_inventory
 
     return read_inventory()
@@ -134,6 +138,7 @@ def gpus() -> Inventory:
 
 def status() -> StatusTable:
     """The ``%gpu status`` table (HTML in a notebook, text in a terminal); its ``.status`` holds the data."""
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.devices.status import gather_status
     from gpumagic.widgets.status_table import StatusTable
 
@@ -146,6 +151,7 @@ def pick(n: int = 1, **options: Any) -> Selection:
     Options: ``min_free`` ("20GB", "50%"), ``max_util`` (percent), ``exclude`` ("0,1"), ``wait`` ("10m").
     See ``gpumagic.devices.selection.pick``. Raises NotEnoughGpusError listing what each GPU lacked.
     """
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.devices.selection import pick as _pick
 
     return _pick(n, **options)
@@ -157,6 +163,7 @@ def why(n: int = 1, **options: Any) -> PickOutlook:
 
     Options as ``pick``'s: ``min_free``, ``max_util``, ``exclude``.
     """
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.devices.selection import why as _why
 
     return _why(n, **options)
@@ -164,6 +171,7 @@ def why(n: int = 1, **options: Any) -> PickOutlook:
 
 def use(spec: object, *, force: bool = False) -> Selection:
     """Make the GPUs ``spec`` names (``"0,2"``, ``"GPU:*"``, ``"A100"``, a UUID, ``"none"``) this kernel's."""
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.devices.selection import use as _use
 
     return _use(spec, force=force)
@@ -171,6 +179,7 @@ def use(spec: object, *, force: bool = False) -> Selection:
 
 def release() -> tuple[int, ...]:
     """Give back this kernel's leases and restore ``CUDA_VISIBLE_DEVICES``; returns the GPUs released."""
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.devices.selection import release as _release
 
     return _release()
@@ -178,6 +187,7 @@ def release() -> tuple[int, ...]:
 
 def visible_gpus() -> Visibility:
     """Which GPU each ``cuda:N`` of this kernel is, given ``CUDA_VISIBLE_DEVICES`` now."""
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.devices.inventory import read_inventory
     from gpumagic.devices.visibility import current_visibility
 
@@ -186,6 +196,7 @@ def visible_gpus() -> Visibility:
 
 def seed(value: int, *, deterministic: bool = False) -> SeedReport:
     """Seed python, numpy and torch (CPU and every CUDA device, lazily); see ``launch.seeding.seed``."""
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.launch.seeding import seed as _seed
 
     return _seed(value, deterministic=deterministic)
@@ -196,6 +207,7 @@ def kill(pid: int, *, timeout: float = 5.0) -> KillReport:
 
     Raises KillRefused for processes of other users, processes not on a GPU, and this kernel itself.
     """
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.devices.inventory import read_inventory
     from gpumagic.devices.processes import kill_own_process
 
@@ -218,6 +230,7 @@ def launch_ddp(
     ``fn`` may be defined in the notebook. See ``gpumagic.launch.kernel_side.ddp.launch_ddp`` for the options.
     Raises LaunchError naming the failing rank, with its traceback and the other ranks' fates.
     """
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.launch.kernel_side.ddp import launch_ddp as _launch_ddp
 
     return _launch_ddp(fn, nprocs, args, kwargs, **options)
@@ -225,6 +238,7 @@ def launch_ddp(
 
 def spawn(fn: Any, args: tuple = (), nprocs: int = 1, join: bool = True, **options: Any) -> Any:
     """``torch.multiprocessing.spawn`` that works on notebook-defined functions: ``fn(rank, *args)``."""
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.launch.kernel_side.ddp import spawn as _spawn
 
     return _spawn(fn, args, nprocs, join, **options)
@@ -241,13 +255,17 @@ def ranks(nprocs: int | None = None, **options: Any) -> RankGroup:
     (how long an interrupted rank may stay busy before its collective is broken, default 5 s), ``output``
     (``rank0``, ``all``, ``none``). See docs/launch.md.
     """
-    from gpumagic.launch.kernel_side.persistent import RankGroup
+    # lazy: import gpumagic stays a few milliseconds
+    from gpumagic.launch.kernel_side.group import RankGroup
+    from gpumagic.launch.options import LaunchOptions
 
-    return RankGroup(nprocs, **options)
+    group_only = {name: options.pop(name) for name in ("grace", "write", "on_note") if name in options}
+    return RankGroup(LaunchOptions.for_group(nprocs, **options), **group_only)
 
 
 def ddp_group() -> RankGroup | None:
     """The group ``%ddp start`` (or the first ``%%ddp`` cell) started in this kernel; ``None`` if none runs."""
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.magics.ddp import DdpMagics
 
     group = DdpMagics.group
@@ -258,6 +276,7 @@ def keep(*objects: Any, **named: Any) -> None:
     """In a rank of a persistent group: state to restore when a dead rank is replaced (``keep(model, optimizer)``
     or ``keep(model=m)``). A healthy rank's copy is sent to the fresh rank; DDP models are wrapped again. Outside
     such a rank it does nothing."""
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.launch.rank_side.group_rank import keep as _keep
 
     _keep(*objects, **named)
@@ -265,6 +284,7 @@ def keep(*objects: Any, **named: Any) -> None:
 
 def runs() -> list:
     """Every run of this user (launches and kernels that logged), oldest first; see ``load_run``."""
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.run_dirs.store import list_runs
 
     return list_runs()
@@ -272,6 +292,7 @@ def runs() -> list:
 
 def load_run(run_id: str) -> Any:
     """Reopen a run by id (or a unique prefix): ``.metrics()`` gives ``{rank: {name: Series}}``."""
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.run_dirs.store import load_run as _load_run
 
     return _load_run(run_id)
@@ -279,6 +300,7 @@ def load_run(run_id: str) -> Any:
 
 def plot_run(run: Any, metrics: list[str] | None = None) -> Any:
     """Plot a run (a ``Run`` or its id): one figure per metric, one curve per rank; displays in a notebook."""
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.run_dirs.store import Run, load_run
     from gpumagic.widgets.run_plot import RunPlot
 
@@ -307,6 +329,7 @@ def compare(
     ``.rows`` and ``.curves`` hold the data; ``.refresh()`` reads the runs again. Raises InvalidArgument for an
     unknown run, job, metric or column, or when there is nothing to compare.
     """
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.widgets.compare import Comparison
 
     return Comparison(
@@ -326,6 +349,7 @@ def submit(fn: Any, *args: Any, **options: Any) -> Job:
     Options: ``gpus`` (count, default 1, or a spec), ``name``, ``min_free`` ("20GB": may share a GPU),
     ``ddp`` (ranks), ``after`` (jobs to finish first); other keywords go to ``fn``. See ``jobs.api.submit``.
     """
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.jobs.api import submit as _submit
 
     return _submit(fn, *args, **options)
@@ -333,6 +357,7 @@ def submit(fn: Any, *args: Any, **options: Any) -> Job:
 
 def sweep(fn: Any, grid: dict, gpus_per_job: int | str = 1, **options: Any) -> list[Job]:
     """One background job per combination of ``grid`` values: ``fn(**point)``; see ``jobs.api.sweep``."""
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.jobs.api import sweep as _sweep
 
     return _sweep(fn, grid, gpus_per_job, **options)
@@ -340,6 +365,7 @@ def sweep(fn: Any, grid: dict, gpus_per_job: int | str = 1, **options: Any) -> l
 
 def job(name: str) -> Job:
     """The background job called ``name`` (from any kernel): status, logs, metrics, result, kill."""
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.jobs.api import job as _job
 
     return _job(name)
@@ -347,6 +373,7 @@ def job(name: str) -> Job:
 
 def list_jobs() -> list[Job]:
     """Every background job of this user, oldest first."""
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.jobs.api import list_jobs as _list_jobs
 
     return _list_jobs()
@@ -356,6 +383,7 @@ def select_jobs(names: Any = None, states: Any = None) -> list[Job]:
     """Your jobs (oldest first) whose name matches ``names`` (a name or pattern, ``"A-*"``, or a list of them) and
     whose status is one of ``states`` (``"running,queued"``); None: any. Raises InvalidArgument for an unknown
     state, naming the valid ones."""
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.jobs.api import select_jobs as _select_jobs
 
     return _select_jobs(names, states)
@@ -368,6 +396,7 @@ def watch_jobs(
     submitted later that match join it) with Kill and Logs buttons and why each waits in one line, and every
     job's curve of ``metric`` in one plot; refreshed every ``interval`` seconds. ``close()`` stops it and leaves
     a static copy of its last state where it was shown. Raises InvalidArgument for an unknown state."""
+    # lazy: import gpumagic stays a few milliseconds
     from gpumagic.widgets.job_watch import JobWatch as _JobWatch
 
     return _JobWatch(metric=metric, interval=interval, history=history, names=names, states=states)

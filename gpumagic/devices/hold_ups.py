@@ -1,6 +1,6 @@
 """How long other users' tickets have kept this process waiting for GPUs it could take, per user.
 
-Tickets are files anyone can write (``devices.leases``), so the queue cannot trust that a ticket ahead will
+Tickets are files anyone can write (``devices.tickets``), so the queue cannot trust that a ticket ahead will
 take what it is placed on. A ticket that could start is taken up by its runner or waiting kernel within a
 look (they look 4 times a second); a forged one is not. So every waiting process counts, per other user, the
 time it could have taken GPUs but for that user's tickets (``devices.placement`` decides when that is), each

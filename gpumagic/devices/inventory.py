@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from gpumagic.devices import nvml, simulate
 from gpumagic.devices.model import Inventory
 from gpumagic.errors import NoGpuError
 
@@ -18,11 +19,7 @@ def read_inventory() -> Inventory:
     """
     spec = os.environ.get(SIMULATE_VARIABLE, "").strip()
     if spec:
-        from gpumagic.devices import simulate
-
         return simulate.read_inventory(spec)
-    from gpumagic.devices import nvml
-
     return nvml.read_inventory()
 
 

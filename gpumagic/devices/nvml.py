@@ -63,6 +63,7 @@ def _initialized() -> tuple[Any, str | None]:
     if _init_problem and time.monotonic() - _init_problem[0] < _RETRY_INIT_AFTER_S:
         return None, _init_problem[1]
     try:
+        # lazy: loads libnvidia-ml, which only a GPU question needs
         import pynvml as nv
     except ImportError:
         _init_problem = (

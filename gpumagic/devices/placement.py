@@ -10,7 +10,7 @@ reason reads the same everywhere:
 - **rank**: most available memory, then least busy, then fewest processes, then lowest index.
 - **explain**: every GPU's reason, naming every holder and sharer.
 
-Requests that wait hold a ticket in the lease directory (``leases.create_ticket``). Tickets are served in queue
+Requests that wait hold a ticket in the lease directory (``tickets.create_ticket``). Tickets are served in queue
 order (``queue_order``): round-robin between users, by arrival within a round. A ticket that cannot start does
 not hold up a later one that can (backfill), until a job's ticket has waited ``BACKFILL_BOUND_S``: then the GPUs
 it could use once the leases and processes of other users on them end are held for it, and later tickets
@@ -38,8 +38,10 @@ from gpumagic.devices import leases as leasing
 from gpumagic.devices import shared_files
 from gpumagic.devices.hold_ups import HoldUp, hold_ups
 from gpumagic.devices.model import GpuInfo, Inventory
+from gpumagic.devices.pick_lock import pick_lock
 from gpumagic.devices.processes import parent_pid, process_start_time
 from gpumagic.devices.ticket_checks import ROUND_LIMIT
+from gpumagic.devices.tickets import TicketFile, claim_ticket, create_ticket
 from gpumagic.errors import InvalidArgument
 from gpumagic.units import format_bytes, format_duration, parse_duration
 
@@ -115,7 +117,7 @@ class Request:
 class Ticket:
     """A place in the queue: a job's (``kind`` "job") or a waiting kernel's ("pick"), as its file says."""
 
-    file: leasing.TicketFile
+    file: TicketFile
     request: Request
 
     @property
@@ -162,17 +164,17 @@ class Ticket:
         one at submission so the queue order is the submission order; the job's runner then takes it over
         (locks it), or writes its own if there is none."""
         if kind == "job" and not provisional:
-            claimed = leasing.claim_ticket(key)
+            claimed = claim_ticket(key)
             if claimed is not None:
                 return cls(claimed, request)
         record = {"kind": kind, "name": name, "request": request.to_json(), "submitted_ns": int(submitted * 1e9)}
         record.update(uid=os.getuid(), round=next_round(leasing.read_view(leasing.book())))
         if kind == "pick":  # a waiting kernel holds its own ticket: others check that it is this process
             record.update(pid=os.getpid(), process_start=process_start_time(os.getpid()))
-        return cls(leasing.create_ticket(key, record, lock=not provisional), request)
+        return cls(create_ticket(key, record, lock=not provisional), request)
 
     @classmethod
-    def of(cls, file: leasing.TicketFile) -> Ticket:
+    def of(cls, file: TicketFile) -> Ticket:
         return cls(file, Request.from_json(file.data["request"]))
 
     def remove(self) -> None:
@@ -569,10 +571,10 @@ def place_and_take(
         LeaseBusy: the pick lock stayed taken for ``wait_s``.
     """
     waiter = mine.path.name if mine is not None else f"process-{os.getpid()}"  # a pick without a ticket
-    with leasing.pick_lock(exclusive=False, wait_s=wait_s):
+    with pick_lock(exclusive=False, wait_s=wait_s):
         placed = place(request, inventory, leasing.read_view(leasing.book()), mine, keep_own, waiting=True)
     if placed.gpus:
-        with leasing.pick_lock(wait_s=wait_s):
+        with pick_lock(wait_s=wait_s):
             placed = place(request, inventory, leasing.read_view(leasing.book()), mine, keep_own, waiting=True)
             if placed.gpus and take(placed.gpus):
                 return count_hold_ups(placed, waiter, mine is not None)
@@ -580,7 +582,7 @@ def place_and_take(
     return count_hold_ups(placed, waiter, mine is not None)  # what kept it from GPUs at either look counts
 
 
-def _same_holder(file: leasing.TicketFile, mine: leasing.TicketFile) -> bool:
+def _same_holder(file: TicketFile, mine: TicketFile) -> bool:
     return file.uid == mine.uid and file.key == mine.key
 
 

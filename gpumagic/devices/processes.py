@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import signal
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+import psutil
 
 from gpumagic.errors import KillRefused
 
@@ -21,8 +24,6 @@ class ProcessFacts:
 
 def describe_process(pid: int) -> ProcessFacts:
     """Owner and command line of ``pid``; ``alive`` is False when no such process is visible here."""
-    import psutil
-
     try:
         proc = psutil.Process(pid)
         with proc.oneshot():
@@ -39,8 +40,6 @@ def describe_process(pid: int) -> ProcessFacts:
 
 
 def _username(proc) -> str | None:
-    import psutil
-
     try:
         return proc.username()
     except (KeyError, psutil.AccessDenied):  # a uid with no passwd entry (containers)
@@ -52,8 +51,6 @@ def _username(proc) -> str | None:
 
 def current_user() -> str:
     """The login name of the user running this process (the uid if it has no name)."""
-    import pwd
-
     try:
         return pwd.getpwuid(os.getuid()).pw_name
     except KeyError:
@@ -65,8 +62,6 @@ def process_start_time(pid: int) -> float | None:
 
     A zombie (it exited; its parent has not reaped it yet) is gone: it runs nothing and holds nothing.
     """
-    import psutil
-
     try:
         proc = psutil.Process(pid)
         with proc.oneshot():
@@ -101,8 +96,6 @@ def kill_own_process(pid: int, gpu_pids: set[int], timeout: float = 5.0) -> Kill
         KillRefused: the process is not on a GPU, belongs to another user, is this kernel or one of its
             parents, or is already gone.
     """
-    import psutil
-
     if pid in _self_and_ancestors():
         raise KillRefused(f"PID {pid} is this kernel or one of its parents; restart the kernel instead")
     if pid not in gpu_pids:
@@ -252,7 +245,5 @@ def signal_processes(pids: list[int], groups: list[int], how: int) -> None:
 
 
 def _self_and_ancestors() -> set[int]:
-    import psutil
-
     me = psutil.Process()
     return {me.pid, 1} | {p.pid for p in me.parents()}

@@ -13,10 +13,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from gpumagic.devices import leases as leasing
-from gpumagic.devices import visibility
+from gpumagic.devices import shared_files, visibility
 from gpumagic.devices.cuda_state import cuda_initialized
+from gpumagic.devices.hold_ups import hold_ups
 from gpumagic.devices.inventory import read_inventory, require_gpus
 from gpumagic.devices.model import MAX_GPUS, GpuInfo, Inventory
+from gpumagic.devices.pick_lock import LeaseBusy, pick_lock
 from gpumagic.devices.placement import (
     Placement,
     Request,
@@ -107,7 +109,7 @@ def pick(
                 placed = place_and_take(request, inventory, _lease, ticket)
                 if placed.gpus:
                     return _select(inventory, list(placed.gpus), _why_picked(placed, request))
-            except leasing.LeaseBusy as busy:
+            except LeaseBusy as busy:
                 if time.monotonic() >= deadline:
                     raise
                 if on_wait is not None:
@@ -187,9 +189,8 @@ class PickOutlook:
         if self.passed_over:
             lines.append(f"⚠ {passing_over(self.passed_over)}")
         if self.ignored:
-            from gpumagic.devices.shared_files import describe_ignored
-
-            lines.append(f"⚠ ignored in the lease directory: {describe_ignored(self.ignored, self.ignored_more)}")
+            ignored = shared_files.describe_ignored(self.ignored, self.ignored_more)
+            lines.append(f"⚠ ignored in the lease directory: {ignored}")
         return "\n".join(lines)
 
     _repr_pretty_ = lambda self, printer, cycle: printer.text(repr(self))  # noqa: E731 - IPython hook
@@ -206,13 +207,10 @@ def why(
 
     Takes nothing. Raises as ``pick`` does for bad arguments (``InvalidArgument``, ``NoGpuError``).
     """
-    from gpumagic.devices import shared_files
-    from gpumagic.devices.hold_ups import hold_ups
-
     _check_count(n)
     inventory = require_gpus(read_inventory())
     request = _pick_request(n, min_free, max_util, exclude, inventory)
-    with leasing.pick_lock(exclusive=False):
+    with pick_lock(exclusive=False):
         placed = place(request, inventory, leasing.read_view(leasing.book()))
         ignored, more = shared_files.ignored(limit=10)
     return PickOutlook(placed, placed.served, hold_ups().passed_over_names(), ignored, more, inventory.simulated)
@@ -256,7 +254,7 @@ def use(spec: object, *, force: bool = False) -> Selection:
     broken = [g for g in gpus if not g.healthy]
     if broken:
         raise SpecError("; ".join(f"GPU {g.nvml_index} cannot be used: {g.problem}" for g in broken))
-    with leasing.pick_lock():
+    with pick_lock():
         view = leasing.read_view(leasing.book())
         taken = [g for g in gpus if any(not lease.mine for lease in view.on(g.uuid))]
         if taken and not force:

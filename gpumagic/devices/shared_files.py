@@ -1,10 +1,13 @@
-"""Reading files other users wrote in a shared directory (the lease directory) without trusting them.
+"""Files in a shared directory (the lease directory): others' read without trusting them, one's own made safely.
 
 Anything there may be a trap: a symbolic link to ``/dev/zero`` or another user's secret, a FIFO that blocks
 whoever opens it, a 3 GB sparse file, a record in someone else's name. Every file is opened without following
 links and without blocking, checked on the open descriptor (``fstat``) to be a regular file owned by the uid
 its name claims, and read with a size cap. What fails is *ignored*, never a hang, a traceback or an OOM, and
 remembered (``ignored()``) so that ``%gpu status`` can name it once.
+
+A file of one's own (``create_own_file``) is made under a fresh random name, never one someone planted, and
+stays unreadable to others until it holds what it must.
 """
 
 from __future__ import annotations
@@ -12,13 +15,19 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import heapq
 import json
+import math
 import os
+import pwd
+import secrets
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from gpumagic.errors import LeaseDirectoryError
 
 MAX_RECORD_BYTES = 64 << 10  # a lease record or queue ticket is a few hundred bytes
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
@@ -61,8 +70,6 @@ def note_unknown(names: set[str], present: set[str]) -> None:
 def ignored(limit: int | None = None) -> tuple[dict[str, str], int]:
     """File name -> why it was ignored, for the files of the lease directory seen in its last reading (at most
     ``limit`` of the unknown names, the first by name), and how many more were left out."""
-    import heapq
-
     with _ignored_lock:
         found, unknown = dict(_ignored), _unknown
     shown = unknown if limit is None or len(unknown) <= limit else heapq.nsmallest(limit, unknown)
@@ -89,8 +96,6 @@ def describe_ignored(found: dict[str, str], more: int, shown: int | None = None)
 def finite(value: object) -> float | None:
     """``value`` if it is a finite number a float holds (a time, a size from another user's record), else None:
     ``1e999`` is Infinity, and a whole number of 400 digits no float holds."""
-    import math
-
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     try:
@@ -101,8 +106,7 @@ def finite(value: object) -> float | None:
 
 
 def owner_name(uid: int) -> str:
-    import pwd
-
+    """The login name of ``uid`` (``uid 1234`` if it has none)."""
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
@@ -216,3 +220,59 @@ def flock_holders() -> dict[tuple[int, int], list[int]]:
         except ValueError:
             continue
     return holders
+
+
+def read_shared(
+    path: Path, uid: int, read: Callable[[int, os.stat_result], dict] = read_record
+) -> tuple[dict, os.stat_result, bool] | None:
+    """The record in ``path`` (a file of the shared directory named as ``uid``'s) as ``read`` reads it from the
+    open file, its ``fstat``, and whether it is locked; None if it is gone, or untrusted (then noted as
+    ignored).
+
+    Raises:
+        LeaseDirectoryError: it cannot be read for a reason of this machine (no descriptors left, I/O).
+    """
+    try:
+        with opened(path, uid) as (fd, info):
+            return read(fd, info), info, is_locked(fd)
+    except FileNotFoundError:
+        return None
+    except Untrusted as why:
+        note_ignored(path.name, str(why))
+        return None
+    except OSError as err:
+        raise LeaseDirectoryError(f"cannot read {path} ({err.strerror})") from None
+
+
+def create_own_file(
+    directory: Path, stem: str, suffix: str, content: bytes = b"", lock: bool = False
+) -> tuple[int, Path]:
+    """A new file ``<stem><random token><suffix>`` of this user in ``directory`` holding ``content``, readable by
+    all (0644) once written; returns its open descriptor (``flock``-ed exclusively with ``lock``) and path.
+
+    It is 0600 until then, so that nobody else can open it (and ``flock`` it) before its owner holds what it
+    must; a name someone planted is passed over (``O_EXCL``), never used.
+
+    Raises:
+        LeaseDirectoryError: every name tried exists.
+    """
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    for _ in range(10):
+        path = directory / f"{stem}{secrets.token_hex(6)}{suffix}"
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:
+            continue
+        try:
+            if lock:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if content:
+                os.write(fd, content)
+            os.fchmod(fd, 0o644)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            os.close(fd)
+            raise
+        return fd, path
+    raise LeaseDirectoryError(f"cannot create a file in {directory}: every name tried exists")

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from gpumagic.devices.model import GpuInfo, GpuProcess, Inventory
 from gpumagic.devices.processes import read_stat
 from gpumagic.errors import InvalidArgument
@@ -249,8 +251,6 @@ class _ProcessScan:
         self._cpu: dict[int, tuple[float, float, float]] = {}  # pid -> (cpu seconds, monotonic time, percent)
 
     def usage(self, uuid_to_index: dict[str, int]) -> dict[int, list[GpuProcess]]:
-        import psutil
-
         found: dict[int, list[GpuProcess]] = {}
         with self._lock:
             live = self._refresh()
@@ -271,8 +271,6 @@ class _ProcessScan:
 
     def cpu_percent(self, pid: int) -> float:
         """CPU use of ``pid`` in percent of one core since the last look (since its start, at first)."""
-        import psutil
-
         try:
             proc = psutil.Process(pid)
             times = proc.cpu_times()

@@ -13,6 +13,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+try:
+    import re._parser as regex_parser  # Python 3.11+
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_parse as regex_parser  # type: ignore[no-redef]
+
 from gpumagic.devices.model import GpuInfo, Inventory
 from gpumagic.errors import InvalidArgument
 
@@ -137,12 +142,7 @@ def _backtracking_risk(raw: str) -> str | None:
     a repeat inside a repeat (``(a+)+``), alternatives inside a repeat (``(.|\\w)*``), or more than
     ``MAX_OPEN_REPEATS`` open-ended repeats (``.*.*.*.*.*x``)."""
     try:
-        import re._parser as parser  # Python 3.11+
-    except ImportError:  # pragma: no cover - Python 3.10
-        import sre_parse as parser  # type: ignore[no-redef]
-
-    try:
-        tree = parser.parse(raw, re.IGNORECASE)
+        tree = regex_parser.parse(raw, re.IGNORECASE)
     except (re.error, RecursionError, OverflowError):
         return None
     repeats = {"MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"}

@@ -10,6 +10,7 @@ from gpumagic.devices.cuda_state import cuda_initialized
 from gpumagic.devices.hold_ups import hold_ups
 from gpumagic.devices.inventory import read_inventory
 from gpumagic.devices.model import Inventory
+from gpumagic.devices.pick_lock import pick_lock
 from gpumagic.devices.visibility import Visibility, current_visibility
 from gpumagic.errors import LeaseDirectoryError
 
@@ -35,7 +36,7 @@ def gather_status() -> GpuStatus:
     more = 0
     if inventory.gpus:
         try:
-            with leasing.pick_lock(exclusive=False):
+            with pick_lock(exclusive=False):
                 held = leasing.read_view(leasing.book()).leases
                 ignored, more = shared_files.ignored(limit=5)
         except LeaseDirectoryError as err:

@@ -25,6 +25,8 @@ import os
 import re
 from pathlib import Path
 
+import psutil
+
 from gpumagic.devices.model import MAX_GPUS
 from gpumagic.devices.processes import is_same_process, proc_hides_others
 from gpumagic.devices.shared_files import Untrusted, finite
@@ -156,8 +158,6 @@ class TicketHolders:
         """(real uid, start time or None if it is a zombie, argv if asked) of ``pid``; (-1, None, []) if it is
         gone (a lock taken by a process that forked and exited is held by its child under its pid: the ticket's
         holder is not who it names); None if /proc hides it (hidepid): cannot tell."""
-        import psutil
-
         if (pid, command) not in self._facts:
             try:
                 process = psutil.Process(pid)

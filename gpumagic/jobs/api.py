@@ -7,21 +7,28 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import cloudpickle
 
 from gpumagic.errors import InvalidArgument, KillRefused, ReportedError
 from gpumagic.jobs import executors
 from gpumagic.jobs.executors import Entry, Submission, executor_of
+from gpumagic.launch.kernel_side.output import RankOutput
+from gpumagic.launch.options import MAX_RANKS, LaunchOptions
+from gpumagic.launch.shipping import pack, ship_cell, ship_function
 from gpumagic.run_dirs import records
 from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.run_dirs.signing import read_sealed
+from gpumagic.run_dirs.store import Run
 from gpumagic.units import format_duration, parse_duration
 
-MAX_RANKS = 256
 KILL_GRACE_S = 5.0
 STATES = (*records.ACTIVE, *records.ENDED)  # every status a job can have
 
@@ -92,9 +99,6 @@ class Job:
         status = self.wait(timeout)
         if status != "finished":
             raise JobFailed(self, self._failure_report(status))
-        import cloudpickle
-
-        from gpumagic.run_dirs.signing import read_sealed
 
         path = RunFiles(self.path).result
         return cloudpickle.loads(read_sealed(path, f"job {self.name}'s result ({path})"))
@@ -113,7 +117,6 @@ class Job:
 
     def logs(self, tail: int | None = None) -> str:
         """Its stdout and stderr so far (the last ``tail`` lines); a Slurm job's ranks one after another."""
-        from gpumagic.launch.kernel_side.output import RankOutput
 
         parts: list[str] = []
         sources = self._outputs()
@@ -136,7 +139,6 @@ class Job:
 
         Returns the job's status when following stopped.
         """
-        from gpumagic.launch.kernel_side.output import RankOutput
 
         write = write or _print
         sources = self._outputs()
@@ -173,7 +175,6 @@ class Job:
 
     def metrics(self) -> dict[int, dict[str, Any]]:
         """``{rank: {metric: Series}}`` of everything it has logged with ``gpumagic.log``."""
-        from gpumagic.run_dirs.store import Run
 
         return Run(self.path, self.info).metrics()
 
@@ -190,7 +191,7 @@ class Job:
         """
         info = self.info
         runs_on = executor_of(info)
-        status = runs_on.status(info)
+        status = runs_on.end(info).status
         if status in records.ENDED:
             raise InvalidArgument(f"job {info['name']} has already ended ({status}); nothing to kill")
         if RunFiles(self.path).record.stat().st_uid != os.getuid():
@@ -200,7 +201,6 @@ class Job:
 
     def remove(self) -> None:
         """Delete the job's directory (output, metrics, result). Raises InvalidArgument while it is active."""
-        import shutil
 
         status = self.status
         if status in records.ACTIVE:
@@ -210,14 +210,12 @@ class Job:
     def describe(self) -> str:
         """One line: name, status, GPUs, elapsed time, why (waiting or ended), latest metrics."""
         info = self.info
-        runs_on = executor_of(info)
-        status = runs_on.status(info)
+        ended = executor_of(info).end(info)
         gpus = ",".join(map(str, info.get("gpus") or ()))
         where = f" on GPU {gpus}" if gpus else " on the CPU" if info.get("started") else ""
-        text = f"{info['name']}: {status}{where}, {format_duration(records.elapsed(info))}"
-        reason = runs_on.why(info)
-        if status != "finished" and reason:
-            text += f" ({reason})"
+        text = f"{info['name']}: {ended.status}{where}, {format_duration(records.elapsed(info))}"
+        if ended.status != "finished" and ended.why:
+            text += f" ({ended.why})"
         latest = _format_metrics(self.last_metrics())
         return text + (f" · {latest}" if latest else "")
 
@@ -234,31 +232,63 @@ class Job:
         return hash(self.path)
 
 
-def submit(
-    fn: Callable[..., Any],
-    *args: Any,
-    gpus: int | str | None = None,
-    name: str | None = None,
-    min_free: str | int | None = None,
-    memory_limit: bool = False,
-    ddp: int | None = None,
-    after: str | Iterable[str] | Job | None = None,
-    backend: str | None = None,
-    timeout: str | float = "30m",
-    executor: str = "local",
-    slurm: Mapping[str, Any] | None = None,
-    **kwargs: Any,
-) -> Job:
+@dataclass(frozen=True)
+class JobRequest:
+    """What a submission asks for, checked once: its GPUs (a count, default 1, or a device spec), the memory it
+    reserves on each (``min_free``) and whether that caps it (``memory_limit``), the jobs it waits for
+    (``after``), where it runs (``executor``, ``slurm``), and the launch options of its DDP group (``launch``:
+    ``nprocs`` ranks, ``backend``, ``timeout``); ``JobRequest.of`` takes them as ``submit`` does."""
+
+    gpus: int | str | None = None
+    min_free: str | int | None = None
+    memory_limit: bool = False
+    after: Any = None
+    executor: str = "local"
+    slurm: Mapping[str, Any] | None = None
+    launch: LaunchOptions = field(default_factory=LaunchOptions)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.memory_limit, bool):
+            raise InvalidArgument(f"memory_limit is True or False, got {self.memory_limit!r}")
+        if self.memory_limit and self.min_free is None:
+            raise InvalidArgument(
+                "memory_limit caps a job at the memory it declares: give min_free too (--min-free 20GB)"
+            )
+
+    @classmethod
+    def of(
+        cls, *, ddp: int | None = None, backend: str | None = None, timeout: str | float = "30m", **request: Any
+    ) -> JobRequest:
+        """A request from ``submit``'s keywords: ``ddp`` (ranks), ``backend`` and ``timeout`` make its launch.
+
+        Raises:
+            InvalidArgument: a malformed option, named.
+        """
+        if ddp is not None and not _is_rank_count(ddp):
+            raise InvalidArgument(f"ddp is the number of ranks, a whole number from 1 to {MAX_RANKS}, got {ddp!r}")
+        return cls(launch=LaunchOptions(ddp, backend=backend, timeout=timeout), **request)
+
+    @property
+    def ddp(self) -> int | None:
+        """The number of ranks of its DDP group; ``None``: a single process."""
+        return self.launch.nprocs
+
+
+JOB_OPTIONS = ("gpus", "min_free", "memory_limit", "ddp", "after", "backend", "timeout", "executor", "slurm")
+
+
+def submit(fn: Callable[..., Any], *args: Any, name: str | None = None, **options: Any) -> Job:
     """Run ``fn(*args, **kwargs)`` as a background job; returns its ``Job`` at once.
 
     ``fn`` may be defined in the notebook (it is shipped by value). The job waits in this machine's queue
     until its GPUs are free, then runs detached from the kernel: it survives interrupts, restarts and the
-    kernel's end, and ``gpumagic.job(name)`` finds it from any kernel.
+    kernel's end, and ``gpumagic.job(name)`` finds it from any kernel. Keywords other than ``name`` and the
+    options below (``JOB_OPTIONS``) go to ``fn``.
 
     Args:
+        name: the job's name (default: the function's, made unique).
         gpus: how many GPUs (default 1, or one per rank with ``ddp``; 0 runs on the CPU), or a device spec
             naming them (``"GPU:1"``, ``"0,2"``, ``"A100"``).
-        name: the job's name (default: the function's, made unique).
         min_free: the memory the job needs on each GPU (``"20GB"``): it reserves that much and may share a
             GPU with other such jobs (placed where the free memory less their unallocated reservations is
             enough). Without it a job takes whole GPUs.
@@ -266,7 +296,7 @@ def submit(
             (``torch.cuda.set_per_process_memory_fraction``); an overrun fails naming the limit.
         ddp: run as a DDP group of this many ranks (process group initialized, as ``launch_ddp``).
         after: name(s) or Job(s) that must finish first; if one fails, this job is cancelled.
-        backend, timeout: of the process group with ``ddp``.
+        backend, timeout: of the process group with ``ddp`` (default ``"30m"``).
         executor: ``"local"`` (this machine's queue) or ``"slurm"``: submitted through submitit with the
             options in ``slurm`` (``partition``, ``time``, ``nodes``, ``tasks_per_node``, ``gres`` ...: see
             ``gpumagic.jobs.slurm.parameters``); every task is a rank of one DDP group; ``gpus`` is per node.
@@ -275,49 +305,25 @@ def submit(
         InvalidArgument: a malformed option, an unknown ``after`` job, a name already taken, more GPUs than
             the machine has. ShippingError: something ``fn`` needs cannot be pickled (named).
     """
-    from gpumagic.launch.shipping import pack, ship_function
-
-    packed = pack(ship_function(fn, tuple(args), dict(kwargs), rank_first=False))
+    request = JobRequest.of(**{key: options.pop(key) for key in JOB_OPTIONS if key in options})
+    packed = pack(ship_function(fn, tuple(args), options, rank_first=False))
     base = getattr(fn, "__name__", "job")
-    return _create(
-        [Entry(name, base, packed, {})],
-        gpus,
-        min_free,
-        ddp,
-        after,
-        backend,
-        timeout,
-        f"{base}()",
-        executor,
-        slurm,
-        memory_limit,
-    )[0]
+    return _create([Entry(name, base, packed, {})], request, f"{base}()")[0]
 
 
 def submit_cell(
     source: str,
     namespace: Mapping[str, Any],
+    request: JobRequest,
     *,
     filename: str,
     hidden: Collection[str] = (),
     name: str | None = None,
-    gpus: int | str | None = None,
-    min_free: str | int | None = None,
-    memory_limit: bool = False,
-    ddp: int | None = None,
-    after: str | Iterable[str] | None = None,
-    backend: str | None = None,
-    timeout: str | float = "30m",
-    executor: str = "local",
-    slurm: Mapping[str, Any] | None = None,
 ) -> Job:
     """A notebook cell as a background job (``%%launch_bg``): its code with the notebook names it uses; the
-    value of its last expression is the job's result. Options as ``submit``'s."""
-    from gpumagic.launch.shipping import pack, ship_cell
-
+    value of its last expression is the job's result. ``request``: as ``submit``'s options."""
     packed = pack(ship_cell(source, namespace, filename, hidden))
-    entry = Entry(name, "job", packed, {})
-    return _create([entry], gpus, min_free, ddp, after, backend, timeout, "cell", executor, slurm, memory_limit)[0]
+    return _create([Entry(name, "job", packed, {})], request, "cell")[0]
 
 
 def sweep(
@@ -337,8 +343,6 @@ def sweep(
     Example: ``sweep(train, {"lr": [1e-3, 1e-4], "width": [64, 128]})`` submits four jobs, queued on free GPUs.
     All names are taken together: if one exists already, no job is submitted.
     """
-    from gpumagic.launch.shipping import pack, ship_function
-
     if not isinstance(grid, Mapping) or not grid:
         raise InvalidArgument("grid must be a non-empty dict of parameter name -> list of values")
     for key, values in grid.items():
@@ -346,6 +350,7 @@ def sweep(
             raise InvalidArgument(f"grid keys are argument names of fn, got {key!r}")
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
             raise InvalidArgument(f"grid[{key!r}] must be a non-empty list of values, got {values!r}")
+    request = JobRequest.of(gpus=gpus_per_job, min_free=min_free, memory_limit=memory_limit, ddp=ddp, after=after)
     base = name or getattr(fn, "__name__", "job")
     entries = []
     for combination in itertools.product(*grid.values()):
@@ -354,8 +359,7 @@ def sweep(
         packed = pack(ship_function(fn, (), {**point, **fixed}, rank_first=False))
         params = {k: _short(v) for k, v in point.items()}
         entries.append(Entry(records.sanitize_name(f"{base}-{label}"), base, packed, params))
-    description = f"{getattr(fn, '__name__', 'fn')}()"
-    return _create(entries, gpus_per_job, min_free, ddp, after, None, "30m", description, memory_limit=memory_limit)
+    return _create(entries, request, f"{getattr(fn, '__name__', 'fn')}()")
 
 
 def job(name: str) -> Job:
@@ -426,41 +430,23 @@ def select_jobs(names: str | Iterable[str] | None = None, states: str | Iterable
     return selected
 
 
-def _create(
-    entries: list[Entry],
-    gpus: int | str | None,
-    min_free: str | int | None,
-    ddp: int | None,
-    after: Any,
-    backend: str | None,
-    timeout: str | float,
-    description: str,
-    executor: str = "local",
-    slurm: Mapping[str, Any] | None = None,
-    memory_limit: bool = False,
-) -> list[Job]:
-    """Check the options once, then the executor takes every name (all or none), writes the jobs, starts them."""
-    from gpumagic.launch.plan import check_backend, check_timeout
-
-    ddp = _check_ddp(ddp)
-    if not isinstance(memory_limit, bool):
-        raise InvalidArgument(f"memory_limit is True or False, got {memory_limit!r}")
-    if memory_limit and min_free is None:
-        raise InvalidArgument("memory_limit caps a job at the memory it declares: give min_free too (--min-free 20GB)")
-    runs_on = executors.named(executor)
-    resources = runs_on.check_resources(gpus, min_free, ddp, slurm)
+def _create(entries: list[Entry], request: JobRequest, description: str) -> list[Job]:
+    """The executor checks what it is asked, takes every name (all or none), writes the jobs and starts them."""
+    runs_on = executors.named(request.executor)
+    resources = runs_on.check_resources(request.gpus, request.min_free, request.ddp, request.slurm)
     submission = Submission(
-        ddp, check_backend(backend), check_timeout(timeout), _dependencies(after), description, memory_limit
+        request.ddp,
+        request.launch.backend,
+        request.launch.timeout_s,
+        _dependencies(request.after),
+        description,
+        request.memory_limit,
     )
     return [Job(path) for path in runs_on.submit(entries, resources, submission)]
 
 
-def _check_ddp(ddp: Any) -> int | None:
-    if ddp is None:
-        return None
-    if isinstance(ddp, bool) or not isinstance(ddp, int) or not 1 <= ddp <= MAX_RANKS:
-        raise InvalidArgument(f"ddp is the number of ranks, a whole number from 1 to {MAX_RANKS}, got {ddp!r}")
-    return ddp
+def _is_rank_count(ddp: Any) -> bool:
+    return not isinstance(ddp, bool) and isinstance(ddp, int) and 1 <= ddp <= MAX_RANKS
 
 
 def _dependencies(after: Any) -> list[str]:

@@ -23,8 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpumagic.devices.inventory import read_inventory
 from gpumagic.errors import InvalidArgument
+from gpumagic.jobs import executors
+from gpumagic.jobs.api import Job, list_jobs
+from gpumagic.run_dirs import records
+from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.run_dirs.store import RankReader, Run, Series, load_run
 from gpumagic.telemetry.metric_kinds import higher_is_better
+from gpumagic.units import format_duration
 
 X_AXES = ("step", "elapsed", "time")
 SEED_KEY = "seed"
@@ -53,6 +60,7 @@ class Member:
     def array(self, metric: str, column: str) -> Any:
         """A column of a metric's series (``steps``, ``values``, ``times``) as a float array, made once."""
         if (metric, column) not in self.cache:
+            # lazy: heavy; `import gpumagic` and %jobs stay free of it
             import numpy
 
             self.cache[metric, column] = numpy.asarray(getattr(self.metrics[metric], column), dtype=float)
@@ -104,9 +112,6 @@ def resolve(selection: Any) -> list[Any]:
     Raises:
         InvalidArgument: a name that is no job or run, a pattern matching nothing, or nothing to compare.
     """
-    from gpumagic.jobs.api import Job, list_jobs
-    from gpumagic.run_dirs.store import Run
-
     if selection is None:
         found: list[Any] = list_jobs()
         if not found:
@@ -137,10 +142,6 @@ def resolve(selection: Any) -> list[Any]:
 
 def _named(name: str) -> list[Any]:
     """The jobs a name or pattern means, else the run it names."""
-    from gpumagic.jobs.api import Job
-    from gpumagic.run_dirs import records
-    from gpumagic.run_dirs.store import load_run
-
     if any(c in name for c in "*?["):  # never in a job name: a pattern
         paths = []
         for path in records.all_jobs():
@@ -162,12 +163,6 @@ def _named(name: str) -> list[Any]:
 
 def read_member(source: Any) -> Member:
     """A job's or run's row material as it is on disk now."""
-    from gpumagic.jobs import executors
-    from gpumagic.jobs.api import Job
-    from gpumagic.run_dirs import records
-    from gpumagic.run_dirs.layout import RunFiles
-    from gpumagic.run_dirs.store import RankReader, load_run
-
     if isinstance(source, Job):
         info = source.info
         status, duration, name = executors.status(info), records.elapsed(info), info.get("name") or source.path.name
@@ -176,8 +171,8 @@ def read_member(source: Any) -> Member:
         count = _job_gpu_count(info)
     else:
         run = load_run(str(source.path))  # settled: a run whose kernel died reads lost
-        info, status, name = run.info, run.status, run.id
-        duration = max(0.0, (info.get("ended") or time.time()) - float(info.get("created") or time.time()))
+        info, end, name = run.info, run.end, run.id
+        status, duration = end.status, max(0.0, (end.ended or time.time()) - float(info.get("created") or time.time()))
         gpus, count = _run_gpus(info.get("gpus"), status), len(_uuids(info.get("gpus")))
     metrics = RankReader(RunFiles(source.path).metrics, 0).read()  # rank 0 stands for the run
     kept = {metric: _forward(series) for metric, series in metrics.items() if len(series)}
@@ -196,6 +191,7 @@ def _job_gpu_count(info: dict[str, Any]) -> int:
 def _forward(series: Any) -> Any:
     """The points of a series whose step is not before an earlier one's (a loop that restarts at step 0 is
     not drawn back to the start): a point stays where its step is at least every step before it."""
+    # lazy: heavy; `import gpumagic` and %jobs stay free of it
     import numpy
 
     steps = numpy.asarray(series.steps, dtype=float)
@@ -203,8 +199,6 @@ def _forward(series: Any) -> Any:
         return series
     before = numpy.maximum.accumulate(numpy.concatenate(([-math.inf], steps[:-1])))
     kept = numpy.flatnonzero(steps >= before).tolist()
-    from gpumagic.run_dirs.store import Series
-
     return Series(*([column[i] for i in kept] for column in (series.steps, series.values, series.times)))
 
 
@@ -224,8 +218,6 @@ def _run_gpus(gpus: Any, status: str) -> str:
     if not uuids:
         return "-" if status in ("queued", "cancelled") else "cpu"
     try:
-        from gpumagic.devices.inventory import read_inventory
-
         index = {gpu.uuid: gpu.nvml_index for gpu in read_inventory().gpus}
     except Exception:  # noqa: BLE001 - no driver here: the count still says something
         index = {}
@@ -294,6 +286,7 @@ def group_points(members: Sequence[Member], metric: str, x: str) -> Points | Non
     """The mean over a seed group's runs at each step they all logged, its band (± the sample standard
     deviation) over the runs that logged it, two at least, and x there (the mean of the runs' elapsed time; wall-
     clock time is never grouped: seeds that ran one after another share no time)."""
+    # lazy: heavy; `import gpumagic` and %jobs stay free of it
     import numpy
 
     per_run = []
@@ -323,6 +316,7 @@ def group_points(members: Sequence[Member], metric: str, x: str) -> Points | Non
 
 def best_of(metric: str, values: Sequence[float]) -> float:
     """The best finite value of ``values`` (the highest for accuracy-like names, else the lowest); NaN if none."""
+    # lazy: heavy; `import gpumagic` and %jobs stay free of it
     import numpy
 
     array = numpy.asarray(values, dtype=float)
@@ -433,8 +427,6 @@ class RunComparison:
         self.sort(sort_by, descending)
 
     def _read(self) -> None:
-        from gpumagic.run_dirs.layout import RunFiles
-
         self.sources = [s for s in self.sources if RunFiles(s.path).record.exists()]  # a job removed meanwhile
         if not self.sources:
             raise InvalidArgument("no runs or jobs to compare: every one of them has been removed")
@@ -601,6 +593,7 @@ class RunComparison:
     def to_pandas(self) -> Any:
         """A pandas DataFrame of ``records()``: one row per run (as the table shows them: sorted, filtered).
         Raises ImportError where pandas is not installed (``pip install pandas``)."""
+        # lazy: heavy; `import gpumagic` and %jobs stay free of it
         import pandas
 
         return pandas.DataFrame(self.records(), columns=self.export_columns())
@@ -620,7 +613,6 @@ class RunComparison:
 
     def cells(self, row: dict[str, Any]) -> list[str]:
         """A row's cells as the table shows them."""
-        from gpumagic.units import format_duration
 
         def cell(column: str, value: Any) -> str:
             if column == "duration":

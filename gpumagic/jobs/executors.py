@@ -1,16 +1,19 @@
 """Where a background job runs. An executor is a module of ``gpumagic.jobs`` with the functions of ``Executor``:
 ``local`` (this machine's queue) and ``slurm`` (a cluster, through submitit). A job's ``run.json`` names its
-executor (none: ``local``); ``executor_of`` finds it, so nothing else compares executor names."""
+executor (none: ``local``); ``executor_of`` finds it, so nothing else compares executor names. How a job ended, or
+that it is still active, is read as every run's end (``run_dirs.run_end``), with what its executor sees of it now."""
 
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, cast
 
 from gpumagic.errors import InvalidArgument
+from gpumagic.run_dirs.run_end import RunEnd
 
 NAMES = ("local", "slurm")
 
@@ -35,6 +38,18 @@ class Submission:
     description: str
     memory_limit: bool = False  # cap each process at its reservation (local jobs with min_free)
 
+    def record(self, entry: Entry) -> dict[str, Any]:
+        """The fields of ``run.json`` every executor writes for one of these jobs."""
+        return {
+            "after": self.after,
+            "backend": self.backend,
+            "timeout_s": self.timeout_s,
+            "params": entry.params,
+            "description": self.description,
+            "uid": os.getuid(),
+            "cwd": os.getcwd(),
+        }
+
 
 class Executor(Protocol):
     """The functions an executor module defines (``info``: a job's ``run.json``)."""
@@ -49,11 +64,10 @@ class Executor(Protocol):
     def submit(self, entries: list[Entry], resources: Any, submission: Submission) -> list[Path]:
         """Take every job's name (all or none), write their directories and start them."""
 
-    def status(self, info: Mapping[str, Any]) -> str:
-        """queued, running, finished, failed, killed, cancelled or lost, as this executor sees the job now."""
-
-    def why(self, info: Mapping[str, Any], brief: bool = False) -> str:
-        """Why it waits, or why it ended; ``brief``: a few words, for a table cell."""
+    def end(self, info: Mapping[str, Any]) -> RunEnd:
+        """How the job ended (finished, failed, killed, cancelled or lost) and why, or why it waits (queued,
+        running), as this executor sees it now: ``run_end.run_end(info, watch)``, ``watch`` being what this
+        executor sees of an active job."""
 
     def outputs(self, path: Path, info: Mapping[str, Any]) -> list[tuple[int | None, Path]]:
         """Its log files, each with its rank when there are several (for the ``[rank N]`` prefix)."""
@@ -80,9 +94,10 @@ def executor_of(info: Mapping[str, Any]) -> Executor:
 
 def status(info: Mapping[str, Any]) -> str:
     """The job's status, as its executor sees it now (``lost``: it should be alive but is gone)."""
-    return executor_of(info).status(info)
+    return executor_of(info).end(info).status
 
 
 def why(info: Mapping[str, Any], brief: bool = False) -> str:
     """Why the job waits (queued), or why it ended, as its executor tells."""
-    return executor_of(info).why(info, brief)
+    ended = executor_of(info).end(info)
+    return ended.short if brief else ended.why

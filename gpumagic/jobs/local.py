@@ -4,6 +4,7 @@ runner (``jobs.runner``) that records its end. Killing a job ends its runner's w
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -11,12 +12,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from gpumagic.devices import lease_directory, leases, pick_lock
+from gpumagic.devices.inventory import read_inventory
 from gpumagic.devices.model import MAX_GPUS, Inventory
+from gpumagic.devices.processes import end_processes, is_same_process
+from gpumagic.devices.spec import parse_spec, resolve
 from gpumagic.errors import InvalidArgument
 from gpumagic.jobs.executors import Entry, Submission
-from gpumagic.jobs.queue import Request, Ticket, remove_tickets
+from gpumagic.jobs.queue import Request, Ticket, place, remove_tickets
+from gpumagic.launch.plan import command_environment
 from gpumagic.run_dirs import records
-from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.run_dirs.layout import RUNS_VARIABLE, RunFiles, runs_root
+from gpumagic.run_dirs.private import open_private
+from gpumagic.run_dirs.run_end import RunEnd, judged_here, lost, run_end
 from gpumagic.units import format_bytes, parse_size
 
 RUNNER_PID_WAIT_S = 10.0  # a job killed a moment after its submission: its runner has not written its pid yet
@@ -39,9 +49,7 @@ def submit(entries: list[Entry], resources: tuple[Request, Inventory | None], su
     """Take every name (all or none), write the jobs with their tickets and start their runners."""
     request, inventory = resources
     if request.wants:
-        from gpumagic.devices.leases import lease_dir
-
-        lease_dir()  # an unusable lease directory is refused before any job is written
+        lease_directory.lease_dir()  # an unusable lease directory is refused before any job is written
     paths: list[Path] = []
     tickets: list[Ticket] = []
     with records.names_locked():
@@ -55,15 +63,9 @@ def submit(entries: list[Entry], resources: tuple[Request, Inventory | None], su
                         ranks=submission.ddp or 1,
                         request=request.to_json(),
                         ddp=submission.ddp,
-                        after=submission.after,
-                        backend=submission.backend,
-                        timeout_s=submission.timeout_s,
-                        params=entry.params,
-                        description=submission.description,
                         memory_limit=submission.memory_limit,
-                        uid=os.getuid(),
                         sys_path=[p for p in sys.path if p],
-                        cwd=os.getcwd(),
+                        **submission.record(entry),
                     )
                 )
                 if request.wants and not submission.after:  # its place in the queue is its submission, from now
@@ -72,8 +74,6 @@ def submit(entries: list[Entry], resources: tuple[Request, Inventory | None], su
                         Ticket.create(job_name, request, info["submitted"], paths[-1].name, provisional=True)
                     )
         except BaseException:  # all or none: a sweep that cannot be written whole leaves nothing half made
-            import shutil
-
             for ticket in tickets:
                 ticket.remove()
             for path in paths:
@@ -85,20 +85,18 @@ def submit(entries: list[Entry], resources: tuple[Request, Inventory | None], su
     return paths
 
 
-def status(info: Mapping[str, Any]) -> str:
-    """The recorded status, or ``lost`` when the job should be alive but its runner is gone."""
-    recorded = str(info.get("status", "?"))
-    if recorded in records.ACTIVE and not runner_alive(info):
-        return "lost"
-    return recorded
+def end(info: Mapping[str, Any]) -> RunEnd:
+    """How the job ended, or that it is active: as recorded, or ``lost`` when it should be alive but its runner is
+    gone (``run_dirs.run_end``)."""
+    return run_end(info, _runner_watch)
 
 
-def why(info: Mapping[str, Any], brief: bool = False) -> str:
-    """Why the job waits (queued), or why it ended."""
-    if status(info) == "lost":
-        pid = info.get("runner_pid")
-        return f"runner (pid {pid}) gone" if brief else f"its runner (pid {pid}) is gone without recording an end"
-    return info.get("exit") or info.get("reason") or ""
+def _runner_watch(info: Mapping[str, Any]) -> RunEnd | None:
+    """``lost`` when the active job's runner is gone; None (as recorded) while it runs, or where this machine
+    cannot tell (the job was submitted on another machine sharing the runs directory)."""
+    if not judged_here(info) or runner_alive(info):
+        return None
+    return lost(f"runner (pid {info.get('runner_pid')})")
 
 
 def outputs(path: Path, info: Mapping[str, Any]) -> list[tuple[int | None, Path]]:
@@ -125,8 +123,6 @@ def kill(path: Path, info: Mapping[str, Any], grace_s: float) -> None:
 
 def runner_alive(info: Mapping[str, Any]) -> bool:
     """True while the job's runner runs (a young job whose runner has not written its pid yet counts)."""
-    from gpumagic.devices.processes import is_same_process
-
     pid = info.get("runner_pid")
     if pid is None:
         return time.time() - float(info.get("submitted", 0)) < 30
@@ -137,8 +133,6 @@ def stop_process_tree(pid: int | None, grace_s: float, *, group: bool = True) ->
     """End ``pid`` and every process it started (a job's ranks each lead their own process group, ended too)
     with the one SIGTERM-then-SIGKILL ladder; with ``group``, also the group ``pid`` leads, which may outlive
     it (a runner leads its own session and group). Returns whether ``pid`` was still running."""
-    from gpumagic.devices.processes import end_processes
-
     tree = _process_tree(pid) if pid else []
     pids = [p.pid for p in tree]
     end_processes(pids, groups=[pid, *pids] if group and pid else pids, grace_s=grace_s)
@@ -146,8 +140,6 @@ def stop_process_tree(pid: int | None, grace_s: float, *, group: bool = True) ->
 
 
 def _process_tree(pid: int) -> list[Any]:
-    import psutil
-
     try:
         root = psutil.Process(pid)
         return [root, *root.children(recursive=True)]
@@ -157,12 +149,8 @@ def _process_tree(pid: int) -> list[Any]:
 
 def _start_runner(path: Path) -> None:
     """Start the job's runner, detached (it forks again and leaves its parent, which exits at once)."""
-    from gpumagic.launch.plan import command_environment
-    from gpumagic.run_dirs.private import open_private
-    from gpumagic.run_dirs.store import runs_root
-
     env = command_environment()
-    env["GPUMAGIC_RUNS_DIR"] = str(runs_root())
+    env[RUNS_VARIABLE] = str(runs_root())
     with open_private(RunFiles(path).runner_log) as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "gpumagic.jobs.runner", str(path)],
@@ -179,26 +167,20 @@ def _start_runner(path: Path) -> None:
 def _say_who_waits(paths: list[Path], tickets: list[Ticket], inventory: Inventory | None) -> None:
     """Record at once why a new job will wait (its runner says so too, a moment later), so a ``%jobs`` run
     right after the submission already tells."""
-    from gpumagic.devices import leases
-    from gpumagic.jobs.queue import place
-
     if not tickets or inventory is None:
         return
     try:
-        with leases.pick_lock(exclusive=False):
+        with pick_lock.pick_lock(exclusive=False):
             for ticket in tickets:
                 chosen, reason = place(ticket, inventory, leases.book())
                 if not chosen:
                     path = next(p for p in paths if p.name in ticket.path.name)
                     records.update(path, reason=reason)
-    except leases.LeaseBusy:  # the runners will say why they wait
+    except pick_lock.LeaseBusy:  # the runners will say why they wait
         return
 
 
 def _request(gpus: int | str | None, min_free: str | int | None, ddp: int | None) -> tuple[Request, Inventory | None]:
-    from gpumagic.devices.inventory import read_inventory
-    from gpumagic.devices.spec import parse_spec, resolve
-
     if gpus is None:
         gpus = ddp or 1
     if isinstance(gpus, str) and gpus.strip().isascii() and gpus.strip().isdigit():

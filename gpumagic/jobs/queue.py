@@ -2,7 +2,7 @@
 
 Placement itself (queue order, backfill and its bound, reservations, the reasons a job waits) is
 ``gpumagic.devices.placement``, the same that ``%gpu pick`` uses; tickets are files of the lease directory
-(``gpumagic.devices.leases``).
+(``gpumagic.devices.tickets``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import time
 from typing import Any
 
 from gpumagic.devices import leases as leasing
-from gpumagic.devices import placement
+from gpumagic.devices import placement, tickets
+from gpumagic.devices.inventory import read_inventory
 from gpumagic.devices.model import GpuInfo, Inventory
+from gpumagic.devices.pick_lock import LeaseBusy
 from gpumagic.devices.placement import Request, Ticket
 
 __all__ = [
@@ -27,13 +29,13 @@ __all__ = [
     "wait_for_gpus",
     "waiting_tickets",
 ]
-PROVISIONAL_S = leasing.PROVISIONAL_S
+PROVISIONAL_S = tickets.PROVISIONAL_S
 
 
 def remove_tickets(key: str) -> None:
     """Take job ``key`` (its run id) out of the queue: a killed job's ticket, even one its runner never took
     over, must not hold a place."""
-    leasing.remove_tickets(key)
+    tickets.remove_tickets(key)
 
 
 def waiting_tickets() -> list[Ticket]:
@@ -106,8 +108,6 @@ def wait_for_gpus(
 
     ``on_wait(reason)`` hears why the job waits whenever that changes.
     """
-    from gpumagic.devices.inventory import read_inventory
-
     book = leasing.book()
     book.label = f"job {name}"
     ticket = Ticket.create(name, request, submitted, key)
@@ -122,7 +122,7 @@ def wait_for_gpus(
                 if placed.gpus:
                     return sorted(placed.gpus, key=lambda g: g.nvml_index)
                 reason = placed.explain()
-            except leasing.LeaseBusy as busy:  # a waiting job stays queued, however long that lasts
+            except LeaseBusy as busy:  # a waiting job stays queued, however long that lasts
                 reason = f"waiting for the GPU lease directory: {busy.holder} keeps its pick lock"
             if reason and reason != last:
                 on_wait(reason)

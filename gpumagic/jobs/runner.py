@@ -6,17 +6,33 @@ while the job runs, starts the job's ranks with the launcher of ``%%launch_ddp``
 fresh, carrying their GPUs in their environment), and records everything in the job's directory
 (``run_dirs.records``). Its process group is the job's: ``kill`` signals the group.
 
-Kept light at import: the ``spawn`` ranks import this module as their main module.
+Kept light at import: the ``spawn`` ranks import this module as their main module, so what only the runner
+needs of ``launch/`` and ``jobs/`` is imported where it is used.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import signal
 import sys
+import threading
+import time
+import traceback
+from pathlib import Path
 from typing import Any
 
+import cloudpickle
+
+from gpumagic.devices.processes import process_start_time
+from gpumagic.errors import DiskFull, InvalidArgument, RunsDirectoryError
+from gpumagic.jobs import executors, queue
+from gpumagic.launch.plan import LaunchPlan, assign_gpus
+from gpumagic.run_dirs import private, records, store
+from gpumagic.run_dirs.launch_files import make_launch_directories, remove_launch_directories
 from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.run_dirs.signing import PayloadRejected, read_sealed, write_sealed
 
 
 def main(argv: list[str]) -> int:
@@ -26,8 +42,6 @@ def main(argv: list[str]) -> int:
     if os.fork():  # the kernel waits only for this first process; the job runs in the grandchild
         os._exit(0)
     os.setsid()
-    from pathlib import Path
-
     _Runner(Path(argv[0])).run()
     return 0
 
@@ -43,13 +57,6 @@ class _Runner:
         self.cancel: Any = None  # set to stop the job's ranks
 
     def run(self) -> None:
-        import signal
-
-        from gpumagic.devices.processes import process_start_time
-        from gpumagic.errors import DiskFull, RunsDirectoryError
-        from gpumagic.run_dirs import private, records
-        from gpumagic.run_dirs.signing import PayloadRejected
-
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._on_signal)
         try:  # before anything of the directory is read: it must be this user's own, in a safe place
@@ -73,17 +80,13 @@ class _Runner:
         except DiskFull as err:
             self._disk_full(err)
         finally:
+            # lazy: ranks import this as main
             from gpumagic.devices import leases
 
             leases.book().release_all()
             records.release_reserve(self.run_dir)
 
     def _run_job(self, spec: dict[str, Any]) -> None:
-        import traceback
-
-        from gpumagic.errors import DiskFull
-        from gpumagic.run_dirs import records
-
         try:
             if not self._wait_for_dependencies(spec):
                 return
@@ -99,22 +102,14 @@ class _Runner:
             self._finish("failed", f"gpumagic could not run the job: {type(err).__name__}: {err}")
 
     def _fail_before_start(self, err: Exception) -> None:
-        import time
-
-        from gpumagic.run_dirs import records
-
         self._write(self.files.error, f"{err}\n")
-        records.update(self.run_dir, status="failed", reason="", exit=str(err), ended=time.time(), runner_pid=None)
+        store.record_end(self.run_dir, "failed", str(err), runner_pid=None)
 
     def _write(self, path: Any, text: str) -> None:
-        from gpumagic.run_dirs.private import write_private
-
-        write_private(path, text.encode())
+        private.write_private(path, text.encode())
 
     def _disk_full(self, err: Any, report: str = "", **fields: Any) -> None:
         """Record that the job failed because a file of it could not be written, and what it kept."""
-        from gpumagic.run_dirs import records
-
         records.release_reserve(self.run_dir)  # the space held for this record
         why = f"disk full: {err.path} ({err.reason}); saved: {self._saved()}; free space or set GPUMAGIC_RUNS_DIR"
         with contextlib.suppress(OSError):
@@ -124,15 +119,13 @@ class _Runner:
 
     def _saved(self) -> str:
         """What of the job is on disk: its output, its metrics, its result."""
-        from gpumagic.run_dirs.store import Run
-
         kept = []
         with contextlib.suppress(OSError):
             size = self.files.output.stat().st_size
             if size:
                 kept.append(f"output.log ({size:,} bytes)")
         try:
-            ranks = Run(self.run_dir, {}).metrics()
+            ranks = store.Run(self.run_dir, {}).metrics()
         except (OSError, ValueError):
             ranks = {}
         points = sum(len(series) for metrics in ranks.values() for series in metrics.values())
@@ -148,27 +141,16 @@ class _Runner:
             raise KeyboardInterrupt
 
     def _kill_reason(self, when: str = "") -> str:
-        import signal
-
         if self.files.kill_request.exists():
             return "killed with %jobs kill" + (f" {when}" if when else "")
         name = signal.Signals(self.signal).name if self.signal else "a signal"
         return f"killed by {name} sent to its runner" + (f" {when}" if when else "")
 
     def _finish(self, status: str, why: str, **fields: Any) -> None:
-        import time
-
-        from gpumagic.run_dirs import records
-
-        records.update(self.run_dir, status=status, reason="", exit=why, ended=time.time(), **fields)
+        store.record_end(self.run_dir, status, why, **fields)
 
     def _wait_for_dependencies(self, spec: dict[str, Any]) -> bool:
         """Block until every ``after`` job has finished; False (job cancelled) if one did not."""
-        import time
-
-        from gpumagic.errors import InvalidArgument
-        from gpumagic.jobs import executors
-        from gpumagic.run_dirs import records
 
         pending = list(spec.get("after") or [])
         last = None
@@ -192,8 +174,6 @@ class _Runner:
         return True
 
     def _wait_for_gpus(self, spec: dict[str, Any]) -> list[Any]:
-        from gpumagic.jobs import queue
-        from gpumagic.run_dirs import records
 
         request = queue.Request.from_json(spec["request"])
         if request.wants == 0:
@@ -207,20 +187,11 @@ class _Runner:
         )
 
     def _run(self, spec: dict[str, Any], gpus: list[Any]) -> None:
-        import threading
-        import time
-
-        import cloudpickle
-
-        from gpumagic.errors import DiskFull
-        from gpumagic.launch.failures import LaunchError, LaunchInterrupted
+        # lazy: the runner takes its place in the queue first, light (~50 ms of imports); the launch loads to run
+        from gpumagic.launch import failures
         from gpumagic.launch.kernel_side import local
         from gpumagic.launch.kernel_side.output import RankOutput
-        from gpumagic.launch.plan import LaunchPlan, assign_gpus
-        from gpumagic.run_dirs import records
-        from gpumagic.run_dirs.launch_files import make_launch_directories, remove_launch_directories
-        from gpumagic.run_dirs.private import open_private, out_of_space
-        from gpumagic.run_dirs.signing import PayloadRejected, read_sealed, write_sealed
+        from gpumagic.launch.rank_side.memory_cap import MEMORY_LIMIT_VARIABLE
 
         ddp = spec.get("ddp")
         nprocs = ddp or 1
@@ -241,10 +212,6 @@ class _Runner:
         )
         reserve = spec["request"].get("min_free")
         if spec.get("memory_limit") and reserve:  # each rank capped at the job's reservation (--memory-limit)
-            import dataclasses
-
-            from gpumagic.launch.rank_side.rank import MEMORY_LIMIT_VARIABLE
-
             plan = dataclasses.replace(plan, base_env={**plan.base_env, MEMORY_LIMIT_VARIABLE: str(int(reserve))})
         records.update(
             self.run_dir,
@@ -255,7 +222,7 @@ class _Runner:
             gpu_uuids=uuids,
             backend=backend,
         )
-        self.output = open_private(files.output)
+        self.output = private.open_private(files.output)
         self.cancel = threading.Event()
         sink = RankOutput(lambda text: self._output(text.encode()), "all", nprocs) if ddp else None
         try:
@@ -272,16 +239,16 @@ class _Runner:
             remove_launch_directories(files)  # the ranks' copies: a nearly full disk need not hold two
             write_sealed(files.result, cloudpickle.dumps(results if ddp else results.get(0)))
             self._finish("finished", "finished", exitcode=0)
-        except LaunchError as err:
+        except failures.LaunchError as err:
             root = err.root_cause
             self._output(f"\n{err.report()}\n".encode())  # where a script's traceback would be
             unreported = root.exc_type is None and root.signal_name is None
-            if root.exc_type == "DiskFull" or (unreported and out_of_space(self.run_dir)):
+            if root.exc_type == "DiskFull" or (unreported and private.out_of_space(self.run_dir)):
                 self._disk_full(DiskFull(files.launch), err.report(), exitcode=root.exitcode)
                 return
             self._write(self.files.error, err.report() + "\n")
             self._finish("failed", err.headline(), exitcode=root.exitcode, signal=root.signal_name)
-        except (LaunchInterrupted, KeyboardInterrupt):
+        except (failures.LaunchInterrupted, KeyboardInterrupt):
             if self.output_error is not None:  # the ranks were stopped because their output could not be kept
                 raise self.output_error from None
             self._finish("killed", self._kill_reason())
@@ -298,14 +265,12 @@ class _Runner:
     def _output(self, data: bytes) -> None:
         """Append the job's output to output.log, all of a chunk or none of it (a full disk never leaves part
         of a line behind); if it cannot be written, stop the job (its output would be lost) and remember why."""
-        from gpumagic.run_dirs.private import append_whole, disk_error
-
         if self.output_error is not None:
             return
         try:
-            append_whole(self.output.fileno(), data)
+            private.append_whole(self.output.fileno(), data)
         except OSError as err:
-            self.output_error = disk_error(err, self.files.output)
+            self.output_error = private.disk_error(err, self.files.output)
             self.cancel.set()
 
 

@@ -14,6 +14,9 @@ same job, end to end, on a machine without Slurm.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import os
 import random
 import shutil
@@ -23,10 +26,25 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import cloudpickle
+
+from gpumagic.devices.processes import is_same_process, process_start_time
+from gpumagic.devices.shared_files import one_line
 from gpumagic.errors import InvalidArgument
 from gpumagic.jobs.executors import Entry, Submission
+from gpumagic.jobs.local import stop_process_tree
+from gpumagic.jobs.queue import Request
+from gpumagic.launch.failures import LaunchError
+from gpumagic.launch.plan import torchrun_variables
+from gpumagic.launch.rank_side.rank import run_rank
 from gpumagic.run_dirs import records
+from gpumagic.run_dirs.launch_files import write_spec
 from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.run_dirs.outcomes import rank_outcomes, root_cause
+from gpumagic.run_dirs.private import write_private
+from gpumagic.run_dirs.run_end import RunEnd, run_end
+from gpumagic.run_dirs.signing import read_sealed, write_sealed
+from gpumagic.run_dirs.store import record_end
 from gpumagic.units import parse_duration, parse_size
 
 LOCAL_VARIABLE = "GPUMAGIC_SLURM"
@@ -82,8 +100,6 @@ def submit(entries: list[Entry], target: Target, submission: Submission) -> list
     Raises:
         InvalidArgument: a malformed Slurm option, an ``after`` job not on Slurm, or sbatch's refusal.
     """
-    from gpumagic.jobs.queue import Request
-    from gpumagic.run_dirs.launch_files import write_spec
 
     params, ranks = parameters("check", target.options, target.gpus, submission.ddp, target.cluster)
     if submission.after:
@@ -106,14 +122,8 @@ def submit(entries: list[Entry], target: Target, submission: Submission) -> list
                 slurm_cluster=target.cluster,
                 request=Request(0).to_json(),
                 ddp=ranks if ranks > 1 else None,
-                after=submission.after,
-                backend=submission.backend,
-                timeout_s=submission.timeout_s,
-                params=entry.params,
-                description=submission.description,
-                uid=os.getuid(),
-                cwd=os.getcwd(),
                 runner_pid=None,
+                **submission.record(entry),
             )
             spec = {
                 "backend": backend if ranks > 1 or submission.ddp else None,
@@ -138,7 +148,6 @@ def submit(entries: list[Entry], target: Target, submission: Submission) -> list
 
 def _refusal(err: BaseException) -> str:
     """sbatch's refusal on one line: its ``error:`` lines without the ``sbatch: error:`` prefixes."""
-    from gpumagic.devices.shared_files import one_line
 
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     errors = [line.split("error:", 1)[1].strip() for line in lines if "error:" in line] or lines
@@ -230,8 +239,6 @@ def uses_gpus(params: Mapping[str, Any]) -> bool:
 
 def check_available(where: str) -> None:
     """Raises InvalidArgument (saying what to do) unless jobs can be submitted to ``where`` from here."""
-    import importlib.util
-    import shutil
 
     if importlib.util.find_spec("submitit") is None:
         raise InvalidArgument("the Slurm executor needs submitit: pip install submitit (or gpumagic[slurm])")
@@ -246,6 +253,7 @@ def check_available(where: str) -> None:
 def executor(folder: Path, where: str) -> Any:
     """submitit's executor for ``where`` (``slurm`` or ``local``). Raises InvalidArgument without Slurm."""
     try:
+        # lazy: submitit, only for Slurm
         import submitit
     except ImportError:
         raise InvalidArgument("the Slurm executor needs submitit: pip install submitit") from None
@@ -260,14 +268,11 @@ def executor(folder: Path, where: str) -> Any:
 
 def _submit_directory(path: Path, params: dict[str, Any], where: str) -> dict[str, Any]:
     """Submit the job in ``path``; the fields ``run.json`` records about it (Slurm job id, folder ...)."""
-    from gpumagic.devices.processes import process_start_time
 
     folder = RunFiles(path).slurm
     folder.mkdir(mode=0o700, exist_ok=True)
     chosen = executor(folder, where)
     chosen.update_parameters(**params)
-    import contextlib
-    import io
 
     # submitit copies sbatch's own output to sys.stdout/stderr (the cell); its refusal reaches the user as one
     # line (_refusal) and its "Submitted batch job N" as the job's record instead
@@ -288,9 +293,8 @@ class Task:
         self.run_dir = run_dir
 
     def __call__(self) -> int:
+        # lazy: submitit, only for Slurm
         import submitit
-
-        from gpumagic.launch.rank_side.rank import run_rank
 
         run_dir = Path(self.run_dir)
         env = submitit.JobEnvironment()
@@ -317,27 +321,20 @@ def torchrun_environment(
     job_id: str, rank: int, local_rank: int, world_size: int, nodes: int, node: int, master: str
 ) -> dict[str, str]:
     """The variables torchrun would set for a Slurm task (the port is the job id's, as submitit's helper)."""
-    return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size // max(1, nodes)),
-        "GROUP_RANK": str(node),
-        "NODE_RANK": str(node),
-        "MASTER_ADDR": master,
-        "MASTER_PORT": str(random.Random(str(job_id)).randint(20000, 60000)),
-        "TORCHELASTIC_RUN_ID": str(job_id),
-    }
+    return torchrun_variables(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=world_size // max(1, nodes),
+        node_rank=node,
+        master=(master, random.Random(str(job_id)).randint(20000, 60000)),
+        run_id=str(job_id),
+    )
 
 
 def record_outcome(run_dir: Path, world_size: int, wait_s: float = 60.0) -> None:
     """Rank 0, once its own code ended: wait for every rank's result or failure, then record the job's end
     (``result.pkl``: rank 0's value, or ``{rank: value}`` with several ranks; ``error.txt``; the status)."""
-    import cloudpickle
-
-    from gpumagic.launch.failures import LaunchError, root_cause
-    from gpumagic.launch.rank_side.rank import rank_outcomes
-    from gpumagic.run_dirs.signing import read_sealed, write_sealed
 
     files = RunFiles(run_dir)
 
@@ -353,17 +350,16 @@ def record_outcome(run_dir: Path, world_size: int, wait_s: float = 60.0) -> None
     failure = root_cause(outcomes)
     if failure is not None:
         error = LaunchError(outcomes, failure)
-        from gpumagic.run_dirs.private import write_private
 
         write_private(files.error, (error.report() + "\n").encode())
-        records.update(run_dir, status="failed", reason="", exit=error.headline(), ended=time.time())
+        record_end(run_dir, "failed", error.headline())
         return
     values = {
         rank: cloudpickle.loads(read_sealed(files.rank_result(rank), f"rank {rank}'s result"))
         for rank in range(world_size)
     }
     write_sealed(files.result, cloudpickle.dumps(values if world_size > 1 else values[0]))
-    records.update(run_dir, status="finished", reason="", exit="finished", exitcode=0, ended=time.time())
+    record_end(run_dir, "finished", "finished", exitcode=0)
 
 
 _states: dict[str, tuple[float, str]] = {}
@@ -374,14 +370,13 @@ def state(info: Mapping[str, Any]) -> str:
     10 s per job (sacct); ``UNKNOWN`` if Slurm cannot tell."""
     job_id = str(info.get("slurm_job_id", ""))
     if info.get("slurm_cluster") == "local":
-        from gpumagic.devices.processes import is_same_process
-
         alive = is_same_process(int(info.get("runner_pid") or 0), info.get("runner_start"))
         return "RUNNING" if alive else "ENDED"
     cached = _states.get(job_id)
     if cached is not None and time.monotonic() - cached[0] < STATE_CACHE_S:
         return cached[1]
     try:
+        # lazy: submitit, only for Slurm
         import submitit
 
         found = str(submitit.SlurmJob(folder=info["slurm_folder"], job_id=job_id).state).split()[0].upper()
@@ -391,40 +386,29 @@ def state(info: Mapping[str, Any]) -> str:
     return found
 
 
-def status(info: Mapping[str, Any]) -> str:
-    """A Slurm job's status as gpumagic names them, from run.json and, while it is active there, Slurm."""
+def end(info: Mapping[str, Any]) -> RunEnd:
+    """How the job ended, or that it is active (``run_dirs.run_end``): as recorded, or as Slurm sees it while the
+    record says it is active."""
+    return run_end(info, _slurm_watch)
+
+
+def _slurm_watch(info: Mapping[str, Any]) -> RunEnd:
+    """An active job as Slurm sees it: queued, running, or ended without rank 0 recording the end."""
     recorded = str(info.get("status", "?"))
-    if recorded not in records.ACTIVE:
-        return recorded
     found = state(info)
+    stand_in = " (local stand-in)" if info.get("slurm_cluster") == "local" else ""
+    job = f"Slurm job {info.get('slurm_job_id')}{stand_in}"
     if found in QUEUED_STATES:
-        return "queued"
+        return RunEnd("queued", f"{job}: {found}")
     if found in RUNNING_STATES:
-        return "running" if recorded == "queued" else recorded
+        nodes = ",".join(info.get("slurm_nodes") or []) or "its nodes"
+        return RunEnd("running" if recorded == "queued" else recorded, f"{job}: {found} on {nodes}")
     if found == "UNKNOWN":
-        return recorded
+        return RunEnd(recorded, f"{job}: Slurm cannot tell its state now (sacct)")
+    ended = f"{job} ended ({found}) without recording a result; see {info.get('slurm_folder')}"
     if found.startswith("CANCELLED"):
-        return "killed"
-    if found == "COMPLETED" or found == "ENDED":
-        return "lost"  # ended without rank 0 recording the end
-    return "failed"
-
-
-def why(info: Mapping[str, Any], brief: bool = False) -> str:
-    """What Slurm says about an active job, or how it ended (``brief`` changes nothing: it is short)."""
-    if info.get("status") not in records.ACTIVE:
-        return info.get("exit") or info.get("reason") or ""
-    found = state(info)
-    job = f"Slurm job {info.get('slurm_job_id')}" + (
-        " (local stand-in)" if info.get("slurm_cluster") == "local" else ""
-    )
-    if found in QUEUED_STATES:
-        return f"{job}: {found}"
-    if found in RUNNING_STATES:
-        return f"{job}: {found} on {','.join(info.get('slurm_nodes') or []) or 'its nodes'}"
-    if found == "UNKNOWN":
-        return f"{job}: Slurm cannot tell its state now (sacct)"
-    return f"{job} ended ({found}) without recording a result; see {info.get('slurm_folder')}"
+        return RunEnd("killed", ended)
+    return RunEnd("lost" if found in ("COMPLETED", "ENDED") else "failed", ended)
 
 
 def outputs(path: Path, info: Mapping[str, Any]) -> list[tuple[int | None, Path]]:
@@ -447,8 +431,6 @@ def kill(path: Path, info: Mapping[str, Any], grace_s: float) -> None:
     records.request_kill(path)
     pid = info.get("runner_pid")
     if info.get("slurm_cluster") == "local":  # submitit's stand-in: a controller process of this machine
-        from gpumagic.jobs.local import stop_process_tree
-
         stopped = stop_process_tree(pid, CONTROLLER_GRACE_S, group=False)
         done = f"stopped submitit's local controller (pid {pid})" if stopped else "its controller had ended"
     else:
@@ -458,6 +440,7 @@ def kill(path: Path, info: Mapping[str, Any], grace_s: float) -> None:
 
 def cancel(info: Mapping[str, Any]) -> str:
     """Cancel a Slurm job through Slurm (scancel). Returns what was done."""
+    # lazy: submitit, only for Slurm
     import submitit
 
     job_id = str(info.get("slurm_job_id"))

@@ -1,59 +1,10 @@
-"""The failure model of a launch: what happened to each rank, which failure came first, and the one error
-the user sees. Independent of how the processes were started (local forkserver now, elastic agents later)."""
+"""The one error a user sees when a launch fails (``LaunchError``: the root cause's own traceback, then every
+rank's fate), or when they interrupt it. Each rank's outcome is run-directory data (``run_dirs.outcomes``)."""
 
 from __future__ import annotations
 
-import signal
-from dataclasses import dataclass
-
 from gpumagic.errors import ReportedError
-
-
-@dataclass(frozen=True)
-class RankOutcome:
-    """How one rank ended.
-
-    ``phase`` is where a failure happened: ``setup`` (loading the shipped code), ``rendezvous`` (joining
-    the process group), ``user code``, or ``process`` (the process died without reporting: a signal or
-    ``os._exit``). ``stopped_by_launcher`` is True for ranks gpumagic stopped because another failed.
-    """
-
-    rank: int
-    pid: int | None
-    exitcode: int | None
-    phase: str | None = None
-    exc_type: str | None = None
-    message: str | None = None
-    traceback: str | None = None
-    timestamp: float | None = None
-    stopped_by_launcher: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return self.exitcode == 0 and self.exc_type is None
-
-    @property
-    def signal_name(self) -> str | None:
-        if self.exitcode is not None and self.exitcode < 0:
-            try:
-                return signal.Signals(-self.exitcode).name
-            except ValueError:
-                return f"signal {-self.exitcode}"
-        return None
-
-    def describe(self) -> str:
-        if self.ok:
-            return f"rank {self.rank}: finished"
-        if self.stopped_by_launcher:
-            how = self.signal_name or f"exit code {self.exitcode}"
-            return f"rank {self.rank}: stopped by gpumagic after the failure ({how})"
-        if self.exc_type == "SystemExit":
-            return f"rank {self.rank}: called sys.exit({self.message}) (exit code {self.exitcode})"
-        if self.exc_type:
-            return f"rank {self.rank}: raised {self.exc_type}: {self.message} (in {self.phase})"
-        if self.signal_name:
-            return f"rank {self.rank}: killed by {self.signal_name} (pid {self.pid})"
-        return f"rank {self.rank}: exited with code {self.exitcode} without an error report (pid {self.pid})"
+from gpumagic.run_dirs.outcomes import RankOutcome
 
 
 class LaunchError(ReportedError):
@@ -99,11 +50,3 @@ class LaunchError(ReportedError):
 
 class LaunchInterrupted(ReportedError):
     """The user interrupted a launch; every rank was stopped."""
-
-
-def root_cause(outcomes: list[RankOutcome]) -> RankOutcome | None:
-    """The earliest failure that was not caused by gpumagic stopping the rank."""
-    failed = [o for o in outcomes if not o.ok and not o.stopped_by_launcher]
-    if not failed:
-        return None
-    return min(failed, key=lambda o: (o.timestamp if o.timestamp is not None else float("inf"), o.rank))

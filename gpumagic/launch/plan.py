@@ -10,9 +10,23 @@ import os
 from dataclasses import dataclass, field
 
 from gpumagic.errors import InvalidArgument
+from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.run_dirs.store import RUN_DIR_VARIABLE
+from gpumagic.units import parse_duration
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 MAX_TIMEOUT_S = 7 * 86400.0  # torch overflows (1e9 days) or hangs (1e5 days) on longer ones; a week is ample
+TORCHRUN_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 # the kernel's own variables, which a process it starts must not inherit
@@ -83,8 +97,6 @@ class LaunchPlan:
     ) -> LaunchPlan:
         """The plan of a launch whose ranks all run here, started by this process, now: their store is a Unix
         socket in the run's private launch directory (``RunFiles.store_socket``)."""
-        from gpumagic.run_dirs.layout import RunFiles
-
         nprocs = len(rank_gpus)
         return cls(
             run_dir=str(run_dir),
@@ -109,24 +121,19 @@ class LaunchPlan:
 
     def environment(self, local_rank: int) -> dict[str, str]:
         """The rank's whole environment: ``base_env``, the variables torchrun sets, its GPUs and thread count."""
-        from gpumagic.run_dirs.store import RUN_DIR_VARIABLE
-
         env = dict(self.base_env)
         env.update(
-            {
-                "RANK": str(self.global_rank(local_rank)),
-                "LOCAL_RANK": str(local_rank),
-                "WORLD_SIZE": str(self.world_size),
-                "LOCAL_WORLD_SIZE": str(self.nprocs),
-                "GROUP_RANK": str(self.node_rank),
-                "NODE_RANK": str(self.node_rank),
-                "MASTER_ADDR": self.master_addr,
-                "MASTER_PORT": str(self.master_port),
-                "OMP_NUM_THREADS": str(self.threads_per_rank),
-                "TORCHELASTIC_RUN_ID": os.path.basename(self.run_dir),
-                RUN_DIR_VARIABLE: self.run_dir,
-            }
+            torchrun_variables(
+                rank=self.global_rank(local_rank),
+                local_rank=local_rank,
+                world_size=self.world_size,
+                local_world_size=self.nprocs,
+                node_rank=self.node_rank,
+                master=(self.master_addr, self.master_port),
+                run_id=os.path.basename(self.run_dir),
+            )
         )
+        env.update({"OMP_NUM_THREADS": str(self.threads_per_rank), RUN_DIR_VARIABLE: self.run_dir})
         if self.store_address:
             env["GPUMAGIC_STORE"] = self.store_address  # secure_store.VARIABLE
         if self.nnodes == 1:  # keep gloo/NCCL bootstrap sockets on loopback for single-node runs
@@ -137,6 +144,22 @@ class LaunchPlan:
         if gpus:
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         return env
+
+
+def torchrun_variables(
+    *,
+    rank: int,
+    local_rank: int,
+    world_size: int,
+    local_world_size: int,
+    node_rank: int,
+    master: tuple[str, int],
+    run_id: str,
+) -> dict[str, str]:
+    """The variables torchrun sets for a rank (``TORCHRUN_VARIABLES``), wherever it runs: on this machine
+    (``LaunchPlan``) or as a Slurm task (``jobs.slurm``). ``master``: (``MASTER_ADDR``, ``MASTER_PORT``)."""
+    values = (rank, local_rank, world_size, local_world_size, node_rank, node_rank, *master, run_id)
+    return {name: str(value) for name, value in zip(TORCHRUN_VARIABLES, values, strict=True)}
 
 
 def threads_per_rank(nprocs: int, cpus: int | None = None) -> int:
@@ -175,8 +198,6 @@ def check_timeout(timeout: str | float, what: str = "a process group timeout") -
     Raises:
         InvalidArgument: not a duration, 0, or more than a week (``MAX_TIMEOUT_S``).
     """
-    from gpumagic.units import parse_duration
-
     seconds = parse_duration(timeout, at_most=MAX_TIMEOUT_S, what=what)
     if seconds <= 0:
         raise InvalidArgument("timeout must be more than 0 seconds")

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpumagic.launch.shipping import dumps
+
 COUNTERS = (int,)  # the plain numbers compared: step and epoch counters (a float like a running loss is per rank)
 
 
@@ -36,6 +38,7 @@ def scalars_of(namespace: Mapping[str, Any], skip: Iterable[str]) -> dict[str, A
 def kind_of(value: Any) -> str:
     """How a value is compared and synced: ``ddp``, ``module``, ``optimizer``, ``scheduler``, ``tensor``,
     ``value``."""
+    # lazy: torch takes seconds to import; only rank processes need it
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -109,6 +112,7 @@ def sync_from(namespace: dict[str, Any], source: int, plan: list[tuple[str, str]
     """Make ``plan``'s names (name, kind) on this rank equal to rank ``source``'s, over the process group: a
     collective every rank makes with the same plan. Models and tensors are copied in place (whatever refers to
     them sees the copy); optimizers and schedulers load the source's state; other values are replaced."""
+    # lazy: torch takes seconds to import; only rank processes need it
     import torch.distributed as dist
 
     me = dist.get_rank()
@@ -146,6 +150,7 @@ def _fingerprint(value: Any, kind: str) -> Any:
 
 
 def _nested(value: Any) -> Any:
+    # lazy: torch takes seconds to import; only rank processes need it
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -156,7 +161,6 @@ def _nested(value: Any) -> Any:
         return [_nested(v) for v in value]
     if isinstance(value, (int, float, bool, str, bytes, type(None))):
         return value
-    from gpumagic.launch.shipping import dumps
 
     return hashlib.blake2b(dumps(value), digest_size=16).hexdigest()
 
@@ -164,6 +168,7 @@ def _nested(value: Any) -> Any:
 def _tensors(tensors: list[Any]) -> list[Any]:
     """Shape, dtype and the float64 sum and sum of magnitudes of each tensor, computed where it lives, read
     together (one copy from a GPU)."""
+    # lazy: torch takes seconds to import; only rank processes need it
     import torch
 
     sums = []

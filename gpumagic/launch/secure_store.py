@@ -30,6 +30,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from gpumagic.run_dirs.signing import derived_key
+
 MAGIC = b"GPUMAGIC-STORE/1"
 NONCE = 32
 HANDSHAKE_TIMEOUT_S = 2.0  # a stranger's connection is dropped after this, whatever it sends
@@ -48,7 +50,6 @@ class StoreRefused(ConnectionError):
 
 def store_key() -> bytes:
     """The key that opens this user's stores: derived from gpumagic's payload key (``signing``), never sent."""
-    from gpumagic.run_dirs.signing import derived_key
 
     return derived_key(b"gpumagic rendezvous store")
 
@@ -310,6 +311,7 @@ class StoreServer:
 
 
 def _store_base() -> type:
+    # lazy: torch takes seconds to import; only rank processes need it
     import torch.distributed as dist
 
     return dist.Store
@@ -412,6 +414,7 @@ class _ClientMethods:
             except (OSError, ConnectionError) as err:
                 raise ConnectionError(f"lost the gpumagic store at {self.address} ({err})") from None
         if status == TIMED_OUT:
+            # lazy: torch takes seconds to import; only rank processes need it
             from torch.distributed import DistStoreError
 
             raise DistStoreError(f"timed out after {self._timeout_s():g}s waiting for {reply[0].decode()}")

@@ -45,11 +45,13 @@ def seed(value: int, *, deterministic: bool = False) -> SeedReport:
     seeded = ["python"]
     random.seed(value)
     if "numpy" in sys.modules or importlib.util.find_spec("numpy") is not None:
+        # lazy: numpy is heavy; only the data of a view needs it
         import numpy
 
         numpy.random.seed(value)
         seeded.append("numpy")
     if "torch" in sys.modules or importlib.util.find_spec("torch") is not None:
+        # lazy: torch takes seconds to import; only rank processes need it
         import torch
 
         torch.manual_seed(value)  # also queues the seed for every CUDA device without starting CUDA

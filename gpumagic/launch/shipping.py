@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import ast
 import builtins
+import collections
+import importlib
+import io
 import linecache
 import os
 import types
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import cloudpickle
 
 from gpumagic.errors import GpumagicError
 
@@ -42,7 +47,6 @@ class CellPayload:
 
     def prepare(self) -> None:
         """Import the cell's modules and register its source (before the user's code: a failure here is setup's)."""
-        import importlib
 
         _register_sources({self.filename: self.source.splitlines(True), **self.sources})
         self._imported = {alias: importlib.import_module(module) for alias, module in self.modules.items()}
@@ -157,7 +161,6 @@ def ship_function(fn: Callable[..., Any], args: tuple, kwargs: dict, rank_first:
 def dumps(value: Any) -> bytes:
     """``cloudpickle.dumps(value)``, keeping the file name of every function's code: cloudpickle 3.1.3 writes
     ``<dynamic-code>`` there, which would cut a rank's traceback off from the notebook cell's lines."""
-    import io
 
     buffer = io.BytesIO()
     pickler_class()(buffer).dump(value)
@@ -171,10 +174,6 @@ def pickler_class() -> type:
     """cloudpickle's Pickler, made on first use to keep code objects' file names (``dumps``)."""
     global _PICKLER
     if _PICKLER is None:
-        import collections
-
-        import cloudpickle
-
         original = cloudpickle.Pickler.dispatch_table[types.CodeType]
 
         def reduce_code(code: types.CodeType) -> Any:

@@ -1,5 +1,5 @@
 """``%ddp`` and ``%%ddp``: a group of DDP ranks that lives across cells, over
-``launch.kernel_side.persistent.RankGroup``."""
+``launch.kernel_side.group.RankGroup``."""
 
 from __future__ import annotations
 
@@ -11,14 +11,17 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from gpumagic.errors import GpumagicError
-from gpumagic.launch.kernel_side.output import OUTPUT_MODES, cell_number, in_kernel
-from gpumagic.magics.shell import _Help, _parse, _Parser, _split, _subcommand
+from gpumagic.launch.kernel_side.group import CellFailed, CellInterrupted, RankGroup
+from gpumagic.launch.kernel_side.output import cell_number, in_kernel
+from gpumagic.launch.options import OUTPUT_MODES, LaunchOptions
+from gpumagic.magics.parsing import Help, Parser, parse, parse_cell_line, subcommand
+from gpumagic.widgets.launch_dashboard import LaunchDashboard
 
 MIB = float(1 << 20)
 
 
-def _parsers() -> dict[str, _Parser]:
-    start = _Parser(
+def _parsers() -> dict[str, Parser]:
+    start = Parser(
         "%ddp start",
         "Start N ranks with their process group ready; %%ddp cells then run on them, each rank keeping its\n"
         "namespace (rank, world_size, device, dist defined). Example: %ddp start -n 4 --gpus auto",
@@ -42,7 +45,7 @@ def _parsers() -> dict[str, _Parser]:
         "kept": "The names gpumagic.keep registered: what a replaced rank gets back.",
         "check": "Compare the replicas: DDP models, optimizers, schedulers, kept names, step counters.",
     }
-    sync = _Parser(
+    sync = Parser(
         "%ddp sync",
         "Make the replicas alike again: copy the named state (default: every DDP model, its optimizers and\n"
         "schedulers, the kept names, and what %ddp check found different) from one rank to every other.\n"
@@ -51,12 +54,12 @@ def _parsers() -> dict[str, _Parser]:
     sync.add_argument("names", nargs="*", metavar="NAME", help="only these names")
     sync.add_argument("--from", dest="source", type=int, default=0, metavar="RANK", help="the rank to copy (0)")
     parsers = {"start": start, "sync": sync}
-    parsers.update({name: _Parser(f"%ddp {name}", text) for name, text in simple.items()})
+    parsers.update({name: Parser(f"%ddp {name}", text) for name, text in simple.items()})
     return parsers
 
 
-def _cell_parser() -> _Parser:
-    parser = _Parser(
+def _cell_parser() -> Parser:
+    parser = Parser(
         "%%ddp",
         "Run the cell on the group's ranks (started with the defaults if none runs). Names the cell reads from\n"
         "the notebook are sent once and again only when they change; names the ranks made stay theirs.\n"
@@ -88,19 +91,19 @@ class DdpMagics(Magics):
 
     group: Any = None
     dashboard: Any = None
-    start_options: ClassVar[dict[str, Any]] = {}
+    start_options: ClassVar[dict[str, Any]] = {}  # _start_group's arguments, for %ddp restart
 
     @line_cell_magic
     def ddp(self, line: str, cell: str | None = None) -> Any:
         if cell is not None:
             return self._cell(line, cell)
-        name, rest = _subcommand(line, "%ddp", "status", _PARSERS)
+        name, rest = subcommand(line, "%ddp", "status", _PARSERS)
         if name is None:
-            return _Help(_OVERVIEW)
+            return Help(_OVERVIEW)
         parser = _PARSERS[name]
-        args = _parse(parser, rest)
+        args = parse(parser, rest)
         if args is None or args.help:
-            return _Help(parser.format_help())
+            return Help(parser.format_help())
         try:
             return getattr(self, f"_{name}")(args)
         except GpumagicError as err:
@@ -111,27 +114,25 @@ class DdpMagics(Magics):
     def _start(self, args: argparse.Namespace) -> None:
         if self._running() is not None:
             raise UsageError("%ddp start: a group is running already; %ddp restart for a fresh one, or %ddp stop")
-        options = {
-            "nprocs": args.nprocs,
-            "gpus": args.gpus,
-            "gpus_per_rank": args.gpus_per_rank,
-            "backend": args.backend,
-            "timeout": args.timeout,
-            "grace": args.grace,
-            "output": args.output,
-        }
-        self._start_group(options, dashboard=not args.no_dashboard)
+        launch = LaunchOptions.for_group(
+            args.nprocs,
+            gpus=args.gpus,
+            gpus_per_rank=args.gpus_per_rank,
+            backend=args.backend,
+            timeout=args.timeout,
+            output=args.output,
+        )
+        self._start_group(launch, args.grace, dashboard=not args.no_dashboard)
 
-    def _start_group(self, options: dict[str, Any], dashboard: bool = True) -> None:
-        from gpumagic.launch.kernel_side.persistent import RankGroup
-
+    def _start_group(self, launch: LaunchOptions, grace: str | None = None, dashboard: bool = True) -> None:
+        """Start the group ``launch`` asks for (``grace``: ``RankGroup``'s, ``None`` its default)."""
         started = time.monotonic()
         try:
-            group = RankGroup(**{k: v for k, v in options.items() if v is not None})
+            group = RankGroup(launch, **({} if grace is None else {"grace": grace}))
         except KeyboardInterrupt:
             raise UsageError("%ddp start interrupted; no group was started") from None
         DdpMagics.group = group
-        DdpMagics.start_options = dict(options, dashboard=dashboard)
+        DdpMagics.start_options = {"launch": launch, "grace": grace, "dashboard": dashboard}
         where = "CPU" if not group.use_cuda else f"GPUs {', '.join(g[0][:12] for g in group.rank_gpus if g)}"
         print(
             f"[gpumagic] {group.nprocs} ranks ready ({group.backend}, {where}) in {time.monotonic() - started:.1f}s; "
@@ -159,13 +160,12 @@ class DdpMagics(Magics):
         if not options:
             raise UsageError("%ddp restart: no group was started in this kernel; %ddp start first")
         self._stop()
-        dashboard = options.pop("dashboard", True)
-        self._start_group(options, dashboard=dashboard)
+        self._start_group(**options)
 
-    def _status(self, args: argparse.Namespace) -> _Help:
+    def _status(self, args: argparse.Namespace) -> Help:
         group = self._running()
         if group is None:
-            return _Help("[gpumagic] no group is running; %ddp start (or a %%ddp cell) starts one")
+            return Help("[gpumagic] no group is running; %ddp start (or a %%ddp cell) starts one")
         rows = group.status()
         now = time.time()
         lines = [
@@ -184,9 +184,9 @@ class DdpMagics(Magics):
             rss = f"{row['rss'] / MIB:.0f} MiB" if row.get("rss") else "-"
             alive = "yes" if row["alive"] else "no"
             lines.append(f"{row['rank']:>4}  {row['pid']:>7}  {alive:5}  {busy:28}  {inside:22}  {gpu:18}  {rss}")
-        return _Help("\n".join(lines))
+        return Help("\n".join(lines))
 
-    def _free(self, args: argparse.Namespace) -> _Help:
+    def _free(self, args: argparse.Namespace) -> Help:
         group = self._require()
         rows = group.free()
         lines = []
@@ -199,7 +199,7 @@ class DdpMagics(Magics):
                 )
             else:
                 lines.append(f"rank {row['rank']}: {row['collected']} objects collected (a CPU rank: no GPU cache)")
-        return _Help("\n".join(lines))
+        return Help("\n".join(lines))
 
     def _watch(self, args: argparse.Namespace) -> None:
         self._require()
@@ -207,45 +207,43 @@ class DdpMagics(Magics):
             raise UsageError("%ddp watch: the dashboard needs a notebook (a Jupyter kernel)")
         self._show_dashboard()
 
-    def _kept(self, args: argparse.Namespace) -> _Help:
+    def _kept(self, args: argparse.Namespace) -> Help:
         names = self._require().kept()
         if not names:
-            return _Help("nothing is kept: in a %%ddp cell, gpumagic.keep(model, optimizer) registers state")
-        return _Help("kept (restored on a replaced rank): " + ", ".join(names))
+            return Help("nothing is kept: in a %%ddp cell, gpumagic.keep(model, optimizer) registers state")
+        return Help("kept (restored on a replaced rank): " + ", ".join(names))
 
-    def _check(self, args: argparse.Namespace) -> _Help:
+    def _check(self, args: argparse.Namespace) -> Help:
         group = self._require()
         divergence = group.check()
         unseen = "".join(f"\nnot compared: {name} ({why})" for name, why in sorted(divergence.uncomparable.items()))
         if divergence:
-            return _Help(
+            return Help(
                 f"the replicas differ: {divergence.describe()}\n%ddp sync makes every rank like rank 0 "
                 "(%ddp sync --from R: like rank R)" + unseen
             )
         checked = ", ".join(divergence.checked) or "nothing to compare (no DDP model, optimizer or kept name)"
-        return _Help(f"the replicas are alike: {checked}" + unseen)
+        return Help(f"the replicas are alike: {checked}" + unseen)
 
-    def _sync(self, args: argparse.Namespace) -> _Help:
+    def _sync(self, args: argparse.Namespace) -> Help:
         group = self._require()
         names = group.sync(args.source, args.names or None)
         if not names:
-            return _Help("nothing to sync: no DDP model, optimizer, kept name or difference found")
-        return _Help(f"every rank now has rank {args.source}'s {', '.join(names)}")
+            return Help("nothing to sync: no DDP model, optimizer, kept name or difference found")
+        return Help(f"every rank now has rank {args.source}'s {', '.join(names)}")
 
     # --- the cell ----------------------------------------------------------------------------------------
 
     def _cell(self, line: str, cell: str) -> Any:
-        args = _CELL_PARSER.parse_args(_split(line, _CELL_PARSER.prog))
-        if args.help:
-            return _Help(_CELL_PARSER.format_help())
-        if args.o is not None and not args.o.isidentifier():
-            raise UsageError(f"%%ddp: -o needs a variable name, got {args.o!r}")
+        args = parse_cell_line(_CELL_PARSER, line)
+        if args is None:
+            return Help(_CELL_PARSER.format_help())
         ranks = _ranks(args.ranks)
         group = self._running()
         if group is None:
             print("[gpumagic] no group was running: starting one with the defaults (%ddp start -n N to choose)")
             try:
-                self._start_group({"nprocs": None, "gpus": None}, dashboard=in_kernel())
+                self._start_group(LaunchOptions.for_group(), dashboard=in_kernel())
             except GpumagicError as err:
                 raise UsageError(f"%%ddp: {err}") from None
             group = DdpMagics.group
@@ -264,8 +262,6 @@ class DdpMagics(Magics):
                 hidden=set(self.shell.user_ns_hidden),
             )
         except GpumagicError as err:
-            from gpumagic.launch.kernel_side.persistent import CellFailed, CellInterrupted
-
             if isinstance(err, (CellFailed, CellInterrupted)):
                 raise  # they render as the rank's traceback, and what was kept and lost
             raise UsageError(f"%%ddp: {err}") from None
@@ -293,8 +289,6 @@ class DdpMagics(Magics):
         return group
 
     def _show_dashboard(self) -> None:
-        from gpumagic.widgets.launch_dashboard import LaunchDashboard
-
         group = self._require()
         if DdpMagics.dashboard is not None:  # it keeps its last picture; the group goes on in the new one
             DdpMagics.dashboard.finish("superseded")

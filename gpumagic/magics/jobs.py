@@ -7,6 +7,7 @@ the job's traceback. Interrupting ``%jobs wait`` or ``%jobs logs -f`` stops the 
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,12 +15,26 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from gpumagic.errors import GpumagicError
+from gpumagic.jobs.api import STATES, JobRequest, job, list_jobs, select_jobs, submit_cell
 from gpumagic.launch.kernel_side.output import cell_number, in_kernel
-from gpumagic.magics.shell import _Help, _parse, _Parser, _split, _subcommand, add_slurm_arguments, slurm_options
+from gpumagic.magics.parsing import (
+    Help,
+    Parser,
+    add_slurm_arguments,
+    parse,
+    parse_cell_line,
+    slurm_options,
+    subcommand,
+    whole_number,
+)
+from gpumagic.units import parse_duration
+from gpumagic.widgets.compare import Comparison
+from gpumagic.widgets.job_table import JobTable
+from gpumagic.widgets.job_watch import JobWatch
 
 
-def _launch_bg_parser() -> _Parser:
-    parser = _Parser(
+def _launch_bg_parser() -> Parser:
+    parser = Parser(
         "%%launch_bg",
         "Run the cell as a background job: detached from this kernel (it survives interrupts, restarts and\n"
         "closing the notebook), queued on this machine until its GPUs are free. The notebook names the cell\n"
@@ -44,25 +59,25 @@ def _launch_bg_parser() -> _Parser:
     return parser
 
 
-WATCH_STATES = "queued, running, finished, failed, killed, cancelled, lost"  # jobs.api.STATES (not imported here)
+WATCH_STATES = ", ".join(STATES)
 
 
-def _jobs_parsers() -> dict[str, _Parser]:
-    listing = _Parser("%jobs list", "Every job: name, status (and why it waits), GPUs, elapsed, latest metrics.")
-    logs = _Parser("%jobs logs", "A job's output (stdout and stderr); -f follows it until the job ends.")
+def _jobs_parsers() -> dict[str, Parser]:
+    listing = Parser("%jobs list", "Every job: name, status (and why it waits), GPUs, elapsed, latest metrics.")
+    logs = Parser("%jobs logs", "A job's output (stdout and stderr); -f follows it until the job ends.")
     logs.add_argument("name")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
     logs.add_argument("--tail", metavar="N", help="only the last N lines")
-    kill = _Parser("%jobs kill", "Stop jobs and their whole process trees: SIGTERM, then SIGKILL after 5s.")
+    kill = Parser("%jobs kill", "Stop jobs and their whole process trees: SIGTERM, then SIGKILL after 5s.")
     kill.add_argument("names", nargs="+", metavar="name")
-    wait = _Parser("%jobs wait", "Block until the jobs end (an interrupt stops the waiting, not the jobs).")
+    wait = Parser("%jobs wait", "Block until the jobs end (an interrupt stops the waiting, not the jobs).")
     wait.add_argument("names", nargs="+", metavar="name")
     wait.add_argument("--timeout", metavar="DURATION", help="give up waiting after this long (10m)")
-    result = _Parser("%jobs result", "A finished job's result (x = %jobs result A1); a failed job's traceback.")
+    result = Parser("%jobs result", "A finished job's result (x = %jobs result A1); a failed job's traceback.")
     result.add_argument("name")
-    remove = _Parser("%jobs rm", "Delete ended jobs: their output, metrics and result.")
+    remove = Parser("%jobs rm", "Delete ended jobs: their output, metrics and result.")
     remove.add_argument("names", nargs="+", metavar="name")
-    watch = _Parser(
+    watch = Parser(
         "%jobs watch",
         "A live table of jobs with Kill and Logs buttons (why each waits, in one line), and every job's curve in\n"
         "one plot, a colour per job. Closed (watch.close()) or re-run, it keeps its last picture.\n"
@@ -74,7 +89,7 @@ def _jobs_parsers() -> dict[str, _Parser]:
     watch.add_argument("--state", metavar="S[,S]", help=f"only jobs in these states: {WATCH_STATES}")
     watch.add_argument("--metric", default="loss", help="the metric to compare (default loss)")
     watch.add_argument("--interval", default="1s", metavar="DURATION", help="refresh period (1s)")
-    compare = _Parser(
+    compare = Parser(
         "%jobs compare",
         "Jobs side by side: a table (status, duration, GPUs, the configuration that differs, each metric's last\n"
         "and best value) and one figure per metric with a curve per job. Jobs that differ only by their seed are\n"
@@ -102,7 +117,7 @@ def _jobs_parsers() -> dict[str, _Parser]:
         metavar="COND",
         help="keep the runs that pass COND: lr<=0.001, opt=adam, name~A- (repeatable)",
     )
-    helper = _Parser("%jobs help", "Help on a subcommand.")
+    helper = Parser("%jobs help", "Help on a subcommand.")
     helper.add_argument("subcommand", nargs="?")
     return {
         "list": listing,
@@ -138,52 +153,57 @@ def _executor(args: argparse.Namespace, prog: str) -> dict[str, Any]:
     return {} if slurm is None else {"executor": "slurm", "slurm": slurm}
 
 
+def _job_request(args: argparse.Namespace) -> JobRequest:
+    """What ``%%launch_bg``'s arguments ask of the job, checked.
+
+    Raises:
+        UsageError: --ddp is not a number. InvalidArgument: a bad option.
+    """
+    ddp = None if args.ddp is None else whole_number(args.ddp, "%%launch_bg: --ddp needs a number of ranks")
+    return JobRequest.of(
+        gpus=args.gpus,
+        min_free=args.min_free,
+        memory_limit=args.memory_limit,
+        ddp=ddp,
+        after=args.after,
+        backend=args.backend,
+        timeout=args.timeout,
+        **_executor(args, _LAUNCH_BG.prog),
+    )
+
+
 @magics_class
 class JobMagics(Magics):
     """``%%launch_bg`` (a cell as a background job) and ``%jobs`` (list, follow, kill, ...)."""
 
     @cell_magic
     def launch_bg(self, line: str, cell: str) -> Any:
-        from gpumagic.jobs.api import submit_cell
-
-        args = _LAUNCH_BG.parse_args(_split(line, _LAUNCH_BG.prog))
-        if args.help:
-            return _Help(_LAUNCH_BG.format_help())
-        ddp = None
-        if args.ddp is not None:
-            try:
-                ddp = int(args.ddp)
-            except ValueError:
-                raise UsageError(f"%%launch_bg: --ddp needs a number of ranks, got {args.ddp!r}") from None
+        args = parse_cell_line(_LAUNCH_BG, line)
+        if args is None:
+            return Help(_LAUNCH_BG.format_help())
         try:
-            job = submit_cell(
+            submitted = submit_cell(
                 self.shell.transform_cell(cell),
                 self.shell.user_ns,
+                _job_request(args),
                 filename=f"<%%launch_bg cell In[{cell_number(self.shell)}]>",
                 hidden=set(self.shell.user_ns_hidden),
                 name=args.name,
-                gpus=args.gpus,
-                min_free=args.min_free,
-                memory_limit=args.memory_limit,
-                ddp=ddp,
-                after=args.after,
-                backend=args.backend,
-                timeout=args.timeout,
-                **_executor(args, _LAUNCH_BG.prog),
             )
         except GpumagicError as err:
             raise UsageError(f"%%launch_bg: {err}") from None
-        return _Help(f"Submitted job {job.name} ({job.status}); %jobs lists it, %jobs logs {job.name} -f follows it")
+        name = submitted.name
+        return Help(f"Submitted job {name} ({submitted.status}); %jobs lists it, %jobs logs {name} -f follows it")
 
     @line_magic
     def jobs(self, line: str) -> Any:
-        name, rest = _subcommand(line, "%jobs", "list", _JOBS)
+        name, rest = subcommand(line, "%jobs", "list", _JOBS)
         if name is None:
-            return _Help(_OVERVIEW)
+            return Help(_OVERVIEW)
         parser = _JOBS[name]
-        args = _parse(parser, rest)
+        args = parse(parser, rest)
         if args is None:
-            return _Help(parser.format_help())
+            return Help(parser.format_help())
         try:
             return _HANDLERS[name](args)
         except (GpumagicError, TimeoutError) as err:
@@ -193,98 +213,74 @@ class JobMagics(Magics):
 
 
 def _list(args: argparse.Namespace) -> Any:
-    import gpumagic
-    from gpumagic.widgets.job_table import JobTable
-
-    return JobTable(gpumagic.list_jobs())
+    return JobTable(list_jobs())
 
 
 def _logs(args: argparse.Namespace) -> Any:
-    import gpumagic
-
     tail = None
     if args.tail is not None:
-        try:
-            tail = int(args.tail)
-        except ValueError:
-            raise UsageError(f"%jobs logs: --tail needs a number of lines, got {args.tail!r}") from None
+        tail = whole_number(args.tail, "%jobs logs: --tail needs a number of lines")
         if tail < 0:
             raise UsageError("%jobs logs: --tail needs a number of lines of 0 or more")
-    job = gpumagic.job(args.name)
+    followed = job(args.name)
     if args.follow:
-        return _Help(f"[job {job.name}: {job.follow(tail=tail)}]")
-    text = job.logs(tail)
+        return Help(f"[job {followed.name}: {followed.follow(tail=tail)}]")
+    text = followed.logs(tail)
     print(text, end="" if text.endswith("\n") or not text else "\n", flush=True)
     return None
 
 
 def _kill(args: argparse.Namespace) -> Any:
-    import gpumagic
-
     names = list(dict.fromkeys(args.names))  # "kill A A" stops A once
-    jobs = [gpumagic.job(name) for name in names]  # every name checked before anything is stopped
+    jobs = [job(name) for name in names]  # every name checked before anything is stopped
     lines = []
-    for job in jobs:
-        job.kill()
-        lines.append(f"{job.name}: {job.status} ({job.reason})")
-    return _Help("\n".join(lines))
+    for stopped in jobs:
+        stopped.kill()
+        lines.append(f"{stopped.name}: {stopped.status} ({stopped.reason})")
+    return Help("\n".join(lines))
 
 
 def _wait(args: argparse.Namespace) -> Any:
-    import time
-
-    import gpumagic
-    from gpumagic.units import parse_duration
-
-    jobs = [gpumagic.job(name) for name in args.names]
+    jobs = [job(name) for name in args.names]
     limit = parse_duration(args.timeout) if args.timeout is not None else None
     started = time.monotonic()
     try:
-        for job in jobs:
+        for waited in jobs:
             left = None if limit is None else max(0.0, limit - (time.monotonic() - started))
-            job.wait(left)
+            waited.wait(left)
     except KeyboardInterrupt:
-        return _Help("Stopped waiting; the jobs go on:\n" + "\n".join(j.describe() for j in jobs))
-    return _Help("\n".join(j.describe() for j in jobs))
+        return Help("Stopped waiting; the jobs go on:\n" + "\n".join(j.describe() for j in jobs))
+    return Help("\n".join(j.describe() for j in jobs))
 
 
 def _result(args: argparse.Namespace) -> Any:
-    import gpumagic
-
-    job = gpumagic.job(args.name)
-    status = job.status
+    asked = job(args.name)
+    status = asked.status
     if status in ("queued", "running"):
-        raise UsageError(f"%jobs result: job {job.name} is {status}; %jobs wait {job.name} first")
-    return job.result()
+        raise UsageError(f"%jobs result: job {asked.name} is {status}; %jobs wait {asked.name} first")
+    return asked.result()
 
 
 def _remove(args: argparse.Namespace) -> Any:
-    import gpumagic
-
     names = list(dict.fromkeys(args.names))  # "rm A A" removes A once
-    jobs = [gpumagic.job(name) for name in names]
+    jobs = [job(name) for name in names]
     active = [j.name for j in jobs if j.status in ("queued", "running")]
     if active:
         raise UsageError(f"%jobs rm: {', '.join(active)} still active; %jobs kill them first")
-    for job in jobs:
-        job.remove()
-    return _Help(f"Removed {', '.join(names)}")
+    for removed in jobs:
+        removed.remove()
+    return Help(f"Removed {', '.join(names)}")
 
 
 def _watch(args: argparse.Namespace) -> Any:
-    import gpumagic
-    from gpumagic.units import parse_duration
-
     interval = parse_duration(args.interval)
     if interval < 0.1:
         raise UsageError("%jobs watch: --interval must be at least 100ms")
     if not args.metric.strip():
         raise UsageError("%jobs watch: --metric needs a metric name")
     if not in_kernel():
-        from gpumagic.widgets.job_table import JobTable
-
-        return JobTable(gpumagic.select_jobs(args.names or None, args.state))
-    watch = gpumagic.watch_jobs(args.names or None, args.state, metric=args.metric, interval=interval)
+        return JobTable(select_jobs(args.names or None, args.state))
+    watch = JobWatch(metric=args.metric, interval=interval, names=args.names or None, states=args.state)
     while _WATCHES:
         _WATCHES.pop().close()  # replaced: it keeps its last picture, as a static copy
     _WATCHES.append(watch)
@@ -292,15 +288,13 @@ def _watch(args: argparse.Namespace) -> Any:
 
 
 def _compare(args: argparse.Namespace) -> Any:
-    import gpumagic
-
     metrics = None
     if args.metric:
         metrics = [m.strip() for text in args.metric for m in text.split(",") if m.strip()]
         if not metrics:
             raise UsageError("%jobs compare: --metric needs a metric name")
     descending = True if args.descending else False if args.ascending else None
-    comparison = gpumagic.compare(
+    comparison = Comparison(
         args.names or None,
         metrics,
         args.x,
@@ -314,13 +308,13 @@ def _compare(args: argparse.Namespace) -> Any:
 
 def _help(args: argparse.Namespace) -> Any:
     if args.subcommand is None:
-        return _Help(_OVERVIEW)
+        return Help(_OVERVIEW)
     if args.subcommand in ("launch_bg", "%%launch_bg"):
-        return _Help(_LAUNCH_BG.format_help())
+        return Help(_LAUNCH_BG.format_help())
     parser = _JOBS.get(args.subcommand)
     if parser is None:
         raise UsageError(f"%jobs has no subcommand {args.subcommand!r}; use one of: {', '.join(_JOBS)}")
-    return _Help(parser.format_help())
+    return Help(parser.format_help())
 
 
 _WATCHES: list[Any] = []

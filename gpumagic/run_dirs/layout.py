@@ -1,4 +1,5 @@
-"""Every path of a run directory, in one place (the model: submitit's ``JobPaths``).
+"""Where runs live (``runs_root``) and every path of a run directory, in one place (the model: submitit's
+``JobPaths``).
 
 A run directory is a launch's, a background job's or a kernel's own (``run_dirs.store.new_run``)::
 
@@ -22,8 +23,21 @@ Only this module spells these names; everything else asks it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+import platformdirs
+
+RUNS_VARIABLE = "GPUMAGIC_RUNS_DIR"
+
+
+def runs_root() -> Path:
+    """Where runs live: ``GPUMAGIC_RUNS_DIR``, else the user's state directory (platformdirs)."""
+    explicit = os.environ.get(RUNS_VARIABLE)
+    if explicit:
+        return Path(explicit)
+    return Path(platformdirs.user_state_dir("gpumagic")) / "runs"
 
 
 @dataclass(frozen=True)

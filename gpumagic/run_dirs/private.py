@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import grp
 import io
 import os
+import pwd
 import stat
 import threading
 import time
@@ -20,6 +22,7 @@ import uuid
 from pathlib import Path
 
 from gpumagic.errors import DiskFull, RunsDirectoryError
+from gpumagic.run_dirs.layout import runs_root
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -31,11 +34,7 @@ def safe_root(root: Path | None = None) -> Path:
     Raises:
         RunsDirectoryError: unsafe, or it cannot be made. DiskFull.
     """
-    if root is None:
-        from gpumagic.run_dirs.store import runs_root
-
-        root = runs_root()
-    root = Path(os.path.abspath(root))
+    root = Path(os.path.abspath(runs_root() if root is None else root))
     if not root.exists():
         _check_chain(root.parent, root)
         try:
@@ -96,9 +95,6 @@ def _has_acl(directory: Path) -> bool:
 def _private_group(gid: int, uid: int) -> bool:
     """Whether group ``gid`` has no member but user ``uid`` (listed, or by primary group): a group-writable
     directory of a user whose umask is 002 (a private group, or a container's ``users``) is still theirs alone."""
-    import grp
-    import pwd
-
     try:
         user, group = pwd.getpwuid(uid).pw_name, grp.getgrgid(gid)
         primary = {entry.pw_name for entry in pwd.getpwall() if entry.pw_gid == gid}
@@ -108,8 +104,6 @@ def _private_group(gid: int, uid: int) -> bool:
 
 
 def _user_name(uid: int) -> str:
-    import pwd
-
     try:
         return f"user {pwd.getpwuid(uid).pw_name}"
     except KeyError:
@@ -117,8 +111,6 @@ def _user_name(uid: int) -> str:
 
 
 def _group_name(gid: int) -> str:
-    import grp
-
     try:
         return grp.getgrgid(gid).gr_name
     except KeyError:

@@ -14,9 +14,9 @@
                   the job failed
 
 Only the runner writes ``run.json`` while the job lives; a job whose runner died without a word reads as
-``lost``. The directory is private to its user (0700, files 0600), like every run.
-``run_dirs.layout`` names these files. This module is the job's data; what a job's state means now is its
-executor's to say (``jobs.executors``: ``local``, ``slurm``), and neither is imported here.
+``lost``. The directory is private to its user (0700, files 0600), like every run. ``run_dirs.layout`` names
+these files. This module is the job's data; how a job ended is read as every run's end (``run_dirs.run_end``),
+with what its executor sees of it now (``jobs.executors``: ``local``, ``slurm``), and neither is imported here.
 """
 
 from __future__ import annotations
@@ -34,12 +34,14 @@ from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpumagic.errors import DiskFull, InvalidArgument
-from gpumagic.run_dirs import private, store
-from gpumagic.run_dirs.layout import RunFiles
-from gpumagic.run_dirs.signing import read_sealed, write_sealed
+import platformdirs
 
-ACTIVE = ("queued", "running")
+from gpumagic.errors import DiskFull, InvalidArgument
+from gpumagic.run_dirs import private, run_end, store
+from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.run_dirs.signing import PayloadRejected, read_sealed, write_sealed
+
+ACTIVE = run_end.ACTIVE  # a job's, as every run's
 ENDED = ("finished", "failed", "killed", "cancelled", "lost")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.,=+-]{0,79}$")
 RUNNER_FIELDS = ("name", "submitted", "request", "ddp", "backend", "timeout_s", "after", "sys_path", "cwd")
@@ -100,8 +102,6 @@ def sanitize_name(text: str) -> str:
 def names_locked() -> Iterator[None]:
     """Held while a name is checked and taken, so two kernels cannot take the same name. The lock is in the
     user's own state directory: a runs directory may be shared with others, who could hold a lock there."""
-    import platformdirs
-
     state = Path(platformdirs.user_state_dir("gpumagic"))
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(state / "jobs.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -153,8 +153,6 @@ def read_spec(path: Path) -> dict[str, Any]:
     Raises:
         PayloadRejected: not sealed with the user's key, changed, or written for another job.
     """
-    from gpumagic.run_dirs.signing import PayloadRejected
-
     where = RunFiles(path).job
     spec = json.loads(read_sealed(where, f"the description of job {path.name} ({where})"))
     if spec.get("id") != path.name:
@@ -193,20 +191,15 @@ update = store.update_run  # change some fields of run.json, atomically
 
 def all_jobs() -> list[Path]:
     """Every job directory of this user, in submission order."""
-    root = store.runs_root()
-    if not root.exists():
-        return []
     found = []
-    for entry in os.scandir(root):
-        path = Path(entry.path)
-        if "-job-" in entry.name and private.is_own_run(entry):  # a shared runs directory lists others' too
-            submitted = _submitted.get(path)
-            if submitted is None:
-                try:
-                    submitted = _submitted[path] = float(read(path).get("submitted", 0))
-                except (OSError, ValueError):
-                    continue
-            found.append((submitted, path.name, path))
+    for path in store.own_run_paths("job"):
+        submitted = _submitted.get(path)
+        if submitted is None:
+            try:
+                submitted = _submitted[path] = float(read(path).get("submitted", 0))
+            except (OSError, ValueError):
+                continue
+        found.append((submitted, path.name, path))
     return [path for _, _, path in sorted(found)]
 
 
@@ -247,8 +240,8 @@ def request_kill(path: Path) -> None:
 
 def record_killed(path: Path, how: str) -> None:
     """Record the job as killed (``how``: its exit), unless it recorded its own end first."""
-    if read(path).get("status") in ACTIVE:
-        update(path, status="killed", reason="", exit=how, ended=time.time())
+    if run_end.recorded_end(read(path)).active:
+        store.record_end(path, "killed", how)
 
 
 def elapsed(info: dict[str, Any]) -> float:

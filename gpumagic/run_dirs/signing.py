@@ -18,7 +18,10 @@ import stat
 import threading
 from pathlib import Path
 
+import platformdirs
+
 from gpumagic.errors import GpumagicError
+from gpumagic.run_dirs.private import write_private
 
 HEADER = b"GPUMAGIC-HMAC-SHA256\n"
 _DIGEST = hashlib.sha256().digest_size
@@ -31,8 +34,6 @@ class PayloadRejected(GpumagicError):
 
 
 def key_path() -> Path:
-    import platformdirs
-
     return Path(platformdirs.user_state_dir("gpumagic")) / "payload.key"
 
 
@@ -101,8 +102,6 @@ def write_sealed(path: Path, data: bytes) -> None:
     Raises:
         DiskFull: no space for it (nothing is left behind).
     """
-    from gpumagic.run_dirs.private import write_private
-
     write_private(Path(path), seal(data))
 
 

@@ -1,9 +1,10 @@
 """The durable metrics store: one directory per run (a launch, or a kernel's own logging) under the user's
 state directory. Writers append batches; readers tail them; a finished run can be reopened later.
 
-Layout of a run directory (``gpumagic.run_dirs.store.runs_root()/<run id>/``)::
+Layout of a run directory (``gpumagic.run_dirs.layout.runs_root()/<run id>/``)::
 
-    run.json              id, kind (ddp | kernel), created, ranks, pid, host, status, ended
+    run.json              id, kind (ddp | kernel), created, ranks, pid, host, status, and once it ended: exit (why),
+                          ended (``record_end`` writes them, ``run_end`` reads them)
     metrics/rank-N.names  metric names of rank N, one per line, in id order (written before their points)
     metrics/rank-N.bin    batches of points: uint32 count, then count x (time, step, name id, value) float64
 
@@ -28,31 +29,24 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpumagic.errors import DiskFull
-from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.devices.processes import process_start_time
+from gpumagic.errors import DiskFull, InvalidArgument
+from gpumagic.run_dirs.launch_files import remove_launch_directories
+from gpumagic.run_dirs.layout import RunFiles, runs_root
 from gpumagic.run_dirs.private import is_own_run, make_own_directory, private_directory, safe_root, write_private
+from gpumagic.run_dirs.run_end import RunEnd, pid_space, run_end
 
-RUNS_VARIABLE = "GPUMAGIC_RUNS_DIR"
 RUN_DIR_VARIABLE = "GPUMAGIC_RUN_DIR"
 _HEADER = struct.Struct("<I")
 FIELDS = 4  # time, step, name id, value
 MAX_BATCH = 1 << 22  # points in one batch; the writer splits larger ones, a reader takes a larger count as torn
 _update_lock = threading.Lock()
 _log = logging.getLogger("gpumagic")
-
-
-def runs_root() -> Path:
-    """Where runs live: ``GPUMAGIC_RUNS_DIR``, else the user's state directory (platformdirs)."""
-    explicit = os.environ.get(RUNS_VARIABLE)
-    if explicit:
-        return Path(explicit)
-    import platformdirs
-
-    return Path(platformdirs.user_state_dir("gpumagic")) / "runs"
 
 
 def new_run(kind: str, ranks: int = 1, root: Path | None = None, **details: Any) -> Path:
@@ -74,8 +68,8 @@ def new_run(kind: str, ranks: int = 1, root: Path | None = None, **details: Any)
             "created": time.time(),
             "ranks": ranks,
             "pid": os.getpid(),
-            "pid_start": _own_start_time(),
-            "pid_space": _pid_space(),
+            "pid_start": process_start_time(os.getpid()),
+            "pid_space": pid_space(),
             "host": socket.gethostname(),
             "status": "running",
             **details,
@@ -94,11 +88,21 @@ def encode_batch(points: Any) -> bytes:
     return _HEADER.pack(len(points) // FIELDS) + points.tobytes()
 
 
-def finish_run(path: Path, status: str, **details: Any) -> None:
+def record_end(path: Path, status: str, why: str = "", **fields: Any) -> dict[str, Any]:
+    """Record how the run ended: ``status`` (``finished``, ``failed``, ``killed`` ...), ``why`` and now, with some
+    more ``fields``; ``run_end.run_end`` reads them back. Returns the record.
+
+    Raises:
+        DiskFull: no space even to rewrite ``run.json`` in place.
+    """
+    return update_run(path, status=status, reason="", exit=why, ended=time.time(), **fields)
+
+
+def finish_run(path: Path, status: str, why: str = "") -> None:
     """Record how the run ended (``finished``, ``failed``, ``interrupted``). On a full disk it says so in the
     log and returns: what the run computed matters more than its record."""
     try:
-        update_run(path, status=status, ended=time.time(), **details)
+        record_end(path, status, why)
     except DiskFull as err:
         _log.warning("gpumagic: run %s could not record its end (%s): %s", path.name, status, err)
 
@@ -178,6 +182,7 @@ class RankReader:
         self._epoch: float | None = None
 
     def read(self) -> dict[str, Series]:
+        # lazy: numpy takes a tenth of a second; `import gpumagic` stays free of it
         import numpy
 
         try:
@@ -229,6 +234,7 @@ class RankReader:
         """The leading batches that follow one another as written, each with a plausible count, checked all at
         once (the common case; ``_batches`` looks at the rest one by one). The last stays for ``_batches``
         unless it ends the data: a torn batch's count can reach into the next one."""
+        # lazy: numpy takes a tenth of a second; `import gpumagic` stays free of it
         import numpy
 
         spans, position = [], 0
@@ -256,6 +262,7 @@ class RankReader:
 
     def _batch_at(self, data: bytes, position: int) -> tuple[str, Any]:
         """``("whole", rows)``, ``("partial", None)`` (what is there so far looks right) or ``("torn", None)``."""
+        # lazy: numpy takes a tenth of a second; `import gpumagic` stays free of it
         import numpy
 
         (count,) = _HEADER.unpack_from(data, position)
@@ -273,6 +280,7 @@ class RankReader:
         return ("whole" if available == count else "partial"), rows
 
     def _plausible(self, rows: Any) -> bool:
+        # lazy: numpy takes a tenth of a second; `import gpumagic` stays free of it
         import numpy
 
         times, ids, values = rows[:, 0], rows[:, 2], numpy.abs(rows[:, 3])
@@ -298,6 +306,7 @@ class RankReader:
 
     def _next_whole(self, data: bytes, start: int) -> int | None:
         """The first offset from ``start`` at which a whole batch of points starts, or None."""
+        # lazy: numpy takes a tenth of a second; `import gpumagic` stays free of it
         import numpy
 
         candidates: list[int] = []
@@ -328,24 +337,26 @@ class Run:
         return self.info["id"]
 
     @property
+    def end(self) -> RunEnd:
+        """How it ended (status, why, when), or that it is still running (``run_end``)."""
+        return run_end(self.info)
+
+    @property
     def status(self) -> str:
         """``running``, ``finished``, ``failed``, ``interrupted``, or ``lost``: its kernel died while it ran."""
-        return self.info.get("status", "?")
+        return self.end.status
 
     def settle(self) -> Run:
         """A launch or kernel run still marked ``running`` whose kernel is gone ended with it: record it as
         ``lost`` and remove the code and results its ranks left (the metrics stay)."""
-        if self.info.get("status") != "running" or self.info.get("kind") not in ("ddp", "ddp-group", "kernel"):
+        end = self.end
+        if end.status != "lost" or self.info.get("status") == "lost":
             return self
-        if self.info.get("pid_space") != _pid_space() or _kernel_alive(self.info):
-            return self  # another machine's or container's run cannot be judged from here
-        from gpumagic.run_dirs.launch_files import remove_launch_directories
-
         remove_launch_directories(RunFiles(self.path))
         try:
-            self.info = update_run(self.path, status="lost", ended=time.time())
+            self.info = record_end(self.path, end.status, end.why)
         except OSError:
-            self.info = {**self.info, "status": "lost"}
+            self.info = {**self.info, "status": end.status}
         return self
 
     def metrics(self) -> dict[int, dict[str, Series]]:
@@ -359,38 +370,12 @@ class Run:
         return f"Run({self.id}, {self.info.get('kind')}, {self.info.get('ranks')} rank(s), {status}, {created})"
 
 
-def _own_start_time() -> float | None:
-    from gpumagic.devices.processes import process_start_time
-
-    return process_start_time(os.getpid())
-
-
-def _pid_space() -> str:
-    """Where a PID means this process: the machine's boot and this PID namespace (containers sharing a host
-    name have their own PIDs)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as handle:
-            boot = handle.read().strip()
-        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return socket.gethostname()
-
-
-def _kernel_alive(info: dict[str, Any]) -> bool:
-    from gpumagic.devices.processes import is_same_process
-
-    pid = info.get("pid")
-    return isinstance(pid, int) and is_same_process(pid, info.get("pid_start"))
-
-
 def load_run(run_id: str) -> Run:
     """Reopen a run by id (or a unique prefix of one, or a path).
 
     Raises:
         InvalidArgument: no such run, or the prefix matches several.
     """
-    from gpumagic.errors import InvalidArgument
-
     candidate = Path(run_id)
     record = RunFiles(candidate).record
     if candidate.is_dir() and record.exists():
@@ -408,16 +393,21 @@ def load_run(run_id: str) -> Run:
     return Run(matches[0], json.loads(RunFiles(matches[0]).record.read_text())).settle()
 
 
-def list_runs() -> list[Run]:
-    """Every run of this user, oldest first."""
+def own_run_paths(kind: str = "") -> Iterator[Path]:
+    """The run directories of this user in the runs directory (of ``kind``, e.g. ``"job"``, if given), in no order:
+    a shared runs directory holds other users' too."""
     root = runs_root()
     if not root.exists():
-        return []
-    runs = []
+        return
     for entry in os.scandir(root):
-        if not is_own_run(entry):
-            continue  # another user's, in a shared runs directory
-        path = Path(entry.path)
+        if (not kind or f"-{kind}-" in entry.name) and is_own_run(entry):
+            yield Path(entry.path)
+
+
+def list_runs() -> list[Run]:
+    """Every run of this user, oldest first."""
+    runs = []
+    for path in own_run_paths():
         try:
             runs.append(Run(path, json.loads(RunFiles(path).record.read_text())).settle())
         except (OSError, ValueError):

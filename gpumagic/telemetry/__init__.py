@@ -1,1 +1,2 @@
-"""``log()`` in workers, the durable metrics store and samplers of GPU/process state (issue #4)."""
+"""``log()`` in workers and the kernel, samplers of GPU and process state, and the kinds of metrics (which are
+better high). The run directory they write to, with its metrics store, is ``run_dirs``, the floor below."""

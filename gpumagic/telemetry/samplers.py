@@ -7,6 +7,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import psutil
+
+from gpumagic.devices.inventory import read_inventory
 from gpumagic.devices.model import GpuInfo, Inventory
 
 
@@ -31,11 +34,7 @@ class GpuSampler:
     """Reads the inventory and turns it into ``GpuSample``s; ``read`` is swappable for tests."""
 
     def __init__(self, read: Callable[[], Inventory] | None = None) -> None:
-        if read is None:
-            from gpumagic.devices.inventory import read_inventory
-
-            read = read_inventory
-        self.read = read
+        self.read = read or read_inventory
 
     def sample(self) -> tuple[Inventory, list[GpuSample]]:
         inventory = self.read()
@@ -59,8 +58,6 @@ def _sample(now: float, gpu: GpuInfo, mine: set[int]) -> GpuSample:
 
 
 def _own_process_tree() -> set[int]:
-    import psutil
-
     try:
         me = psutil.Process()
         return {os.getpid()} | {p.pid for p in me.children(recursive=True)}

@@ -1,1 +1,1 @@
-"""Views over devices, telemetry and jobs: HTML/text tables now, ipywidgets + bokeh dashboards next."""
+"""Views over devices, runs and jobs: tables, live dashboards and the comparison of runs (ipywidgets + bokeh)."""

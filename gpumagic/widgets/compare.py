@@ -18,8 +18,11 @@ import math
 from typing import Any
 
 from gpumagic.jobs.comparison import RunComparison, format_number, plain, seed_groups
+from gpumagic.launch.kernel_side.output import in_kernel
 from gpumagic.telemetry.metric_kinds import higher_is_better, lower_is_better, smoothing_default
-from gpumagic.widgets.plots import MUTED, PALETTE, close_tree
+from gpumagic.widgets.job_table import status_html
+from gpumagic.widgets.live import LiveFrame, close_tree, quiet
+from gpumagic.widgets.plots import MUTED, PALETTE, log_tabs, styled_figure
 
 PLOT_HEIGHT = 260
 AXES_HEIGHT = 300
@@ -158,8 +161,6 @@ class Comparison(RunComparison):
             self._show_plots()
 
     def _repr_html_(self) -> str:
-        from gpumagic.widgets.job_table import STATUS_COLOURS
-
         right = {c: self.numeric(c) for c in self.columns}
         head = []
         for column in self.columns:
@@ -174,8 +175,8 @@ class Comparison(RunComparison):
             cells = []
             for column, text in zip(self.columns, self.cells(row), strict=True):
                 shown = html.escape(text)
-                if column == "status":
-                    shown = f"<b style='color:{STATUS_COLOURS.get(text, 'inherit')}'>{shown}</b>"
+                if column == "status":  # its word in the theme's text colour, after a dot of its hue
+                    shown = status_html(text)
                 cells.append(
                     f"<td style='text-align:{'right' if right[column] else 'left'};{CELL_PADDING}'>{shown}</td>"
                 )
@@ -194,6 +195,7 @@ class Comparison(RunComparison):
         return self._widget
 
     def _build_widget(self) -> Any:
+        # lazy: ipywidgets is heavy, for views only
         import ipywidgets
 
         self._x_buttons = ipywidgets.ToggleButtons(
@@ -210,6 +212,7 @@ class Comparison(RunComparison):
         return self._widget
 
     def _show_plots(self) -> None:
+        # lazy: ipywidgets is heavy, for views only
         import ipywidgets
 
         old = self._model, self._layout
@@ -220,6 +223,7 @@ class Comparison(RunComparison):
 
     def layout(self) -> Any:
         """The Bokeh document: controls, parallel coordinates, the table, the curves; None with no rows."""
+        # lazy: numpy and bokeh are heavy, for views only
         import numpy
         from bokeh.layouts import column, row
         from bokeh.models import BooleanFilter, CDSView, Div
@@ -252,6 +256,7 @@ class Comparison(RunComparison):
 
     def _runs_source(self) -> tuple[Any, list[str]]:
         """One row per run (the table's order): every column, the polyline over the axes, the colour."""
+        # lazy: numpy and bokeh are heavy, for views only
         import numpy
         from bokeh.models import ColumnDataSource
 
@@ -275,10 +280,16 @@ class Comparison(RunComparison):
 
     def _parallel_coordinates(self, view: Any) -> Any:
         """An axis per hyperparameter that differs (and the metric's best), a polyline per run."""
+        # lazy: numpy and bokeh are heavy, for views only
         import numpy
-        from bokeh.models import BoxSelectTool, ColumnDataSource, FixedTicker, HoverTool, Range1d, TapTool
-
-        from gpumagic.widgets.plots import styled_figure
+        from bokeh.models import (
+            BoxSelectTool,
+            ColumnDataSource,
+            FixedTicker,
+            HoverTool,
+            Range1d,
+            TapTool,
+        )
 
         keys = [k for k in self.keys if k != "seed" and self.config_columns[k] in self.columns]
         axes = [self.config_columns[k] for k in keys] + ([f"{self.metric} best"] if self.metric else [])
@@ -327,7 +338,14 @@ class Comparison(RunComparison):
     def _table(self, view: Any) -> Any:
         """The table: every column, sortable with a click on its header, rows selectable. Hyperparameters as
         they were given, metrics to 4 significant digits, durations as ``1:02:03``."""
-        from bokeh.models import DataTable, HTMLTemplateFormatter, InlineStyleSheet, StringFormatter, TableColumn
+        # lazy: bokeh is heavy, for views only
+        from bokeh.models import (
+            DataTable,
+            HTMLTemplateFormatter,
+            InlineStyleSheet,
+            StringFormatter,
+            TableColumn,
+        )
 
         number, duration = (
             HTMLTemplateFormatter(template=NUMBER_TEMPLATE),
@@ -358,6 +376,7 @@ class Comparison(RunComparison):
 
     def _thinned(self, metric: str) -> tuple[list[Any], list[Any]]:
         """Each row's curve of ``metric`` (x and y), thinned: ``FULL_POINTS`` for the best runs, else fewer."""
+        # lazy: numpy is heavy, for views only
         import numpy
 
         arrays = [self.arrays(metric, r) for r in self.rows]
@@ -378,9 +397,8 @@ class Comparison(RunComparison):
     def _metric_figure(self, metric: str, view: Any, xs: list[Any], raws: list[Any]) -> Any:
         """One metric's figure: a curve per run, dimmed where others are selected; seed groups' mean and band
         over them. A linear and a log-y tab for loss-like metrics."""
+        # lazy: bokeh is heavy, for views only
         from bokeh.models import ColumnDataSource, HoverTool, TapTool
-
-        from gpumagic.widgets.plots import log_tabs, styled_figure
 
         ys = smoothed(raws, self.smoothing, self.reference)
         names, colours = list(self.runs.data["name"]), list(self.runs.data["color"])
@@ -423,6 +441,7 @@ class Comparison(RunComparison):
 
     def _draw_groups(self, plot: Any, metric: str) -> None:
         """Each seed group's mean and ± std band, with a legend entry (a few groups at most)."""
+        # lazy: bokeh is heavy, for views only
         from bokeh.models import ColumnDataSource, Legend
 
         groups = [line for line in self._seed_lines if metric in line.points]
@@ -441,6 +460,7 @@ class Comparison(RunComparison):
 
     def _controls(self, sources: list[Any]) -> list[Any]:
         """The filter box, the smoothing slider and the CSV button, all working in the browser alone."""
+        # lazy: bokeh is heavy, for views only
         from bokeh.models import Button, Div, InlineStyleSheet, Slider, TextInput
 
         style = [InlineStyleSheet(css=WIDGET_CSS)]
@@ -469,9 +489,6 @@ class Comparison(RunComparison):
         return [[h, fields.get(h, h if h in self.columns else ""), shared.get(h, "")] for h in self.export_columns()]
 
     def _ipython_display_(self) -> None:
-        from gpumagic.launch.kernel_side.output import in_kernel
-        from gpumagic.widgets.plots import LiveFrame
-
         if not in_kernel():
             print(repr(self))
             return
@@ -491,9 +508,8 @@ class Comparison(RunComparison):
 
 @functools.cache
 def _static_model_class() -> type:
+    # lazy: jupyter_bokeh imports bokeh
     from jupyter_bokeh.widgets import BokehModel
-
-    from gpumagic.widgets.plots import quiet
 
     class StaticBokehModel(BokehModel):
         """A BokehModel of a document the kernel never changes once shown (a new view replaces it): serialized
@@ -511,6 +527,7 @@ def _static_model_class() -> type:
 
 def _js(code: str, args: dict[str, Any]) -> Any:
     """A CustomJS running ``code`` with ``args`` and ``col(source, name)``, a column of a source."""
+    # lazy: bokeh is heavy, for views only
     from bokeh.models import CustomJS
 
     return CustomJS(args=args, code=JS_GET + code)
@@ -533,6 +550,7 @@ def thin_indices(rows: list[Any], limits: list[int]) -> list[Any]:
     >>> [kept.tolist() for kept in thin_indices([[0.0, 5, 1, 1, 1, 1, 1, 1, 9, 1]], [6])]
     [[0, 1, 5, 8, 9]]
     """
+    # lazy: numpy is heavy, for views only
     import numpy
 
     found: list[Any] = [None] * len(rows)
@@ -564,6 +582,7 @@ def smoothed(rows: list[Any], weight: float, reference: float) -> list[Any]:
     does not spread), ``weight`` for a row of ``reference`` points and heavier for longer rows, so that every
     curve is averaged over the same span of x (the browser's SMOOTH_JS does the same when the slider moves).
     Rows of one length are smoothed together, a column at a time."""
+    # lazy: numpy is heavy, for views only
     import numpy
 
     result: list[Any] = list(rows)
@@ -592,6 +611,7 @@ def smoothed(rows: list[Any], weight: float, reference: float) -> list[Any]:
 def _scale(values: Any) -> tuple[Any, list[tuple[float, str]]]:
     """A column on an axis of 0..1: numbers linearly (logarithmically where they span two decades or more),
     text as evenly spaced categories; with the axis' labels ``[(y, text)]``. Missing values are NaN."""
+    # lazy: numpy is heavy, for views only
     import numpy
 
     if isinstance(values, numpy.ndarray) and values.dtype.kind == "f":
@@ -621,6 +641,7 @@ def _scale(values: Any) -> tuple[Any, list[tuple[float, str]]]:
 def _colours(best: Any, metric: str | None, count: int) -> list[str]:
     """Each run's colour by the rank of its best value: PALETTE's blue for the best, orange for the worst;
     ``MUTED`` for a run without one."""
+    # lazy: numpy is heavy, for views only
     import numpy
 
     if best is None or metric is None:

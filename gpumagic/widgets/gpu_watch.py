@@ -14,34 +14,18 @@ state where it was shown (the status line, the bars and the plots as HTML), and 
 from __future__ import annotations
 
 import html
-import sys
+import os
 import threading
 import time
 from collections import deque
 from typing import Any
 
+from gpumagic.devices.visibility import current_visibility
 from gpumagic.telemetry.samplers import GpuSample, GpuSampler
-from gpumagic.widgets.plots import (
-    FIRST_REFRESH_S,
-    PALETTE,
-    Forward,
-    LiveFrame,
-    close_tree,
-    curve,
-    embedded,
-    forward_only,
-    freeze_frames,
-    hover,
-    live_model,
-    load_colour,
-    pick,
-    styled_figure,
-)
+from gpumagic.widgets.live import ERROR, TEXT, Frames, live_model, owned_box
+from gpumagic.widgets.plots import PALETTE, Forward, curve, forward_only, hover, load_colour, pick, styled_figure
 
 GIB = float(1 << 30)
-# text in JupyterLab's own colours: at least 4.5:1 on its light and dark themes alike
-TEXT = "color:var(--jp-content-font-color1)"
-ERROR = "color:var(--jp-error-color1)"
 COLUMNS = ("time", "elapsed", "used", "mine", "others", "total", "utilization", "temperature")
 
 
@@ -57,6 +41,7 @@ class GpuWatch:
         push_interval: float = 0.5,
         sampler: GpuSampler | None = None,
     ) -> None:
+        # lazy: bokeh is heavy, for views only
         from bokeh.layouts import column
         from bokeh.models import ColumnDataSource
 
@@ -81,11 +66,10 @@ class GpuWatch:
         self._paused = threading.Event()
         self._forward = Forward()
         self.pushes = 0
-        self.refreshes = 0
         self.samples = 0
         self.problem = ""  # the last push's failure, shown in the header
         self.snapshot = ""  # the static copy it turns into when closed (HTML)
-        self._displays: list[LiveFrame] = []  # the frames it is shown in
+        self._frames = Frames("%gpu watch")  # where it is shown
         title = "GPUs" + (" (SIMULATED)" if self.simulated else "")
         memory = styled_figure(
             f"{title}: memory used, GiB (solid: all users, dashed: this kernel, dotted: total)",
@@ -120,11 +104,10 @@ class GpuWatch:
         self._pusher_thread.start()
 
     def _build_widget(self) -> Any:
+        # lazy: ipywidgets is heavy, for views only
         import ipywidgets
 
         self._closed = False
-        self._close_widget = ipywidgets.DOMWidget.close  # bound now: close() may run late in shutdown
-
         self.header = ipywidgets.HTML(self._header_text())
         self.bars = ipywidgets.HTML(self._bars_html())
         self.pause_button = ipywidgets.ToggleButton(description="Pause", icon="pause", tooltip="pause sampling")
@@ -133,7 +116,7 @@ class GpuWatch:
         self.stop_button.on_click(lambda _: self.stop())
         self.plots = live_model(self.layout, self._plots_lock)
         controls = ipywidgets.HBox([self.pause_button, self.stop_button, self.header])
-        return _owned_box_class()([controls, self.bars, self.plots], owner=self)
+        return owned_box([controls, self.bars, self.plots], owner=self)
 
     def _header_text(self, closed: bool = False) -> str:
         if closed:
@@ -189,25 +172,18 @@ class GpuWatch:
             return
         self._closed = True
         self.stop()
-        figures = embedded(self.layout, self._plots_lock) if self._displays else ""  # shown: the copy's plots
-        self.snapshot = (
+        static = (
             f"<div class='gpumagic-gpu-watch' style='{TEXT}'><div style='margin:4px 0'>"
-            f"{self._header_text(closed=True)}</div>{self._bars_html()}</div>{figures}"
+            f"{self._header_text(closed=True)}</div>{self._bars_html()}</div>"
         )
-        # DOMWidget.close, not BokehModel.close: jupyter_bokeh's close unhooks the document and raises when
-        # ipywidgets' __del__ calls it a second time; leaving that to __del__ makes it happen exactly once.
-        self._close_widget(self.plots)
-        close_tree(self.widget)  # the buttons, header and bars, with their layouts and styles
-        freeze_frames(self._displays, self.layout, self.snapshot)
+        self.snapshot = self._frames.freeze(static, self.widget, self.plots, self.layout, self._plots_lock)
 
     @property
     def running(self) -> bool:
         return self._sampler_thread.is_alive() or self._pusher_thread.is_alive()
 
     def _ipython_display_(self) -> None:
-        frame = LiveFrame(self.widget, text="%gpu watch")
-        frame.show()
-        self._displays.append(frame)
+        self._frames.show(self.widget)
 
     def _record(self, samples: list[GpuSample]) -> None:
         by_index = {s.nvml_index: s for s in samples}
@@ -231,15 +207,12 @@ class GpuWatch:
             self._record(samples)
 
     def _push_loop(self) -> None:
-        caught_up = False
         while True:
             stopping = self._stop.wait(self.push_interval)
             try:
                 self.push()
-                if not stopping and not caught_up and time.time() - self.started >= FIRST_REFRESH_S:
-                    self.plots.catch_up()  # once: a view built after the first pushes missed them
-                    self.refreshes += 1
-                    caught_up = True
+                if not stopping:
+                    self.plots.catch_up_once()
             except Exception as err:  # noqa: BLE001 - one failed push is told, and the next one tries again
                 self.problem = f"{type(err).__name__}: {err}"
                 self.header.value = self._header_text()
@@ -285,32 +258,9 @@ def _bar(percent: float, what: str) -> str:
 
 def _kernel_gpus(inventory: Any) -> dict[int, int]:
     """NVML index -> cuda index of the GPUs this kernel sees (set through %gpu pick/use or the environment)."""
-    import os
-
-    from gpumagic.devices.visibility import current_visibility
-
     if "CUDA_VISIBLE_DEVICES" not in os.environ:
         return {}  # every GPU is visible: highlighting all of them would say nothing
     return {nvml: cuda for cuda, nvml in enumerate(current_visibility(inventory).nvml_indices)}
-
-
-def _owned_box_class() -> Any:
-    import ipywidgets
-
-    class OwnedBox(ipywidgets.VBox):
-        """A VBox whose ``close()`` also stops the dashboard that owns it."""
-
-        def __init__(self, children: list[Any], owner: Any) -> None:
-            super().__init__(children)
-            self._owner = owner
-
-        def close(self) -> None:
-            owner, self._owner = getattr(self, "_owner", None), None
-            if owner is not None and not sys.is_finalizing():
-                owner.close()
-            super().close()
-
-    return OwnedBox
 
 
 def _column(name: str, nvml_index: int) -> str:

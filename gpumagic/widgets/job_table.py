@@ -6,18 +6,15 @@ import html
 from dataclasses import dataclass
 from typing import Any
 
+from gpumagic.devices.placement import Request
+from gpumagic.jobs.api import _format_metrics
+from gpumagic.jobs.executors import executor_of
+from gpumagic.jobs.queue import one_line_why
+from gpumagic.run_dirs import records
 from gpumagic.units import format_duration
+from gpumagic.widgets.live import TEXT
 
 COLUMNS = ("name", "status", "GPUs", "elapsed", "latest", "why")  # why last: it can be long
-STATUS_COLOURS = {
-    "running": "#1a7f37",
-    "queued": "#9a6700",
-    "finished": "#57606a",
-    "failed": "#cf222e",
-    "killed": "#cf222e",
-    "cancelled": "#9a6700",
-    "lost": "#cf222e",
-}
 # The status's hue on a dot beside its word, which keeps the theme's text colour (4.5:1 on light and dark
 # alike): each hue is at least 3:1 against white and against JupyterLab's dark backgrounds (#111, #212121).
 STATUS_HUES = {
@@ -29,7 +26,6 @@ STATUS_HUES = {
     "cancelled": "#b58300",
     "lost": "#cf222e",
 }
-TEXT = "color:var(--jp-content-font-color1)"
 # inline: JupyterLab right-aligns and wraps table cells; a row's cells but its why stay on one line
 CELL = f"padding:2px 8px;text-align:left;vertical-align:top;white-space:nowrap;{TEXT}"
 
@@ -56,16 +52,12 @@ def job_row(
 ) -> JobRow:
     """A job's row, read once from its directory (``info`` and rank 0's ``latest`` metrics if known; ``place``:
     where it waits in the machine's queue, ``jobs.queue.places``)."""
-    from gpumagic.jobs.api import _format_metrics
-    from gpumagic.jobs.executors import executor_of
-    from gpumagic.jobs.queue import one_line_why
-    from gpumagic.run_dirs import records
-
     info = info if info is not None else job.info
     runs_on = executor_of(info)
-    status = runs_on.status(info)
+    ended = runs_on.end(info)
+    status = ended.status
     gpus = runs_on.resources(info) or ("-" if status in ("queued", "cancelled") else "cpu")
-    why = "" if status == "finished" else runs_on.why(info, brief=True)
+    why = "" if status == "finished" else ended.short
     shown = ""
     if status not in ("queued", "cancelled"):
         shown = _format_metrics(latest if latest is not None else job.last_metrics())
@@ -74,8 +66,6 @@ def job_row(
 
 
 def _request(info: dict[str, Any]) -> Any:
-    from gpumagic.devices.placement import Request
-
     try:
         return Request.from_json(info["request"]) if info.get("request") else None
     except (KeyError, TypeError, ValueError):  # an older or foreign record: the why's first line instead

@@ -19,24 +19,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from gpumagic.jobs import executors
+from gpumagic.jobs.api import Job, JobFilter
+from gpumagic.jobs.queue import places
+from gpumagic.run_dirs import records
 from gpumagic.run_dirs.layout import RunFiles
-from gpumagic.widgets.gpu_watch import ERROR, TEXT, _owned_box_class
-from gpumagic.widgets.job_table import status_html
-from gpumagic.widgets.plots import (
-    FIRST_REFRESH_S,
-    PALETTE,
-    LiveFrame,
-    Smoothing,
-    StepCurve,
-    close_tree,
-    curve,
-    embedded,
-    freeze_frames,
-    hover,
-    live_model,
-    styled_figure,
-    unsynced,
-)
+from gpumagic.run_dirs.store import RankReader
+from gpumagic.widgets.job_table import job_row, status_html
+from gpumagic.widgets.live import ERROR, TEXT, Frames, live_model, owned_box, unsynced
+from gpumagic.widgets.plots import PALETTE, Smoothing, StepCurve, curve, hover, styled_figure
 
 LOG_LINES = 30
 HEADINGS = ("name", "status", "GPUs", "elapsed", "latest / why")
@@ -62,10 +53,9 @@ class JobWatch:
         names: str | Iterable[str] | None = None,
         states: str | Iterable[str] | None = None,
     ) -> None:
+        # lazy: ipywidgets and bokeh are heavy, for views only
         import ipywidgets
         from bokeh.layouts import column
-
-        from gpumagic.jobs.api import JobFilter
 
         if interval <= 0 or history < 2:
             raise ValueError("interval must be > 0 and history >= 2")
@@ -73,7 +63,6 @@ class JobWatch:
         self.metric = metric
         self.interval = interval
         self.history = history
-        self.refreshes = 0
         self.pushes = 0
         self.sources: dict[Path, Any] = {}  # job directory -> its curve's source
         self.rows: dict[Path, dict[str, Any]] = {}
@@ -91,8 +80,7 @@ class JobWatch:
         self._switch_to: str | None = None
         self._stop = threading.Event()
         self._closed = False
-        self._close_widget = ipywidgets.DOMWidget.close
-        self._displays: list[LiveFrame] = []  # the frames it is shown in
+        self._frames = Frames("%jobs watch")  # where it is shown
         self._queue: dict[str, tuple[int, int]] | None = None  # where this user's queued jobs wait
         self.plot = styled_figure(f"{metric} per job", 300, x_label="step")
         self._hover = hover(self.plot, "step", points=True)
@@ -109,14 +97,12 @@ class JobWatch:
         self.update()  # before the plot widget exists: its first state has every job's curve
         self.plots = live_model(self.layout, self._plots_lock)
         controls = ipywidgets.HBox([self.header, self.metric_menu])
-        self.widget = _owned_box_class()([controls, self.table, self.message, self.plots, self.log_view], owner=self)
+        self.widget = owned_box([controls, self.table, self.message, self.plots, self.log_view], owner=self)
         self._thread = threading.Thread(target=self._loop, name="gpumagic-job-watch", daemon=True)
         self._thread.start()
 
     def _ipython_display_(self) -> None:
-        frame = LiveFrame(self.widget, text="%jobs watch")
-        frame.show()
-        self._displays.append(frame)
+        self._frames.show(self.widget)
 
     @property
     def running(self) -> bool:
@@ -139,11 +125,7 @@ class JobWatch:
         for row in self.rows.values():
             row["kill"].disabled = True
         self.header.value = self._header_text(stopped=True)
-        figures = embedded(self.layout, self._plots_lock) if self._displays else ""  # shown: the copy's plot
-        self.snapshot = self._static_html() + figures
-        self._close_widget(self.plots)
-        close_tree(self.widget)
-        freeze_frames(self._displays, self.layout, self.snapshot)
+        self.snapshot = self._frames.freeze(self._static_html(), self.widget, self.plots, self.layout, self._plots_lock)
 
     def _static_html(self) -> str:
         """The header and the table as plain HTML, for the static copy."""
@@ -166,13 +148,10 @@ class JobWatch:
         )
 
     def _loop(self) -> None:
-        shown = time.monotonic()
         while not self._stop.wait(self.interval):
             try:
                 self.update()
-                if not self.refreshes and time.monotonic() - shown >= FIRST_REFRESH_S:
-                    self.plots.catch_up()  # once: a view built after the first pushes missed them
-                    self.refreshes += 1
+                self.plots.catch_up_once()
             except Exception as err:  # noqa: BLE001 - a hiccup (a job removed meanwhile) skips one update
                 self.message.value = f"<span style='{ERROR}'>{html.escape(f'{type(err).__name__}: {err}')}</span>"
 
@@ -182,8 +161,6 @@ class JobWatch:
             self._update()
 
     def _update(self) -> None:
-        from gpumagic.run_dirs import records
-
         if self._switch_to is not None:
             self._reset_curves(self._switch_to)
             self._switch_to = None
@@ -214,10 +191,6 @@ class JobWatch:
     def _texts_of(self, path: Path, info: dict[str, Any]) -> tuple[str, ...] | None:
         """A job's cells (name, status, GPUs, elapsed, latest metrics or why in one line, the full why), its
         metrics drawn first; None for a job the filter leaves out."""
-        from gpumagic.jobs import executors
-        from gpumagic.jobs.api import Job
-        from gpumagic.widgets.job_table import job_row
-
         name = info.get("name", path.name)
         status = executors.status(info)
         if not self.chosen.matches(name, status):
@@ -232,8 +205,6 @@ class JobWatch:
 
     def _place(self, name: str) -> tuple[int, int] | None:
         """Where job ``name`` waits in the machine's queue: (tickets ahead, of them jobs); None: no ticket."""
-        from gpumagic.jobs.queue import places
-
         if self._queue is None:
             try:
                 self._queue = places()
@@ -242,9 +213,8 @@ class JobWatch:
         return self._queue.get(name)
 
     def _add_job(self, path: Path, name: str) -> None:
+        # lazy: ipywidgets is heavy, for views only
         import ipywidgets
-
-        from gpumagic.run_dirs.store import RankReader
 
         colour = self.colours[path] = PALETTE[len(self.colours) % len(PALETTE)]  # repeats past 20 jobs only
         kill = ipywidgets.Button(description="Kill", icon="stop", layout=ipywidgets.Layout(width="80px"))
@@ -268,6 +238,7 @@ class JobWatch:
 
     @staticmethod
     def _row_widgets(texts: tuple[str, ...], colour: str | None = None) -> Any:
+        # lazy: ipywidgets is heavy, for views only
         import ipywidgets
 
         cells = []
@@ -343,8 +314,6 @@ class JobWatch:
             self._switch_to = metric  # carried out by the thread, the only writer of the plot
 
     def _reset_curves(self, metric: str) -> None:
-        from gpumagic.run_dirs.store import RankReader
-
         self.metric = metric
         with self._plots_lock:
             self.plot.title.text = f"{metric} per job"
@@ -353,8 +322,6 @@ class JobWatch:
                 self._readers[path] = RankReader(RunFiles(path).metrics, 0)
 
     def _kill(self, path: Path) -> None:
-        from gpumagic.jobs.api import Job
-
         def run() -> None:
             job = Job(path)
             try:
@@ -374,8 +341,6 @@ class JobWatch:
             self._show_log(path)
 
     def _show_log(self, path: Path) -> None:
-        from gpumagic.jobs.api import Job
-
         job = Job(path)
         text = job.logs(LOG_LINES)
         value = (

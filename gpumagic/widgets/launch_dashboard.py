@@ -25,28 +25,28 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from gpumagic.devices.inventory import read_inventory
 from gpumagic.devices.processes import is_running
 from gpumagic.launch.kernel_side.output import in_kernel
+from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.run_dirs.store import RankReader
 from gpumagic.telemetry.log import TOTAL_STEPS
 from gpumagic.telemetry.metric_kinds import lower_is_better
+from gpumagic.widgets.live import LiveFrame, close_tree, embedded, live_model, unsynced
 from gpumagic.widgets.plots import (
-    FIRST_REFRESH_S,
     MUTED,
     PALETTE,
-    LiveFrame,
     Smoothing,
     SteadySpan,
     StepCurve,
-    close_tree,
     curve,
-    embedded,
     forward_only,
     hover,
-    live_model,
     log_tabs,
     stream_within,
     styled_figure,
-    unsynced,
 )
 
 MIB = float(1 << 20)
@@ -153,9 +153,6 @@ class LaunchDashboard:
     ) -> None:
         """The ranks started: follow the run's metrics and their processes until ``finish`` (a pid ``None``: a
         rank on another node, its metrics only; ``rank_gpus``: each rank's GPU UUIDs)."""
-        from gpumagic.run_dirs.layout import RunFiles
-        from gpumagic.run_dirs.store import RankReader
-
         self.run_dir = Path(run_dir)
         self._attached = time.monotonic()
         self.pids = list(pids)
@@ -196,6 +193,7 @@ class LaunchDashboard:
 
     def _make_widget(self) -> None:
         """The live widget: the status line (and Stop button), to which ``_go_live`` adds the plots."""
+        # lazy: ipywidgets is heavy, for views only
         import ipywidgets
 
         self.status = ipywidgets.HTML(self._status_text())
@@ -215,6 +213,7 @@ class LaunchDashboard:
         self.widget.children = (*self.widget.children, self.plots)
 
     def _build_figures(self) -> None:
+        # lazy: bokeh is heavy, for views only
         from bokeh.layouts import column, row
         from bokeh.models import ColumnDataSource
 
@@ -251,8 +250,7 @@ class LaunchDashboard:
         )
 
     def _loop(self) -> None:
-        live = caught_up = False
-        went_live = 0.0
+        live = False
         wait = min(0.1, self.push_interval)  # the first resource sample soon: a short launch gets one too
         try:
             while not self._stop.wait(wait):
@@ -260,14 +258,11 @@ class LaunchDashboard:
                 if not live and time.monotonic() - self.started >= self.live_after and self._has_data():
                     self._go_live()  # the launch runs on: the plots, with what was sampled so far
                     live = True
-                    went_live = time.monotonic()
                 changed = False
                 try:
                     if live:
                         changed = self._push_metrics()
-                        if not caught_up and time.monotonic() - went_live >= FIRST_REFRESH_S:
-                            self.plots.catch_up()  # once: a view built after the first pushes missed them
-                            caught_up = True
+                        self.plots.catch_up_once()
                     changed = self._push_resources(self._processes, moved=changed) or changed
                 except Exception:  # noqa: BLE001 - a dashboard hiccup must never break the launch
                     pass
@@ -415,6 +410,7 @@ class LaunchDashboard:
         return True
 
     def _mark_sources(self) -> None:
+        # lazy: bokeh is heavy, for views only
         from bokeh.models import ColumnDataSource
 
         if self.marks is None:
@@ -422,6 +418,7 @@ class LaunchDashboard:
 
     def _draw_marks_on(self, plot: Any) -> None:
         """The cells' marks on ``plot``: a thin line each, its cell and step under the mouse."""
+        # lazy: bokeh is heavy, for views only
         from bokeh.models import HoverTool
 
         self._mark_sources()
@@ -473,8 +470,6 @@ class LaunchDashboard:
         """Sample each rank's memory and CPU (or GPU) use and draw it, unless the rank idles as it did when last
         drawn and no metric ``moved`` since the last sample (then the sample is held back, and drawn before the
         rank's next one: the line stays flat over the idle time). Whether anything was drawn."""
-        import psutil
-
         self._moved = self._moved or moved
         now = time.monotonic() - self._attached  # seconds since the ranks started, drawn as 0:42
         if now - self._sampled < 0.99 * RESOURCE_INTERVAL:  # over less, a clock tick of CPU reads as busy
@@ -482,8 +477,6 @@ class LaunchDashboard:
         self._sampled, moved, self._moved = now, self._moved, False
         gpus = {}
         if self.use_gpus:
-            from gpumagic.devices.inventory import read_inventory
-
             gpus = {g.uuid: g for g in read_inventory().gpus}
         drew = False
         for rank, process in processes.items():
@@ -579,8 +572,6 @@ def _size(path: Path) -> int:
 
 def _rank_processes(pids: list[int | None]) -> dict[int, Any]:
     """The local ranks' processes by rank (their CPU use counted from now)."""
-    import psutil
-
     processes = {}
     for rank, pid in enumerate(pids):
         if pid is None:  # a rank on another node

@@ -1,23 +1,12 @@
 """Bokeh building blocks the dashboards share: figures styled alike (legend outside, exact values under the
 mouse, toolbar on hover, text and axes in the colours of JupyterLab's theme), curves with a smoothed line over
 the faint raw one and a smoothing slider run in the browser, a log-y tab, elapsed-time axes with round ticks,
-the widget that keeps a page's view in step with the plots, and the frame a live dashboard shows in.
-
-The frame (``LiveFrame``) is an ``Output`` widget holding BokehJS and then the dashboard: its outputs render in
-order, so BokehJS is defined before any plot's view is built, on a page reloaded or a notebook run again
-whatever order the page builds widgets in; the notebook file keeps a reference to the frame, not 2 MB of
-JavaScript per dashboard. A finished dashboard freezes its frame into a static copy of its last picture. Once
-per kernel BokehJS is also plain output, for static copies in a notebook reopened after its kernel ended.
+bounded sources (``StepCurve``, ``stream_within``). How a live dashboard reaches the page is ``widgets.live``.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import math
-import sys
-import threading
-from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
@@ -32,9 +21,6 @@ PALETTE = (
 MUTED = "#8a8a8a"  # text, axes and grid: readable on a white and on a near-black background
 TOOLS = "pan,wheel_zoom,box_zoom,reset,save"
 SMOOTHING = 0.6  # weight of the exponential moving average, TensorBoard's default
-# Patches sent before the browser has built the widget's view are dropped by BokehJS: a full re-send of the
-# plots this long after a live dashboard is shown catches up a view that missed its first updates.
-FIRST_REFRESH_S = 2.0
 ELAPSED_FORMAT = """
 const whole = Math.round(Math.max(0, tick));
 const h = Math.floor(whole / 3600), m = Math.floor((whole % 3600) / 60), sec = whole % 60;
@@ -71,6 +57,7 @@ THEMED_CSS = """
 
 def themed(model: Any) -> Any:
     """Draw ``model``'s text, axes and tabs in the colours of JupyterLab's theme (THEMED_CSS)."""
+    # lazy: bokeh is heavy, for views only
     from bokeh.models import InlineStyleSheet
 
     model.stylesheets = [*model.stylesheets, InlineStyleSheet(css=THEMED_CSS)]
@@ -80,6 +67,7 @@ def themed(model: Any) -> Any:
 def elapsed_ticker(ticks: int = 5) -> Any:
     """Ticks of elapsed seconds at whole, round times (1, 2, 5, 10, 15, 30 s, the same in minutes, then in
     hours), about ``ticks`` of them: labels such as ``0:42`` that never overlap."""
+    # lazy: bokeh is heavy, for views only
     from bokeh.models import AdaptiveTicker
 
     return AdaptiveTicker(base=60, mantissas=[1, 2, 5, 10, 15, 30], min_interval=1, desired_num_ticks=ticks)
@@ -99,7 +87,13 @@ def styled_figure(
     """A full-width figure in the dashboards' style. ``elapsed_x``: x is seconds from a start, ticked ``0:42``;
     ``y_from_zero``: the y axis starts at 0 (memory, utilization: a flat line is not magnified);
     ``linked``: share that figure's x range (panning one pans both); ``legend``: a legend right of the plot."""
-    from bokeh.models import CustomJSTickFormatter, DataRange1d, Legend, NumeralTickFormatter
+    # lazy: bokeh is heavy, for views only
+    from bokeh.models import (
+        CustomJSTickFormatter,
+        DataRange1d,
+        Legend,
+        NumeralTickFormatter,
+    )
     from bokeh.plotting import figure
 
     if linked is not None:
@@ -163,6 +157,7 @@ def hover(plot: Any, x_name: str, elapsed: bool = False, points: bool = False) -
     """Values under the mouse on every line of ``plot``: the line's name, x (``0:42`` when ``elapsed``) and y.
     ``points``: lines of ``StepCurve`` sources, whose rows show as they are: step, value and smoothed value to 6
     significant digits. Returns the tool (its ``renderers`` narrow it to some lines)."""
+    # lazy: bokeh is heavy, for views only
     from bokeh.models import CustomJSHover, HoverTool
 
     if points:
@@ -192,6 +187,7 @@ def curve(
 ) -> Any:
     """One series: the line of ``y`` (faint behind ``smooth`` when given) named ``label`` (in the legend where
     the plot has one)."""
+    # lazy: bokeh is heavy, for views only
     from bokeh.models import Legend
 
     named: dict[str, Any] = {"name": label}
@@ -206,6 +202,7 @@ def curve(
 def log_tabs(title: str, height: int, **options: Any) -> tuple[Any, Any, Any]:
     """Two views of one metric, a tab each (switched in the browser, no kernel needed): linear and log y.
     Returns (tabs, linear figure, log figure); draw every curve on both."""
+    # lazy: bokeh is heavy, for views only
     from bokeh.models import TabPanel, Tabs
 
     linear = styled_figure(title, height, **options)
@@ -301,6 +298,7 @@ cb_obj.data = isMap ? new Map(kept) : Object.fromEntries(kept);
 
 def forward_only(source: Any, x: str) -> Any:
     """Make the browser keep ``source``'s ``x`` column increasing after every stream (see FORWARD_ONLY)."""
+    # lazy: bokeh is heavy, for views only
     from bokeh.models import CustomJS
 
     source.js_on_change("streaming", CustomJS(args={"x": x}, code=FORWARD_ONLY))
@@ -342,6 +340,7 @@ class Smoothing:
     follows the points' density (``smoothing_default``) until the user moves it."""
 
     def __init__(self) -> None:
+        # lazy: bokeh is heavy, for views only
         from bokeh.models import CustomJS, Slider
 
         self.slider = themed(Slider(start=0, end=0.99, step=0.01, value=0.0, title="smoothing", width=220))
@@ -383,6 +382,7 @@ class StepCurve:
     than ``limit`` points however long the run (``stream_within``): the whole curve, its older part thinned."""
 
     def __init__(self, limit: int | None = None) -> None:
+        # lazy: bokeh is heavy, for views only
         from bokeh.models import ColumnDataSource
 
         self.limit = limit
@@ -435,6 +435,7 @@ def thinned(columns: dict[str, list[Any]], x: str, ys: Sequence[str], limit: int
     >>> thinned({"x": list(range(10)), "y": [0, 5, 1, 1, 1, 1, 1, 1, 1, 1]}, "x", ["y"], 8)["x"]
     [0, 1, 6, 7, 8, 9]
     """
+    # lazy: numpy is heavy, for views only
     import numpy
 
     rows = len(columns[x])
@@ -468,230 +469,9 @@ def pick(columns: dict[str, Sequence[Any]], indices: list[int]) -> dict[str, lis
     return {name: [values[i] for i in indices] for name, values in columns.items()}
 
 
-def unsynced(model: Any) -> Any:
-    """Mark ``model`` and what it refers to as never sent back by the browser (no events for the kernel);
-    for models added to a live dashboard after it is shown."""
-    for part in model.references():
-        if part.syncable:  # a set is a property change, notified: only where it changes
-            part.syncable = False
-    return model
-
-
-def quiet(layout: Any) -> Any:
-    """Mark ``layout`` as a gpumagic view: the page sends the kernel none of its changes (QUIET_JS: a stream, a
-    selection, a moved slider stay in the browser) and its models are ``unsynced``."""
-    if "gpumagic" not in layout.tags:
-        layout.tags = [*layout.tags, "gpumagic"]
-    return unsynced(layout)
-
-
-def close_tree(widget: Any) -> None:
-    """Close an ipywidget and everything it holds: its children, and the layouts and styles ``close()`` leaves
-    open (widgets too)."""
-    if widget is None:
-        return
-    for child in getattr(widget, "children", ()):
-        close_tree(child)
-    for part in (getattr(widget, "style", None), getattr(widget, "layout", None)):
-        if part is not None and getattr(part, "comm", None) is not None:
-            part.close()
-    if getattr(widget, "comm", None) is not None:
-        widget.close()
-
-
 LOAD_COLOURS = ((90.0, "#cf222e"), (50.0, "#d29922"), (0.0, "#2ea043"))  # from this % up: this colour
 
 
 def load_colour(percent: float) -> str:
     """Green under 50 %, amber under 90 %, red from 90 % (memory or utilization)."""
     return next(colour for floor, colour in LOAD_COLOURS if percent >= floor)
-
-
-def live_model(layout: Any, lock: threading.RLock) -> Any:
-    """The widget showing ``layout``, kept in step with it: whatever changes ``layout`` must hold ``lock``."""
-    return _live_model_class()(layout, lock)
-
-
-@functools.cache
-def _live_model_class() -> type:
-    from bokeh.core.json_encoder import serialize_json
-    from jupyter_bokeh.widgets import BokehModel
-
-    class LiveBokehModel(BokehModel):
-        """A BokehModel whose full state is the plots as they are now, not as they were created: a page that
-        connects later (a reload, a reopened notebook) draws the history, with no periodic re-send. Patches and
-        this widget's own state messages are sent under the dashboard's lock, so the several messages of one
-        patch are never interleaved with another's, and the plots are never read while they change. (A page
-        that asks for every widget's state at once gets it on ipywidgets' control channel, sent after the lock
-        is released: a push made meanwhile reaches that page before its view exists, a gap of one push.)"""
-
-        def __init__(self, layout: Any, lock: threading.RLock) -> None:
-            self._plots_lock = lock
-            quiet(layout)
-            super().__init__(layout)
-
-        def get_state(self, key: Any = None, drop_defaults: bool = False) -> dict[str, Any]:
-            state = super().get_state(key, drop_defaults)
-            if "render_bundle" in state:
-                with self._plots_lock:
-                    state["render_bundle"] = serialize_json(self._model_to_traits(self._model))
-            return state
-
-        def send_state(self, key: Any = None) -> None:
-            with self._plots_lock:
-                super().send_state(key)
-
-        def catch_up(self) -> None:
-            """Send the plots whole to the pages showing them (a view built after the first patches)."""
-            self.send_state("render_bundle")
-
-        def _document_patched(self, event: Any) -> None:
-            with self._plots_lock:
-                super()._document_patched(event)
-
-        def _sync_model(self, model: Any, content: dict[str, Any], buffers: list[Any]) -> None:
-            """Changes made in the browser never come back: the kernel's plots are the only truth (a browser
-            that changed a source, as the forward-only guard does, would otherwise overwrite the kernel's
-            copy when the kernel next reads its messages)."""
-
-    return LiveBokehModel
-
-
-def bokehjs_loader() -> Any:
-    """The hidden widget carrying BokehJS (this kernel's one): displayed before a dashboard, it defines
-    ``window.Bokeh`` on a page that lacks this version, and does nothing on a page that has it."""
-    global _loader
-    if _loader is None or _loader.comm is None:
-        import ipywidgets
-
-        loader = ipywidgets.Output(layout=ipywidgets.Layout(display="none"))
-        loader.add_class("gpumagic-bokehjs")
-        loader.outputs = (
-            {"output_type": "display_data", "data": {"application/javascript": bokehjs_source()}, "metadata": {}},
-        )
-        _loader = loader
-    return _loader
-
-
-_loader: Any = None
-
-
-@functools.cache
-def bokehjs_source() -> str:
-    """BokehJS (its core bundle: plots, hover, tabs), run only where ``window.Bokeh`` is not this version, then
-    its widgets and tables bundles (the smoothing slider; the comparison's table), once per page."""
-    import bokeh
-    from bokeh.resources import Resources
-
-    core = "\n".join(Resources(mode="inline", components=["bokeh"]).js_raw)
-    extensions = "\n".join(Resources(mode="inline", components=["bokeh-widgets", "bokeh-tables"]).js_raw)
-    version = json.dumps(bokeh.__version__)
-    # called with window as `this`: the bundle hands `this` to its loader as the global object
-    return (
-        f"if (!(window.Bokeh && window.Bokeh[{version}])) {{ (function () {{\n{core}\n}}).call(window); }}\n"
-        f"(function () {{ const b = window.Bokeh && window.Bokeh[{version}];"
-        f" if (!b || b.gpumagicExtensions) return; b.gpumagicExtensions = true;\n"
-        f"(function () {{\n{extensions}\n}}).call(window); }})();\n{QUIET_JS}"
-    )
-
-
-# jupyter_bokeh's view sends the kernel every change of its document, those the kernel made included (each
-# stream comes back with its points), whatever the models' syncable. The kernel's copy of a dashboard is the
-# only truth (LiveBokehModel drops them all), so on a document that shows a gpumagic dashboard (a root tagged
-# "gpumagic") the view's listener is not registered: moving the slider, zooming or a stream sends nothing.
-QUIET_JS = """
-(function () {
-  const Bokeh = window.Bokeh;
-  if (!Bokeh || Bokeh.gpumagicQuiet) return;
-  Bokeh.gpumagicQuiet = true;
-  const { Document } = Bokeh.require("document");
-  const on_change = Document.prototype.on_change;
-  Document.prototype.on_change = function (callback, allow_batches) {
-    const ours = this.roots().some((root) => (root.tags || []).includes("gpumagic"));
-    if (ours && String(callback).includes("_change_event")) return;
-    return on_change.call(this, callback, allow_batches);
-  };
-})();
-"""
-
-
-_inline_shown = False
-KEPT_FRAMES = 8  # frozen frames kept alive for pages reloaded before they saw the freeze: the latest ones
-
-
-def _widget_view(widget: Any, text: str = "") -> dict[str, Any]:
-    """An output showing ``widget`` (``text``: what a viewer without widgets shows)."""
-    view = {"version_major": 2, "version_minor": 0, "model_id": widget.model_id}
-    return {
-        "output_type": "display_data",
-        "data": {"application/vnd.jupyter.widget-view+json": view, "text/plain": text or "live dashboard"},
-        "metadata": {},
-    }
-
-
-class LiveFrame:
-    """Where a live dashboard shows: an ``Output`` widget holding BokehJS, then the dashboard's widget. Its
-    outputs render in order and JavaScript runs as it renders, so ``window.Bokeh`` exists before any plot's
-    view is built, on a page opened now or reloaded later, whatever order the page builds widgets in. A page
-    reloaded while the kernel is free draws the frame as it is now (the live dashboard, from the run's present
-    state); ``freeze`` turns it into a static copy (its last picture), in every page showing it and in the
-    notebook file. Frozen frames stay alive (the latest ``KEPT_FRAMES``) for pages that reload later."""
-
-    def __init__(self, widget: Any, text: str = "") -> None:
-        import ipywidgets
-
-        self.frame = ipywidgets.Output()
-        self.frame.add_class("gpumagic-frame")
-        script = {"output_type": "display_data", "data": {"application/javascript": bokehjs_source()}, "metadata": {}}
-        self.frame.outputs = (script, _widget_view(widget, text))
-        self.text = text
-        self.handle: Any = None
-        self.frozen = False
-
-    def show(self) -> None:
-        """Display the frame (in a kernel: the first time in this kernel, BokehJS as plain output before it)."""
-        from IPython.display import display
-
-        global _inline_shown
-        if not _inline_shown:
-            display({"application/javascript": bokehjs_source()}, raw=True)
-            _inline_shown = True
-        bundle = {**self.frame._repr_mimebundle_(), "text/plain": self.text or "live dashboard"}
-        self.handle = display(bundle, raw=True, display_id=True)
-
-    def freeze(self, html: str) -> None:
-        """Show ``html`` (a static copy, BokehJS's embed scripts included) in place of the live widget: in the
-        frame, for pages that show it or reload later, and as the display's plain HTML, which a notebook saved
-        from now keeps after its kernel has ended."""
-        if self.handle is not None:  # first: a page showing the frame now shows the copy once, not twice
-            self.handle.update({"text/html": html}, raw=True)
-        html_output = {"output_type": "display_data", "data": {"text/html": html}, "metadata": {}}
-        self.frame.outputs = (_widget_view(bokehjs_loader()), html_output)
-        if not self.frozen:
-            self.frozen = True
-            _frozen_frames.append(self)
-            while len(_frozen_frames) > KEPT_FRAMES:
-                close_tree(_frozen_frames.popleft().frame)
-
-
-_frozen_frames: deque[LiveFrame] = deque()
-
-
-def embedded(layout: Any, lock: threading.RLock) -> str:
-    """``layout``'s plots as they are now, as HTML that BokehJS draws with no kernel (a static copy's plots)."""
-    from bokeh.embed import components
-
-    with lock:
-        script, div = components(layout)
-    return div + script
-
-
-def freeze_frames(frames: Sequence[LiveFrame], layout: Any, snapshot: str) -> None:
-    """Put ``snapshot`` (HTML) in ``frames``, where a dashboard was shown, once its widgets are closed, and free
-    the live document of ``layout`` (the copy's models are the same ones)."""
-    if not frames or sys.is_finalizing():
-        return
-    if layout is not None and layout.document is not None:
-        layout.document.remove_root(layout)
-    for frame in frames:
-        frame.freeze(snapshot)

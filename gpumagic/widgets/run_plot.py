@@ -5,13 +5,16 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from gpumagic.widgets.plots import PALETTE, LiveFrame, StepCurve, curve, hover, live_model, styled_figure
+from gpumagic.errors import InvalidArgument
+from gpumagic.widgets.live import LiveFrame, live_model
+from gpumagic.widgets.plots import PALETTE, StepCurve, curve, hover, styled_figure
 
 
 class RunPlot:
     """The curves of a finished (or running) run, as a notebook widget; ``figures`` maps metric -> figure."""
 
     def __init__(self, run: Any, metrics: list[str] | None = None) -> None:
+        # lazy: bokeh is heavy, for views only
         from bokeh.layouts import column
 
         self.run = run
@@ -20,8 +23,6 @@ class RunPlot:
         names = sorted({name for per_rank in data.values() for name in per_rank})
         unknown = sorted(set(metrics or []) - set(names))
         if unknown:
-            from gpumagic.errors import InvalidArgument
-
             raise InvalidArgument(
                 f"run {run.id} has no metric {', '.join(unknown)}; it has {', '.join(names) or 'none'}"
             )
@@ -42,6 +43,7 @@ class RunPlot:
         self.layout = column(*self.figures.values(), sizing_mode="stretch_width") if self.figures else None
 
     def _ipython_display_(self) -> None:
+        # lazy: IPython display, in a kernel only
         from IPython.display import display
 
         if self.layout is None:

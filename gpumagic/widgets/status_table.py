@@ -6,7 +6,8 @@ import html
 import time
 
 from gpumagic.devices.model import GpuInfo, GpuProcess
-from gpumagic.devices.placement import describe_holders
+from gpumagic.devices.placement import describe_holders, passing_over
+from gpumagic.devices.shared_files import describe_ignored
 from gpumagic.devices.status import GpuStatus
 from gpumagic.units import GIB, format_bytes
 from gpumagic.widgets.plots import load_colour
@@ -48,13 +49,9 @@ def notes(status: GpuStatus) -> list[str]:
     if status.lease_problem:
         result.append(f"⚠ leases unavailable: {status.lease_problem}")
     if status.ignored:
-        from gpumagic.devices.shared_files import describe_ignored
-
         listed = describe_ignored(status.ignored, status.ignored_more, shown=5)
         result.append(f"⚠ ignored in the lease directory: {listed}")
     if status.passed_over:
-        from gpumagic.devices.placement import passing_over
-
         result.append(f"⚠ {passing_over(status.passed_over)}")
     return result
 

@@ -128,7 +128,9 @@ for step in range(300):
 
 def test_launch_ddp_trains_with_nccl_on_the_gpu_and_the_dashboard_shows_its_memory(start_kernel):
     kernel = start_kernel()
-    kernel.ok("%load_ext gpumagic\nimport gpumagic, torch\nfrom gpumagic.magics.shell import LaunchMagics\n%gpu pick 1")
+    kernel.ok(
+        "%load_ext gpumagic\nimport gpumagic, torch\nfrom gpumagic.magics.launch import LaunchMagics\n%gpu pick 1"
+    )
     kernel.ok(TRAIN_ON_THE_GPU, timeout=240)
     backend, device, parameters, allocated_mib = kernel.ok("print(*out[0])").stdout.split()
     assert (backend, device, parameters) == ("nccl", "cuda:0", "cuda:0") and int(allocated_mib) >= 1024

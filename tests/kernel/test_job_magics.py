@@ -186,7 +186,7 @@ def test_a_replaced_or_closed_jobs_watch_keeps_its_last_picture(start_kernel, si
     """In a kernel, a second %jobs watch turns the first into a static copy of its last state where it was
     shown (the table, each job's status and one-line why, and the plot as HTML), its widgets closed; so does
     close()."""
-    from tests.test_widgets import WIDGET, outputs
+    from tests.unit.test_widgets import WIDGET, outputs
 
     kernel = start_kernel(GPUMAGIC_SIMULATE=simulated)
     kernel.ok("%load_ext gpumagic\nimport gpumagic\ngpumagic.submit(sum, [1], gpus=0, name='A-1').wait('30s')")
@@ -230,38 +230,31 @@ def test_help_everywhere(shell):
 
 
 @pytest.mark.parametrize(
-    "line, message",
+    "magic, line, message",
     [
-        ("bogus", "%jobs has no subcommand 'bogus'"),
-        ("logs", "the following arguments are required: name"),
-        ("logs A --tail x", "--tail needs a number of lines"),
-        ("wait A --timeout soon", "no job named 'A'"),
-        ("watch --interval 0", "at least 100ms"),
-        ("watch A-* --state runing", "unknown job state 'runing'; use one of: queued, running, finished, failed"),
-        ("help nothing", "no subcommand 'nothing'"),
-        ("logs 'A", "No closing quotation"),
+        ("jobs", "bogus", "%jobs has no subcommand 'bogus'"),
+        ("jobs", "logs", "the following arguments are required: name"),
+        ("jobs", "logs A --tail x", "--tail needs a number of lines"),
+        ("jobs", "wait A --timeout soon", "no job named 'A'"),
+        ("jobs", "watch --interval 0", "at least 100ms"),
+        (
+            "jobs",
+            "watch A-* --state runing",
+            "unknown job state 'runing'; use one of: queued, running, finished, failed",
+        ),
+        ("jobs", "help nothing", "no subcommand 'nothing'"),
+        ("jobs", "logs 'A", "No closing quotation"),
+        ("launch_bg", "--ddp two", "--ddp needs a number of ranks"),
+        ("launch_bg", "--gpus 9", "asks for 9 GPUs; this machine has 4"),
+        ("launch_bg", "--min-free 1000GB", "more than any GPU here has"),
+        ("launch_bg", "--after nobody", "no job named 'nobody'"),
+        ("launch_bg", "--name 'a b'", "job names are"),
+        ("launch_bg", "--bogus", "unrecognized arguments: --bogus"),
     ],
 )
-def test_bad_jobs_input_is_a_one_line_usage_error(shell, simulated, line, message):
+def test_bad_input_is_a_one_line_usage_error_and_submits_nothing(shell, simulated, magic, line, message):
     with pytest.raises(UsageError, match=message) as caught:
-        jobs(shell, line)
-    assert "\n" not in str(caught.value)
-
-
-@pytest.mark.parametrize(
-    "line, message",
-    [
-        ("--ddp two", "--ddp needs a number of ranks"),
-        ("--gpus 9", "asks for 9 GPUs; this machine has 4"),
-        ("--min-free 1000GB", "more than any GPU here has"),
-        ("--after nobody", "no job named 'nobody'"),
-        ("--name 'a b'", "job names are"),
-        ("--bogus", "unrecognized arguments: --bogus"),
-    ],
-)
-def test_bad_launch_bg_input_is_a_one_line_usage_error(shell, simulated, line, message):
-    with pytest.raises(UsageError, match=message) as caught:
-        launch_bg(shell, line)
+        jobs(shell, line) if magic == "jobs" else launch_bg(shell, line)
     assert "\n" not in str(caught.value)
     assert gpumagic.list_jobs() == []
 

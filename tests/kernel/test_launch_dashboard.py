@@ -24,7 +24,7 @@ TRAIN = (
 def kernel(tmp_path_factory):
     from conftest import cpu_kernel
 
-    setup = "%load_ext gpumagic\nimport gpumagic\nfrom gpumagic.magics.shell import LaunchMagics"
+    setup = "%load_ext gpumagic\nimport gpumagic\nfrom gpumagic.magics.launch import LaunchMagics"
     with cpu_kernel(tmp_path_factory, setup) as k:
         yield k
 
@@ -179,7 +179,7 @@ def test_a_new_metric_reaches_the_page_with_its_first_points():
     """BokehJS draws nothing in a figure that came to the page empty (its ranges stay NaN): the document change
     that adds a metric's figure, or a rank's curve, already holds the points."""
     from gpumagic.widgets.launch_dashboard import LaunchDashboard
-    from gpumagic.widgets.plots import live_model
+    from gpumagic.widgets.live import live_model
 
     dashboard = LaunchDashboard()
     dashboard.nprocs = 2
@@ -275,15 +275,15 @@ def test_elapsed_ticks_are_whole_round_times_and_step_ticks_are_short():
 def test_frozen_frames_keep_their_copy_and_only_the_latest_stay_alive():
     import ipywidgets
 
-    from gpumagic.widgets import plots
+    from gpumagic.widgets import live
 
     frames = []
-    for number in range(plots.KEPT_FRAMES + 3):
-        frame = plots.LiveFrame(ipywidgets.HTML(f"live {number}"))
+    for number in range(live.KEPT_FRAMES + 3):
+        frame = live.LiveFrame(ipywidgets.HTML(f"live {number}"))
         data = frame.frame.outputs[0]["data"]
         assert "application/javascript" in data and "window.Bokeh" in data["application/javascript"]  # first
         frame.freeze(f"<div>copy {number}</div>")
         frames.append(frame)
-    assert frames[-1].frame.outputs[1]["data"]["text/html"] == f"<div>copy {plots.KEPT_FRAMES + 2}</div>"
+    assert frames[-1].frame.outputs[1]["data"]["text/html"] == f"<div>copy {live.KEPT_FRAMES + 2}</div>"
     alive = [frame.frame.comm is not None for frame in frames]
-    assert alive == [False] * 3 + [True] * plots.KEPT_FRAMES
+    assert alive == [False] * 3 + [True] * live.KEPT_FRAMES

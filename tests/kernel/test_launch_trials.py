@@ -165,7 +165,7 @@ def kernel(tmp_path_factory):
     from conftest import cpu_kernel
 
     with cpu_kernel(
-        tmp_path_factory, "%load_ext gpumagic\nimport gpumagic\nfrom gpumagic.magics.shell import LaunchMagics"
+        tmp_path_factory, "%load_ext gpumagic\nimport gpumagic\nfrom gpumagic.magics.launch import LaunchMagics"
     ) as k:
         yield k
 
@@ -225,7 +225,7 @@ def test_dashboards_release_their_widgets(kernel):
     """Fifteen launches, each with its dashboard: the kernel's widgets and comms do not pile up (a finished
     dashboard's frame, an Output widget and its layout, stays for pages that reload: the latest KEPT_FRAMES of
     them), and the last dashboard still shows how its launch ended."""
-    from gpumagic.widgets.plots import KEPT_FRAMES
+    from gpumagic.widgets.live import KEPT_FRAMES
 
     counts = []
     for _ in range(KEPT_FRAMES + 7):

@@ -551,7 +551,7 @@ def test_a_replaced_rank_gets_back_the_notebooks_names_imports_and_definitions(g
 
 def test_notebook_functions_see_the_ranks_names_and_travel_only_when_changed(group):
     group.ok(
-        "import gpumagic.launch.kernel_side.persistent as persistent\n"
+        "import gpumagic.launch.kernel_side.group_shipping as persistent\n"
         "pickled = []\n"
         "original_digest = persistent._digest\n"
         "def counting_digest(name, value):\n"

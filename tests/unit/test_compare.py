@@ -117,7 +117,7 @@ def test_the_table_shows_what_differs_and_each_metrics_last_and_best_value(sweep
         and "<th style='text-align:right;padding:1px 8px'>width</th>" in page
     )
     assert "<th style='text-align:right;padding:1px 8px' title='lowest value logged'>loss best</th>" in page
-    assert "<td style='text-align:left;padding:1px 8px'><b style='color:#57606a'>finished</b></td>" in page
+    assert "<b style='color:var(--jp-content-font-color1)'><span style='color:#8a8a8a'>●</span> finished</b>" in page
     assert f"<td style='text-align:right;padding:1px 8px'>{min(losses(128, 0.003)):.4g}</td>" in page
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import gpumagic
-from gpumagic.devices import leases, placement
+from gpumagic.devices import lease_directory, leases, pick_lock, placement, tickets
 from gpumagic.devices.inventory import read_inventory
 from gpumagic.devices.processes import current_user
 from gpumagic.jobs.queue import Request, Ticket, place, take, waiting_tickets
@@ -20,10 +20,10 @@ ME = current_user()
 
 SHARER = """
 import sys
-from gpumagic.devices import leases
+from gpumagic.devices import leases, pick_lock
 uuid, reserve = sys.argv[1], int(sys.argv[2])
 leases.book().label = "job S"
-with leases.pick_lock():
+with pick_lock.pick_lock():
     assert leases.book().try_share(uuid, reserve)
 print("shared", flush=True)
 held = []
@@ -137,7 +137,7 @@ def test_jobs_that_declare_memory_share_a_gpu_at_once_within_what_is_not_reserve
     later = ticket("later", Request(1, (), 19 * GIB // 10), 1)
     chosen, reason = place(later, read_inventory(), leases.book())
     assert [g.uuid for g in chosen] == [uuid], reason
-    with leases.pick_lock():
+    with pick_lock.pick_lock():
         assert take(chosen, later.request, leases.book())
         view = leases.read_view(leases.book())
     assert {lease.pid for lease in view.on(uuid)} == {first.pid, second.pid, os.getpid()}
@@ -161,7 +161,7 @@ def test_a_shared_gpu_is_closed_to_whole_gpu_jobs_and_kernels(monkeypatch, share
     assert chosen == [] and f"GPU 0: shared by jobs: {ME} (pid {other_process.pid}, job S) 10.0 GiB" in reason
     with pytest.raises(gpumagic.NotEnoughGpusError, match=f"shared by jobs: {ME}"):
         gpumagic.pick(1)
-    with leases.pick_lock():
+    with pick_lock.pick_lock():
         assert not leases.book().try_acquire(uuid)  # nor by naming it
     other_process.kill()
     other_process.wait()
@@ -261,7 +261,7 @@ def test_nothing_is_held_for_a_job_no_gpu_here_could_ever_take(monkeypatch):
 
     assert [g.nvml_index for g in placed().gpus] == [0]  # a T4 is free to take
     assert placed().reasons[3] == "held for job big, waiting longer than 0s" and 1 not in placed().reasons
-    leases.remove_tickets("run-big")
+    tickets.remove_tickets("run-big")
     ticket("impossible", Request(1, (), 90 * GIB), 1)
     assert not any("held" in why for why in placed().reasons.values())
 
@@ -290,8 +290,8 @@ def test_the_bound_is_read_from_the_environment_and_checked(monkeypatch):
 
 
 def test_queue_order_is_round_robin_between_users_and_arrival_within_a_round(tmp_path):
-    from gpumagic.devices.leases import TicketFile
     from gpumagic.devices.placement import queue_order
+    from gpumagic.devices.tickets import TicketFile
 
     def made(uid, at, name, turn):
         data = {"kind": "job", "name": name, "request": Request(1).to_json(), "submitted_ns": at, "round": turn}
@@ -404,7 +404,7 @@ def test_three_jobs_declaring_memory_run_at_once_and_the_fourth_when_one_ends(mo
 def test_an_out_of_memory_error_of_a_capped_job_names_its_limit_and_what_to_do(monkeypatch):
     import torch
 
-    from gpumagic.launch.rank_side.rank import MEMORY_LIMIT_VARIABLE, memory_limit, name_memory_limit
+    from gpumagic.launch.rank_side.memory_cap import MEMORY_LIMIT_VARIABLE, memory_limit, name_memory_limit
 
     error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nGPU 0 has ...")
     monkeypatch.delenv(MEMORY_LIMIT_VARIABLE, raising=False)
@@ -455,12 +455,13 @@ def test_a_waiting_kernel_that_dies_leaves_no_place_in_the_queue(monkeypatch):
 
 
 def test_a_newcomers_round_is_the_round_being_served():
-    from gpumagic.devices.leases import LeaseView, TicketFile
+    from gpumagic.devices.leases import LeaseView
     from gpumagic.devices.placement import next_round
+    from gpumagic.devices.tickets import TicketFile
 
     def made(uid, at, turn):
         data = {"kind": "job", "name": f"t{at}", "request": Request(1).to_json(), "submitted_ns": at, "round": turn}
-        return TicketFile(leases.lease_dir() / f"queue.{uid}.t{at}.ab.json", uid, at, data)
+        return TicketFile(lease_directory.lease_dir() / f"queue.{uid}.t{at}.ab.json", uid, at, data)
 
     assert next_round(LeaseView({}, ())) == 0
     backlog = tuple(made(os.getuid() + 1, at, turn) for at, turn in ((1, 37), (2, 38)))
@@ -513,11 +514,11 @@ def test_a_ticket_submitted_after_it_was_made_is_untrusted():
 
 
 def _ticket_file(uid, at, name, turn, kind="job", request=None):
-    from gpumagic.devices.leases import TicketFile
+    from gpumagic.devices.tickets import TicketFile
 
     data = {"kind": kind, "name": name, "request": (request or Request(1)).to_json(), "submitted_ns": at}
     data["round"] = turn
-    return TicketFile(leases.lease_dir() / f"queue.{uid}.{name}.ab.json", uid, at, data)
+    return TicketFile(lease_directory.lease_dir() / f"queue.{uid}.{name}.ab.json", uid, at, data)
 
 
 def test_a_round_no_queue_reaches_is_not_inherited_nor_pushes_anyone_behind_newcomers():
@@ -656,7 +657,7 @@ def test_an_ignored_ticket_is_named_as_its_files_owner(monkeypatch):
     from gpumagic.devices.shared_files import owner_name
 
     monkeypatch.setenv("GPUMAGIC_SIMULATE", "1xA100-80GB")
-    planted = leases.lease_dir() / f"queue.{os.getuid() + 5}.x.ab.json"  # owned by this user
+    planted = lease_directory.lease_dir() / f"queue.{os.getuid() + 5}.x.ab.json"  # owned by this user
     planted.write_text("{}")
     placed = placement.place(Request(1, shares=False), read_inventory(), leases.read_view(leases.book()))
     assert placed.ignored == (owner_name(os.getuid()),)
@@ -751,33 +752,33 @@ def test_more_than_256_tickets_of_one_user_are_not_all_read():
 
     if os.geteuid() != 0:
         pytest.skip("needs root to make files of another user (chown), as CI runs")
-    directory = leases.lease_dir()
+    directory = lease_directory.lease_dir()
     stranger = os.getuid() + 5
     for k in range(300):
         path = directory / f"queue.{stranger}.t{k:03d}.ab.json"
         path.write_text("{}")
         os.chown(path, stranger, stranger)
-    with leases.pick_lock(exclusive=False):
+    with pick_lock.pick_lock(exclusive=False):
         leases.read_view(leases.book())
     ignored, _ = shared_files.ignored()
     many = [n for n, why in ignored.items() if why == "one of more than 256 tickets of one user"]
     assert len(many) == 44 and all(n >= f"queue.{stranger}.t256" for n in many)
     assert ignored[f"queue.{stranger}.t000.ab.json"] == "a ticket with malformed fields"  # the oldest were read
-    assert len(leases._checked_tickets) == 256  # what a look read, no more (review: it grew to 165 MB)
+    assert len(tickets._checked_tickets) == 256  # what a look read, no more (review: it grew to 165 MB)
     for path in directory.glob("queue.*"):
         path.unlink()
-    with leases.pick_lock(exclusive=False):
+    with pick_lock.pick_lock(exclusive=False):
         leases.read_view(leases.book())
-    assert not leases._checked_tickets
+    assert not tickets._checked_tickets
 
 
 def test_proc_locks_are_trusted_for_this_lease_directory_only_when_this_process_is_seen_in_them():
     from gpumagic.devices import shared_files
 
-    assert not leases.pick_lock_seen_in(shared_files.flock_holders())  # not holding the pick lock
-    with leases.pick_lock(exclusive=False):
-        assert leases.pick_lock_seen_in(shared_files.flock_holders())
-        assert not leases.pick_lock_seen_in({})  # where /proc/locks shows other numbers (overlay, NFS)
+    assert not pick_lock.pick_lock_seen_in(shared_files.flock_holders())  # not holding the pick lock
+    with pick_lock.pick_lock(exclusive=False):
+        assert pick_lock.pick_lock_seen_in(shared_files.flock_holders())
+        assert not pick_lock.pick_lock_seen_in({})  # where /proc/locks shows other numbers (overlay, NFS)
 
 
 def test_a_ticket_that_holds_nobody_up_is_not_counted(monkeypatch):

@@ -1,11 +1,24 @@
-"""The launcher's process-free parts: the plan's environment, GPU assignment, output routing, failures."""
+"""The launcher's process-free parts: the plan's environment, GPU assignment, output routing, failures; and the
+process set every launcher and the persistent group watch their processes with."""
 
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
 import pytest
 
+from gpumagic.devices.processes import is_running
 from gpumagic.errors import InvalidArgument
-from gpumagic.launch.failures import LaunchError, RankOutcome, root_cause
+from gpumagic.launch.failures import LaunchError
 from gpumagic.launch.kernel_side.output import RankOutput
+from gpumagic.launch.kernel_side.process_set import ProcessSet
 from gpumagic.launch.plan import MAX_TIMEOUT_S, LaunchPlan, assign_gpus, check_timeout, threads_per_rank
+from gpumagic.run_dirs.launch_files import make_launch_directories
+from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.run_dirs.outcomes import ProcessEnd, RankOutcome, read_outcome, root_cause
 
 
 def plan(**changes):
@@ -155,6 +168,66 @@ def test_the_root_cause_is_the_earliest_own_failure():
     assert root_cause([RankOutcome(0, 1, 0)]) is None
 
 
+GROUP_RANK = """
+import sys
+from gpumagic.launch.rank_side.group_rank import GroupRank
+from gpumagic.launch.rank_side.runtime import RankSetup
+from gpumagic.run_dirs.layout import RunFiles
+
+rank = GroupRank(RankSetup(RunFiles(sys.argv[1]), rank=1, local_rank=1, world_size=2, backend="gloo"), None, None)
+rank.set_up()
+rank._open_namespace()
+"""
+
+
+def run_group_rank(tmp_path, then: str) -> subprocess.CompletedProcess:
+    """A persistent group's rank, set up as the kernel's rank server starts one (without its process group), then
+    ``then`` in its process."""
+    files = RunFiles(tmp_path)
+    make_launch_directories(files)
+    script = tmp_path / "group_rank.py"
+    script.write_text(GROUP_RANK + textwrap.dedent(then))
+    return subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
+
+
+def test_a_group_rank_that_crashes_leaves_its_python_stack_as_a_launchs_rank_does(tmp_path):
+    """One set-up for every rank: a fatal signal in a persistent group's rank leaves the Python stack where it
+    died, read as its outcome the way a launch's is."""
+    ended = run_group_rank(
+        tmp_path,
+        """
+        def crash_in_the_users_code():
+            import ctypes
+            ctypes.string_at(0)
+
+        crash_in_the_users_code()
+        """,
+    )
+    assert ended.returncode == -11, ended.stderr
+    outcome = read_outcome(RunFiles(tmp_path), 1, 0, ProcessEnd(None, ended.returncode, time.time()))
+    assert outcome.signal_name == "SIGSEGV" and outcome.phase == "process"
+    assert "in crash_in_the_users_code" in outcome.traceback, outcome.traceback
+    assert "gpumagic" not in outcome.traceback.split("crash_in_the_users_code")[-1]  # nothing under the user's code
+
+
+def test_a_ranks_failure_report_starts_at_the_users_own_code(tmp_path):
+    """The traceback a rank reports starts at the cell: none of gpumagic's frames (the runtime's, shipping's)."""
+    ran = run_group_rank(
+        tmp_path,
+        """
+        import json, cloudpickle
+        from gpumagic.launch.shipping import CellPayload
+
+        cell = CellPayload("x = 1\\nraise ValueError('bad batch')", "<cell In[1]>")
+        print(json.dumps(rank._handle("exec", 1, ["In[1]", cloudpickle.dumps(cell)])))
+        """,
+    )
+    kind, _, report = json.loads(ran.stdout.splitlines()[-1])
+    assert (kind, report["type"], report["message"]) == ("failed", "ValueError", "bad batch"), ran.stderr
+    assert report["traceback"].splitlines()[1] == '  File "<cell In[1]>", line 2, in <module>', report
+    assert "gpumagic" not in report["traceback"]
+
+
 def test_only_names_the_cell_reads_before_binding_them_are_shipped():
     from gpumagic.launch.shipping import ship_cell
 
@@ -182,3 +255,53 @@ def test_names_that_share_an_object_still_share_it_on_the_ranks():
     namespace = {"weights": weights, "model": {"weights": weights}}
     payload = cloudpickle.loads(pack(ship_cell("model, weights", namespace, "<cell>")))
     assert payload.names["model"]["weights"] is payload.names["weights"]  # one pickle for all names
+
+
+# --- the process set ---------------------------------------------------------------------------------------
+
+
+def ended(processes: ProcessSet, within: float = 10.0) -> list:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        exits, _ = processes.poll(0.1)
+        if exits:
+            return exits
+    raise AssertionError("no process of the set ended")
+
+
+def test_a_process_put_in_place_of_one_that_ended_is_watched_anew():
+    processes = ProcessSet([subprocess.Popen(["sh", "-c", "exit 3"])], groups=True)
+    try:
+        assert [e.exitcode for e in ended(processes)] == [3] and processes.running == []
+        started = time.time()
+        fresh = subprocess.Popen(["sh", "-c", "sleep 0.3; exit 4"], process_group=0)
+        processes.replace(0, fresh)  # a persistent group's fresh rank in a dead one's place
+        assert processes.running == [0] and processes.exits == {} and processes.pids == [fresh.pid]
+        (exit,) = ended(processes)
+        assert (exit.index, exit.pid, exit.exitcode, exit.stopped) == (0, fresh.pid, 4, False)
+        assert exit.time >= started + 0.25  # timed when it ended
+        quick = subprocess.Popen(["true"])
+        processes.replace(0, quick)
+        while is_running(quick.pid):  # a zombie now: /proc says it ended
+            time.sleep(0.01)
+        assert [(e.pid, e.exitcode) for e in processes.gone()] == [(quick.pid, 0)]
+    finally:
+        processes.close()
+
+
+def test_killing_a_stuck_process_ends_what_it_started_and_only_that():
+    stuck = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], process_group=0)
+    other = subprocess.Popen(["sleep", "60"], process_group=0)
+    processes = ProcessSet([stuck, other], groups=True)
+    try:
+        deadline = time.monotonic() + 5
+        while not psutil.Process(stuck.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (child,) = psutil.Process(stuck.pid).children()
+        exit = processes.kill(0)
+        assert (exit.exitcode, exit.stopped) == (-9, True) and processes.running == [1]
+        child.wait(5)  # SIGKILLed with its process group (its parent, the set's process, no longer waits for it)
+        assert is_running(other.pid)
+        assert processes.stop(grace_s=2.0) == "SIGTERM" and processes.exits[1].exitcode == -15
+    finally:
+        processes.close()

@@ -13,7 +13,8 @@ import psutil
 import pytest
 
 import gpumagic
-from gpumagic.devices import leases
+from gpumagic.devices import lease_directory, leases, pick_lock
+from gpumagic.devices.processes import current_user
 from gpumagic.errors import LeaseDirectoryError, NotEnoughGpusError
 from gpumagic.widgets.status_table import render_text
 
@@ -95,7 +96,7 @@ def test_forged_records_are_ignored(simulated, isolated_leases, no_leftover_chil
     forged.write_text(json.dumps({"uuid": uuid, "user": "mallory", "pid": os.getpid(), "since": 0}))
     with open(forged) as handle:  # locked, as a live holder's record is
         fcntl.flock(handle, fcntl.LOCK_EX)
-        with leases.pick_lock(exclusive=False):
+        with pick_lock.pick_lock(exclusive=False):
             (lease,) = leases.read_view(leases.book()).on(uuid)
     assert lease.pid == holder.pid and lease.user != "mallory"
     assert "named as" in gpumagic.status().status.ignored[forged.name]
@@ -128,8 +129,8 @@ def test_an_unsafe_shared_directory_is_refused(tmp_path, monkeypatch, simulated)
 def test_the_default_directory_is_made_shared_and_sticky(tmp_path, monkeypatch):
     target = tmp_path / "gpumagic-leases"
     monkeypatch.delenv("GPUMAGIC_LEASE_DIR")
-    monkeypatch.setattr(leases, "DEFAULT_LEASE_DIR", str(target))
-    assert leases.lease_dir() == target
+    monkeypatch.setattr(lease_directory, "DEFAULT_LEASE_DIR", str(target))
+    assert lease_directory.lease_dir() == target
     assert stat.S_IMODE(target.stat().st_mode) == 0o1777
 
 
@@ -179,8 +180,8 @@ def pick_lock_holder(seconds: float) -> subprocess.Popen:
         [
             sys.executable,
             "-c",
-            "import sys, time; from gpumagic.devices import leases\n"
-            "with leases.pick_lock():\n    print('held', flush=True); time.sleep(float(sys.argv[1]))",
+            "import sys, time; from gpumagic.devices.pick_lock import pick_lock\n"
+            "with pick_lock():\n    print('held', flush=True); time.sleep(float(sys.argv[1]))",
             str(seconds),
         ],
         stdout=subprocess.PIPE,
@@ -193,12 +194,12 @@ def pick_lock_holder(seconds: float) -> subprocess.Popen:
 def test_the_pick_lock_held_elsewhere_makes_pick_say_busy_in_one_line(simulated, isolated_leases, monkeypatch):
     holder = pick_lock_holder(30)
     try:
-        monkeypatch.setattr(leases, "PICK_LOCK_WAIT_S", 0.3)
-        with pytest.raises(leases.LeaseBusy) as caught:
-            with leases.pick_lock(wait_s=0.3):
+        monkeypatch.setattr(pick_lock, "PICK_LOCK_WAIT_S", 0.3)
+        with pytest.raises(pick_lock.LeaseBusy) as caught:
+            with pick_lock.pick_lock(wait_s=0.3):
                 pass
         assert str(caught.value).startswith(
-            f"the GPU lease directory is busy: {leases.current_user()}'s process {holder.pid} has kept its pick lock"
+            f"the GPU lease directory is busy: {current_user()}'s process {holder.pid} has kept its pick lock"
         )
         assert "\n" not in str(caught.value)
         assert gpumagic.status().status.lease_problem.startswith("the GPU lease directory is busy")
@@ -210,12 +211,11 @@ def test_the_pick_lock_held_elsewhere_makes_pick_say_busy_in_one_line(simulated,
 
 def test_pick_with_wait_waits_out_a_busy_lease_directory(simulated, isolated_leases, monkeypatch):
     holder = pick_lock_holder(1.5)
-    monkeypatch.setattr(leases, "PICK_LOCK_WAIT_S", 0.2)
+    monkeypatch.setattr(pick_lock, "PICK_LOCK_WAIT_S", 0.2)
     heard = []
     assert gpumagic.pick(1, wait="30s", on_wait=heard.append).indices == (0,)
     assert (
-        heard[0]
-        == f"Waiting for the GPU lease directory: {leases.current_user()}'s process {holder.pid} keeps its pick lock"
+        heard[0] == f"Waiting for the GPU lease directory: {current_user()}'s process {holder.pid} keeps its pick lock"
     )
     holder.wait(10)
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from gpumagic.launch.kernel_side.persistent import _digest
+from gpumagic.launch.kernel_side.group_shipping import _digest
 from gpumagic.launch.rank_side.sync_points import SyncPoints
 from gpumagic.launch.replay import ReplayLog, definitions, replay
 from gpumagic.launch.replicas import compare, sync_plan

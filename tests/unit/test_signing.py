@@ -7,6 +7,7 @@ import stat
 import pytest
 
 import gpumagic
+from gpumagic.launch.kernel_side import local
 from gpumagic.run_dirs import signing
 from gpumagic.run_dirs.signing import PayloadRejected, seal, unseal
 
@@ -58,7 +59,7 @@ def test_a_rank_refuses_a_payload_changed_after_it_was_written(monkeypatch):
         original(path, data)
         flip_last_byte(path)  # someone with write access to the directory edits the pickle
 
-    monkeypatch.setattr(signing, "write_sealed", tampered)
+    monkeypatch.setattr(local, "write_sealed", tampered)  # where the launch writes the payload
     with pytest.raises(gpumagic.LaunchError) as caught:
         gpumagic.launch_ddp(print, nprocs=1, gpus="none")
     report = caught.value.report()

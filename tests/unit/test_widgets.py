@@ -167,7 +167,7 @@ def test_gpu_watch_in_a_kernel_shows_a_widget_and_a_replaced_or_closed_one_keeps
     assert frame_id
     count = kernel.ok("print(threading.active_count())").stdout
     inside = kernel.ok(
-        "from gpumagic.magics.shell import _WATCHES\nf = _WATCHES[-1]._displays[0].frame\n"
+        "from gpumagic.magics.gpu import _WATCHES\nf = _WATCHES[-1]._frames.shown[0].frame\n"
         "print([sorted(o['data']) for o in f.outputs])"
     ).stdout.strip()
     assert inside == f"[['application/javascript'], [{WIDGET!r}, 'text/plain']]"  # BokehJS before the plots
@@ -182,7 +182,7 @@ def test_gpu_watch_in_a_kernel_shows_a_widget_and_a_replaced_or_closed_one_keeps
     shown = [(display_id, data) for kind, display_id, data in second if kind == "display_data"]
     assert [WIDGET in data for _, data in shown] == [True]  # the new frame
     assert kernel.ok("print(threading.active_count())").stdout == count  # the first dashboard's threads ended
-    closing = outputs(kernel, "from gpumagic.magics.shell import _WATCHES\nw = _WATCHES[-1]\nw.close()")
+    closing = outputs(kernel, "from gpumagic.magics.gpu import _WATCHES\nw = _WATCHES[-1]\nw.close()")
     last = [data for kind, display_id, data in closing if display_id == shown[0][0] and kind == "update_display_data"]
     assert len(closing) == 1 and sorted(last[-1]) == ["text/html"]
     assert "Bokeh.embed.embed_items" in last[-1]["text/html"] and "closed at" in last[-1]["text/html"]
@@ -219,7 +219,7 @@ def test_a_page_that_connects_later_gets_the_plots_as_they_are_now(simulated, wa
         ]
         lengths = {len(column) for data in sources for column in _columns_of(data)}
         assert len(lengths) == 1 and lengths.pop() > 50, "a column was read while it grew"
-    assert watch.refreshes <= 1  # one catch-up after the start, not a re-send every 30 s
+    assert watch.plots.refreshes <= 1  # one catch-up after the start, not a re-send every 30 s
     assert all(not model.syncable for model in watch.layout.references())  # the browser sends nothing back
 
 
@@ -255,12 +255,58 @@ def test_what_the_browser_changes_never_overwrites_the_kernels_plots(simulated, 
 
 
 def test_one_catch_up_soon_after_start_for_a_view_that_missed_the_first_pushes(simulated, watch_factory):
-    from gpumagic.widgets.plots import FIRST_REFRESH_S
+    from gpumagic.widgets.live import FIRST_REFRESH_S
 
     watch = watch_factory(interval=0.05, push_interval=0.05)
-    assert wait_for(lambda: watch.refreshes >= 1, timeout=FIRST_REFRESH_S + 3)
+    assert wait_for(lambda: watch.plots.refreshes >= 1, timeout=FIRST_REFRESH_S + 3)
     time.sleep(1.0)
-    assert watch.refreshes == 1
+    assert watch.plots.refreshes == 1
+
+
+def test_every_live_view_catches_up_once_after_its_widget_is_made_whatever_the_wall_clock(monkeypatch):
+    """The GPU watch, the job watch and the launch dashboard share one catch-up (``catch_up_once``): a single
+    full send ``FIRST_REFRESH_S`` after their plots' widget was made, on the monotonic clock (the GPU watch timed
+    its own by the wall clock, from its first sample's time)."""
+    from bokeh.layouts import column
+
+    from gpumagic.widgets import live
+    from gpumagic.widgets.plots import styled_figure
+
+    model = live.live_model(column(styled_figure("loss", 100)), threading.RLock())
+    sent = []
+    monkeypatch.setattr(model, "catch_up", lambda: sent.append(time.monotonic()))
+    monkeypatch.setattr(live.time, "time", lambda: time.monotonic() + 1e9)  # a wall clock set far ahead
+    assert not model.catch_up_once() and not sent and model.refreshes == 0
+    later = time.monotonic() + live.FIRST_REFRESH_S
+    monkeypatch.setattr(live.time, "monotonic", lambda: later)
+    assert model.catch_up_once() and len(sent) == 1 and model.refreshes == 1
+    assert not model.catch_up_once() and len(sent) == 1  # once: later patches keep the view in step
+
+
+def contrast(colour: str, background: str) -> float:
+    """WCAG's contrast ratio of two ``#rrggbb`` colours."""
+
+    def luminance(hex_colour: str) -> float:
+        channels = [int(hex_colour[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+        linear = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+        return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+    high, low = sorted((luminance(colour), luminance(background)), reverse=True)
+    return (high + 0.05) / (low + 0.05)
+
+
+def test_a_status_word_keeps_the_themes_text_colour_and_only_its_dot_has_the_hue():
+    """No fixed colour is 4.5:1 against both JupyterLab backgrounds, white and #111111 (a mid grey, the best,
+    reaches 4.35:1; the comparison's grey status word had 2.9:1 on the dark theme): a status word, in the job
+    table, the job watch and the comparison alike, is in the theme's text colour, and its hue is on a dot
+    beside it, at least 3:1 on both themes (WCAG's contrast for graphics)."""
+    from gpumagic.widgets.job_table import STATUS_HUES, status_html
+
+    greys = ["#" + f"{g:02x}" * 3 for g in range(256)]
+    assert max(min(contrast(grey, "#ffffff"), contrast(grey, "#111111")) for grey in greys) < 4.5
+    for status, hue in STATUS_HUES.items():
+        assert min(contrast(hue, "#ffffff"), contrast(hue, "#111111"), contrast(hue, "#212121")) >= 3, status
+        assert status_html(status).startswith("<b style='color:var(--jp-content-font-color1)'>")
 
 
 def test_samples_come_at_the_interval_and_never_go_back_in_time(simulated, watch_factory):

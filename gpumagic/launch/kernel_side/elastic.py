@@ -10,7 +10,6 @@ through the directory: every rank's output (``ranks/rank-R.log``), the agents' r
 from __future__ import annotations
 
 import contextlib
-import re
 import shutil
 import signal
 import socket
@@ -24,52 +23,20 @@ from pathlib import Path
 from typing import Any
 
 from gpumagic.errors import GpumagicError, InvalidArgument
-from gpumagic.launch.failures import LaunchError, LaunchInterrupted, root_cause
+from gpumagic.launch.failures import LaunchError, LaunchInterrupted
 from gpumagic.launch.kernel_side.output import RankOutput, progress_lines
 from gpumagic.launch.kernel_side.process_set import ProcessSet
-from gpumagic.launch.plan import command_environment
-from gpumagic.launch.rank_side.agent import AgentError, agent_command, parse_endpoint, read_events
-from gpumagic.launch.rank_side.rank import (
-    ProcessEnd,
-    rank_outcomes,
-    read_outcome,
-    read_rank_start,
-    read_result,
-    write_spec,
-)
+from gpumagic.launch.options import LaunchOptions
+from gpumagic.launch.plan import command_environment, threads_per_rank
+from gpumagic.launch.rank_side.agent import AgentError, agent_command, read_events
 from gpumagic.run_dirs import store
+from gpumagic.run_dirs.launch_files import write_spec
 from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.run_dirs.outcomes import ProcessEnd, rank_outcomes, read_outcome, read_rank_start, read_result, root_cause
 from gpumagic.run_dirs.private import open_private
 
-MAX_NODES = 1024
-MAX_RESTARTS = 100
-RDZV_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 RESULTS_WAIT_S = 60.0  # after this node's agent finished, for the other nodes' results to appear
 STOP_GRACE_S = 10.0
-
-
-def check_options(nnodes: Any, rdzv_endpoint: Any, node_rank: Any, rdzv_id: Any, max_restarts: Any) -> tuple[str, int]:
-    """Validate the multi-node options; (host, port) of the endpoint. Raises InvalidArgument."""
-    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or not 1 <= nnodes <= MAX_NODES:
-        raise InvalidArgument(f"nnodes must be a whole number from 1 to {MAX_NODES}, got {nnodes!r}")
-    if rdzv_endpoint is None:
-        raise InvalidArgument("a multi-node launch needs --rdzv-endpoint HOST:PORT, an address of this machine")
-    try:
-        host, port = parse_endpoint(rdzv_endpoint, free_port=True)
-    except AgentError as err:
-        raise InvalidArgument(str(err)) from None
-    if node_rank is not None:
-        if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
-            raise InvalidArgument(f"node_rank must be from 0 to {nnodes - 1}, got {node_rank!r}")
-        if rdzv_id is not None:
-            raise InvalidArgument("give --node-rank (fixed node numbers) or --rdzv-id (c10d rendezvous), not both")
-    if rdzv_id is not None and (not isinstance(rdzv_id, str) or not RDZV_ID.match(rdzv_id)):
-        raise InvalidArgument(
-            f"rdzv_id is 1-100 letters, digits and _ . - (starting with one of the first two), got {rdzv_id!r}"
-        )
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or not 0 <= max_restarts <= MAX_RESTARTS:
-        raise InvalidArgument(f"max_restarts must be a whole number from 0 to {MAX_RESTARTS}, got {max_restarts!r}")
-    return host, port
 
 
 @dataclass
@@ -88,25 +55,15 @@ class Rendezvous:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-def prepare_elastic(
-    nnodes: int,
-    rdzv_endpoint: str | None,
-    node_rank: int | None,
-    rdzv_id: str | None,
-    max_restarts: int,
-    runs_dir: str | Path | None,
-) -> Rendezvous:
-    """Check the options, listen on the endpoint (node 0) and make the run directory, before anything else
-    is taken (GPUs): a taken port or an unusable ``runs_dir`` is refused with nothing leased.
+def prepare_elastic(launch: LaunchOptions) -> Rendezvous:
+    """Listen on the endpoint (node 0) and make the run directory, before anything else is taken (GPUs): a taken
+    port or an unusable ``runs_dir`` is refused with nothing leased.
 
     Raises:
-        InvalidArgument: the options, the endpoint or the run directory cannot be used here.
+        InvalidArgument: the endpoint or the run directory cannot be used here.
     """
-    host, port = check_options(nnodes, rdzv_endpoint, node_rank, rdzv_id, max_restarts)
-    hosting = node_rank is None or node_rank == 0
-    if port == 0 and not hosting:
-        raise InvalidArgument("node 0 serves the rendezvous: name its address and port in --rdzv-endpoint")
-    listener = _bind(host, port) if hosting else None
+    host, port = launch.rendezvous_address()
+    listener = _bind(host, port) if launch.hosts_rendezvous else None
     if listener is not None:
         port = listener.getsockname()[1]
     endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -114,14 +71,14 @@ def prepare_elastic(
         run_dir = store.new_run(
             "ddp",
             ranks=0,  # known once the GPUs are
-            root=Path(runs_dir) if runs_dir is not None else None,
-            nnodes=nnodes,
+            root=Path(launch.runs_dir) if launch.runs_dir is not None else None,
+            nnodes=launch.nnodes,
             rdzv_endpoint=endpoint,
         )
     except OSError as err:
         if listener is not None:
             listener.close()
-        raise InvalidArgument(f"cannot create the run directory in {runs_dir}: {err.strerror}") from None
+        raise InvalidArgument(f"cannot create the run directory in {launch.runs_dir}: {err.strerror}") from None
     except BaseException:
         if listener is not None:
             listener.close()
@@ -132,25 +89,17 @@ def prepare_elastic(
 def launch_elastic(
     packed: bytes,
     nprocs: int,
+    launch: LaunchOptions,
     *,
-    nnodes: int,
-    rdzv_endpoint: str | None,
-    node_rank: int | None = None,
-    rdzv_id: str | None = None,
-    max_restarts: int = 0,
     backend: str,
     use_cuda: bool,
     gpu_uuids: list[str],
-    threads_per_rank: int,
-    timeout_s: float,
-    runs_dir: str | Path | None = None,
-    output: str = "all",
     write: Callable[[str], None],
     dashboard: Any = None,
     poll_s: float = 0.1,
     rendezvous: Rendezvous | None = None,
 ) -> dict[int, Any]:
-    """Run a packed payload on ``nnodes`` nodes of ``nprocs`` ranks each; ``{rank: value}`` of every rank.
+    """Run a packed payload on ``launch.nnodes`` nodes of ``nprocs`` ranks each; ``{rank: value}`` of every rank.
 
     ``rendezvous``: what ``prepare_elastic`` set up already (else it is set up here).
 
@@ -160,29 +109,29 @@ def launch_elastic(
         InvalidArgument: the endpoint cannot be served here. AgentError: this node's agent could not run.
     """
     if rendezvous is None:
-        rendezvous = prepare_elastic(nnodes, rdzv_endpoint, node_rank, rdzv_id, max_restarts, runs_dir)
+        rendezvous = prepare_elastic(launch)
     run_dir, endpoint, listener = rendezvous.run_dir, rendezvous.endpoint, rendezvous.listener
-    world_size = nnodes * nprocs
+    world_size = launch.nnodes * nprocs
     store.update_run(run_dir, ranks=world_size, backend=backend)
     spec = {
-        "nnodes": nnodes,
+        "nnodes": launch.nnodes,
         "nproc_per_node": nprocs,
         "rdzv_endpoint": endpoint,
-        "rdzv_id": rdzv_id or run_dir.name,
-        "static": node_rank is not None,
-        "max_restarts": max_restarts,
+        "rdzv_id": launch.rdzv_id or run_dir.name,
+        "static": launch.node_rank is not None,
+        "max_restarts": launch.max_restarts,
         "backend": backend,
         "use_cuda": use_cuda,
-        "timeout_s": timeout_s,
-        "threads_per_rank": threads_per_rank,
+        "timeout_s": launch.timeout_s,
+        "threads_per_rank": threads_per_rank(nprocs),
         "sys_path": [p for p in sys.path if p],  # where the notebook imports from: the nodes share it, usually
     }
     files = RunFiles(run_dir)
     write_spec(files, spec, packed)
-    write(_announce(spec, run_dir, node_rank))
-    agent = _start_agent(run_dir, endpoint, listener, node_rank, gpu_uuids)
-    sink = RankOutput(write, output, world_size, progress_lines())
-    follower = _Follower(run_dir, world_size, max_restarts, sink, write)
+    write(_announce(spec, run_dir, launch.node_rank))
+    agent = _start_agent(run_dir, endpoint, listener, launch.node_rank, gpu_uuids)
+    sink = RankOutput(write, launch.output, world_size, progress_lines())
+    follower = _Follower(run_dir, world_size, launch.max_restarts, sink, write)
     status = "failed"
     try:
         _follow(agent, follower, dashboard, run_dir, spec, poll_s)

@@ -54,7 +54,7 @@ def end_kernel_work() -> None:
     must go on whatever happens here."""
     # not imported: this kernel started no rank server and no group (and importing them now costs time)
     rank_server = sys.modules.get("gpumagic.launch.rank_side.rank_server")
-    persistent = sys.modules.get("gpumagic.launch.kernel_side.persistent")
+    persistent = sys.modules.get("gpumagic.launch.kernel_side.group")
     # the ranks end first, at once: a cell still running on them (on the main thread) cannot hold this up,
     # and the groups only have to record their end; the tracker is held by the ranks until they end
     steps = [getattr(rank_server, "stop_for_good", None), getattr(persistent, "close_open_groups", None)]

@@ -12,18 +12,28 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import select
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing import resource_tracker
 from typing import Any
 
-from gpumagic.launch.failures import LaunchError, LaunchInterrupted, RankOutcome, root_cause
+from gpumagic.errors import InvalidArgument
+from gpumagic.launch.failures import LaunchError, LaunchInterrupted
+from gpumagic.launch.kernel_side.kernel_end import watch_this_kernel
 from gpumagic.launch.kernel_side.process_set import Exit, ProcessSet
 from gpumagic.launch.plan import LaunchPlan
+from gpumagic.launch.rank_side.rank import run_local_rank
+from gpumagic.launch.rank_side.rank_server import forkserver_context
+from gpumagic.launch.secure_store import listen
+from gpumagic.run_dirs.launch_files import make_launch_directories
 from gpumagic.run_dirs.layout import RunFiles
-
-START_METHODS = ("forkserver", "spawn")
+from gpumagic.run_dirs.outcomes import ProcessEnd, RankOutcome, read_outcome, read_result, root_cause
+from gpumagic.run_dirs.private import out_of_space
+from gpumagic.run_dirs.signing import write_sealed
 
 
 def run_local(
@@ -43,10 +53,6 @@ def run_local(
         LaunchError: a rank failed (raised, exited non-zero, was killed); all ranks are gone when it is raised.
         LaunchInterrupted: KeyboardInterrupt (the kernel's interrupt); all ranks are gone when it is raised.
     """
-    from gpumagic.launch.rank_side.rank import read_result
-    from gpumagic.run_dirs.launch_files import make_launch_directories
-    from gpumagic.run_dirs.signing import write_sealed
-
     files = RunFiles(plan.run_dir)
     make_launch_directories(files)
     write_sealed(files.payload, packed)
@@ -83,10 +89,6 @@ def loopback_port(port: int | None) -> int:
     Raises:
         InvalidArgument: ``port`` is taken.
     """
-    import socket
-
-    from gpumagic.errors import InvalidArgument
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         try:
             probe.bind(("127.0.0.1", port or 0))
@@ -100,8 +102,6 @@ def loopback_port(port: int | None) -> int:
 def store_listener(files: RunFiles) -> Any:
     """The listening Unix socket of a local launch's store, in the run's private launch directory (made first):
     handed to rank 0, which serves the store on it (``secure_store``); no other user can connect to it."""
-    from gpumagic.launch.secure_store import listen
-
     listener = listen(f"unix:{files.store_socket}")
     listener.set_inheritable(False)
     return listener
@@ -110,13 +110,10 @@ def store_listener(files: RunFiles) -> Any:
 @contextlib.contextmanager
 def _context(start_method: str) -> Any:
     if start_method == "forkserver":
-        from gpumagic.launch.rank_side.rank_server import forkserver_context
-
         with forkserver_context() as context:
+            watch_this_kernel()  # in a kernel, the rank server and its ranks end before the kernel does
             yield context
         return
-    from multiprocessing import resource_tracker
-
     resource_tracker.ensure_running()  # now, so it does not inherit a rank's GPUs (_initial_environment)
     yield multiprocessing.get_context(start_method)
 
@@ -128,8 +125,6 @@ class _Ranks(ProcessSet):
 
 
 def _start(plan: LaunchPlan, context: Any, start_method: str, listener: Any) -> _Ranks:
-    from gpumagic.launch.rank_side.rank import run_local_rank
-
     pipes = [context.Pipe(duplex=False) for _ in range(plan.nprocs)]
     processes = []
     try:
@@ -182,8 +177,6 @@ def _initial_environment(plan: LaunchPlan, local_rank: int, start_method: str) -
 def _full_disk_note(run_dir: str) -> str:
     """A note for a failed launch whose ranks' files have no space left: a rank that cannot write its result
     cannot write its error report either, and would seem to have exited without one."""
-    from gpumagic.run_dirs.private import out_of_space
-
     if not out_of_space(run_dir):
         return ""
     return (
@@ -241,8 +234,6 @@ class _Watcher:
             self.readers.pop(fd)[1].close()
 
     def _ended(self, exit: Exit) -> None:
-        from gpumagic.launch.rank_side.rank import ProcessEnd, read_outcome
-
         end = ProcessEnd(exit.pid, exit.exitcode, exit.time, exit.stopped and exit.exitcode != 0)
         outcome = read_outcome(self.files, exit.index, 0, end)
         self.outcomes[exit.index] = outcome
@@ -260,8 +251,6 @@ class _Watcher:
 
     def drain(self, timeout: float) -> None:
         """Read what the ranks wrote before they ended (their pipes close when they exit)."""
-        import select
-
         deadline = time.monotonic() + timeout
         while self.readers and time.monotonic() < deadline:
             ready, _, _ = select.select(list(self.readers), [], [], max(0.0, deadline - time.monotonic()))

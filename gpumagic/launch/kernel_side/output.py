@@ -3,11 +3,10 @@ lines in order, and render progress bars (lines rewritten with ``\\r``) as one u
 
 from __future__ import annotations
 
+import codecs
 import time
 from collections.abc import Callable
 from typing import Any
-
-OUTPUT_MODES = ("all", "rank0", "none")
 
 
 class RankOutput:
@@ -79,7 +78,6 @@ class RankOutput:
             self.bars.close()
 
     def _decode(self, rank: int, data: bytes) -> str:
-        import codecs
 
         decoder = self._decoders.setdefault(rank, codecs.getincrementaldecoder("utf-8")(errors="replace"))
         return decoder.decode(data)  # type: ignore[attr-defined]
@@ -115,6 +113,7 @@ class ProgressLines:
         text = "\n".join(self.lines[rank] for rank in sorted(self.lines))
         if text == self._shown:
             return
+        # lazy: IPython, only in a kernel
         from IPython.display import display
 
         bundle = {"text/plain": text}
@@ -142,6 +141,7 @@ def cell_number(shell: Any) -> int:
 def in_kernel() -> bool:
     """True in a Jupyter kernel (where displays and widgets reach a notebook), not in a terminal or a script."""
     try:
+        # lazy: IPython, only in a kernel
         from IPython import get_ipython
     except ImportError:
         return False

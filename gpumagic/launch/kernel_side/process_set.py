@@ -1,8 +1,9 @@
-"""Processes started together and ended together (a launch's ranks, an elastic agent): which ended, how and
-when (timed when each died, through a pidfd, not when someone looked), and one way to stop them
-(``devices.processes.end_processes``: the first signal, a grace period, SIGKILL).
+"""Processes started together and ended together (a launch's ranks, an elastic agent, a persistent group's
+ranks): which ended, how and when (timed when each died, through a pidfd, not when someone looked), and one way
+to stop them (``devices.processes.Escalation``: the first signal, a grace period, SIGKILL).
 
-The model is torch elastic's ``PContext``: start / poll for outcomes / pids / close, under every launcher.
+The model is torch elastic's ``PContext``: start / poll for outcomes / pids / close, under every launcher. A
+persistent group also kills one process that stays stuck and puts a fresh one in the place of one that ended.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpumagic.devices.processes import Escalation, end_processes
+from gpumagic.devices.processes import Escalation, end_processes, is_running, signal_processes
 
 STOP_GRACE_S = 3.0
 
@@ -41,22 +42,52 @@ class ProcessSet:
     """
 
     def __init__(self, processes: Sequence[Any], *, groups: bool = False) -> None:
-        self.processes = list(processes)
-        self.pids = [p.pid for p in self.processes]
+        self.processes: list[Any] = []
+        self.pids: list[int] = []
         self.groups = groups
         self.exits: dict[int, Exit] = {}
         self.stopped: set[int] = set()
         self._fds: dict[int, int] = {}
         self._escalation: Escalation | None = None
-        for index, pid in enumerate(self.pids):
-            fd = _pidfd(pid)
-            if fd is None:
-                fd = getattr(self.processes[index], "sentinel", None)
-            if fd is not None:
-                self._fds[fd] = index
+        for process in processes:
+            self.add(process)
 
     def __len__(self) -> int:
         return len(self.processes)
+
+    def add(self, process: Any) -> int:
+        """Watch one more started process; its index in the set."""
+        self.processes.append(process)
+        self.pids.append(process.pid)
+        self._watch(len(self.processes) - 1)
+        return len(self.processes) - 1
+
+    def replace(self, index: int, process: Any) -> None:
+        """Put a fresh started process in the place of process ``index``, which ended (its exit is forgotten)."""
+        self._unwatch(index)
+        self.processes[index], self.pids[index] = process, process.pid
+        self.exits.pop(index, None)
+        self.stopped.discard(index)
+        self._watch(index)
+
+    def _watch(self, index: int) -> None:
+        fd = _pidfd(self.pids[index])
+        if fd is None:
+            fd = getattr(self.processes[index], "sentinel", None)
+        if fd is not None:
+            self._fds[fd] = index
+
+    def _unwatch(self, index: int) -> None:
+        """Close process ``index``'s descriptor and its handle (it ended)."""
+        process = self.processes[index]
+        for fd in [fd for fd, watched in self._fds.items() if watched == index]:
+            del self._fds[fd]
+            if fd != getattr(process, "sentinel", None):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        if not isinstance(process, subprocess.Popen):
+            with contextlib.suppress(ValueError, AssertionError):
+                process.close()
 
     @property
     def running(self) -> list[int]:
@@ -77,6 +108,21 @@ class ProcessSet:
             if index not in self._fds.values() and self._exit_code(index, 0) is not None:
                 ended.append(self._record(index, now))
         return [e for e in ended if e is not None], [fd for fd in ready if fd in also]
+
+    def gone(self) -> list[Exit]:
+        """Record the processes that ``/proc`` shows ended though their descriptor does not say so yet (a process
+        whose main thread ended is a zombie while its other threads still end)."""
+        now = time.time()
+        ended = [self._record(i, now) for i in self.running if not is_running(self.pids[i])]
+        return [e for e in ended if e is not None]
+
+    def kill(self, index: int) -> Exit:
+        """SIGKILL process ``index`` now (and what it started, with ``groups``): one that stays stuck. How it ended."""
+        self.stopped.add(index)
+        pid = self.pids[index]
+        signal_processes([pid], [pid] if self.groups else [], signal.SIGKILL)
+        self._record(index, time.time())
+        return self.exits[index]
 
     def _record(self, index: int, when: float) -> Exit | None:
         if index in self.exits:
@@ -129,21 +175,16 @@ class ProcessSet:
         if self._escalation is not None:
             self._escalation.step()
 
-    def end_leftovers(self) -> None:
-        """End what the processes started and left running in their groups (they all ended)."""
+    def end_leftovers(self, indices: Iterable[int] | None = None) -> None:
+        """End what the processes (all, or those of ``indices``) started and left running in their groups (they
+        ended)."""
         if self.groups:
-            end_processes([], groups=self.pids, grace_s=0)
+            chosen = range(len(self.pids)) if indices is None else indices
+            end_processes([], groups=[self.pids[i] for i in chosen], grace_s=0)
 
     def close(self) -> None:
-        for fd in list(self._fds):
-            if fd != getattr(self.processes[self._fds[fd]], "sentinel", None):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self._fds.clear()
-        for process in self.processes:
-            if not isinstance(process, subprocess.Popen):
-                with contextlib.suppress(ValueError, AssertionError):
-                    process.close()
+        for index in range(len(self.processes)):
+            self._unwatch(index)
 
 
 def _pidfd(pid: int) -> int | None:

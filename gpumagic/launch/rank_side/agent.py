@@ -18,6 +18,7 @@ import datetime
 import ipaddress
 import json
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -27,30 +28,19 @@ from pathlib import Path
 from typing import Any
 
 from gpumagic.errors import GpumagicError
+from gpumagic.launch import secure_store
+from gpumagic.launch.options import parse_endpoint
+from gpumagic.launch.rank_side.lifeline import die_with_parent
+from gpumagic.run_dirs.launch_files import read_spec
 from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.run_dirs.private import open_private
+from gpumagic.run_dirs.signing import read_sealed
 
 CONNECT_TIMEOUT_S = 10.0  # to reach the rendezvous: it listens from before the run directory exists
 
 
 class AgentError(GpumagicError):
     """The agent cannot run this node (bad arguments, unreachable rendezvous)."""
-
-
-def parse_endpoint(endpoint: str, free_port: bool = False) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port); ``free_port``: port 0 (any free one) is allowed.
-
-    Raises:
-        AgentError: not HOST:PORT.
-    """
-    host, sep, port = str(endpoint).strip().rpartition(":")
-    host = host.strip("[]")
-    lowest = 0 if free_port else 1
-    if not sep or not host or not port.isascii() or not port.isdigit() or not lowest <= int(port) < 65536:
-        raise AgentError(
-            f"the rendezvous endpoint is HOST:PORT with a port from {lowest} to 65535, got {endpoint!r}"
-            + (" (0: any free port)" if free_port else "")
-        )
-    return host, int(port)
 
 
 def is_loopback(host: str) -> bool:
@@ -62,7 +52,6 @@ def is_loopback(host: str) -> bool:
 
 def agent_command(endpoint: str, run_dir: Path, node_rank: int | None = None) -> str:
     """The command that starts another node's agent for a run."""
-    import shlex
 
     command = f"python -m gpumagic.agent --rdzv-endpoint {endpoint} --run-dir {shlex.quote(str(run_dir))}"
     return command + (f" --node-rank {node_rank}" if node_rank is not None else "")
@@ -81,8 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.die_with_parent:
-        from gpumagic.launch.rank_side.rank import die_with_parent
-
         die_with_parent(signal.SIGTERM)
     try:
         return run_agent(
@@ -111,8 +98,6 @@ def run_agent(
         PayloadRejected: the run's description or code does not carry the user's seal.
         AgentError: bad arguments for this run, or the rendezvous cannot be served or reached.
     """
-    from gpumagic.run_dirs.launch_files import read_spec
-    from gpumagic.run_dirs.signing import read_sealed
 
     files = RunFiles(run_dir)
     if not files.launch.is_dir():
@@ -163,7 +148,6 @@ def _set_environment(spec: dict[str, Any], host: str) -> None:
 def _rendezvous_store(host: str, port: int, hosting: bool, listen_fd: int | None, timeout_s: float) -> Any:
     """The rendezvous store (``secure_store``): served here when this node hosts it, else reached at the
     endpoint; either way only agents and ranks holding the user's key get in."""
-    from gpumagic.launch import secure_store
 
     address = secure_store.tcp_address(host, port)
     if not hosting:
@@ -199,6 +183,7 @@ _SERVED: list[Any] = []
 def _rendezvous_handler(
     spec: dict[str, Any], store: Any, endpoint: str, node_rank: int | None, local_addr: str | None
 ) -> Any:
+    # lazy: torch takes seconds to import; only rank processes need it
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
@@ -228,7 +213,12 @@ def _rendezvous_handler(
 def _agent(
     spec: dict[str, Any], run_dir: Path, handler: Any, events: _Events, local_addr: str | None, master: Any
 ) -> Any:
-    from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
+    # lazy: torch takes seconds to import; only rank processes need it
+    from torch.distributed.elastic.agent.server.api import (
+        RunResult,
+        WorkerSpec,
+        WorkerState,
+    )
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
@@ -280,7 +270,6 @@ class _Events:
 
     def write(self, event: str, **fields: Any) -> None:
         line = json.dumps({"event": event, "time": time.time(), **fields}) + "\n"
-        from gpumagic.run_dirs.private import open_private
 
         with self._lock, open_private(self.path) as handle:
             handle.write(line.encode())

@@ -7,46 +7,42 @@ KeyboardInterrupt there. The control thread reads every message from the kernel:
 (shut the process group's connections so a collective stuck waiting for a peer fails at once) it answers
 itself, even while the main thread is busy; the rest it queues for the main thread.
 
-Started from the rank server like a launch's ranks (``run_local_rank``); imported there, so nothing heavy is
-imported at module level.
+Started from the rank server like a launch's ranks (``rank.run_local_rank``), with the same runtime and set-up
+(``runtime.RankRuntime``); imported there, so torch is imported only where it is used.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
+import importlib
+import io
 import os
 import queue
 import signal
-import socket
-import stat
 import threading
 import time
 import types
 from typing import Any
 
-from gpumagic.launch import replay, replicas
+import cloudpickle
+
+from gpumagic.launch import replay, replicas, secure_store
 from gpumagic.launch.plan import LaunchPlan
-from gpumagic.launch.rank_side.rank import (
-    RankSetup,
-    _accept_the_users_own_set_up,
-    _die_with,
-    _end_own_group,
-    _fork_for_workers,
-    _keep_ended_process_groups,
-    _notebook_main,
-    _replace_in_torch_distributed,
-    _route_output,
-    _seed_from_environment,
-    _set_environment,
-    failure_report,
-    flush,
-    join_process_group,
-    plan_setup,
-    rank_namespace,
+from gpumagic.launch.rank_side.failure_reports import failure_report
+from gpumagic.launch.rank_side.lifeline import end_own_group
+from gpumagic.launch.rank_side.output_routing import flush
+from gpumagic.launch.rank_side.process_group import (
+    break_connections,
+    join_tracking_sockets,
+    leave_broken_group,
+    replace_in_torch_distributed,
 )
+from gpumagic.launch.rank_side.runtime import RankRuntime, RankSetup, become_rank, exit_rank, plan_setup
 from gpumagic.launch.rank_side.sync_points import SyncPoints, track_ddp_forwards
+from gpumagic.launch.shipping import dumps, pickler_class
 
 COLLECTIVES = (
     "all_reduce",
@@ -77,13 +73,8 @@ _this_rank: GroupRank | None = None
 
 def serve_group_rank(local_rank: int, plan: LaunchPlan, output: Any, connection: Any, status: Any) -> None:
     """The target of a group rank's process: set up, then serve the kernel until it closes the group."""
-    os.setpgid(0, 0)  # the rank leads its own process group: what it starts ends with it
-    _die_with(plan.launcher_pid)
-    _route_output(0, [output])
-    _set_environment(plan.environment(local_rank))
-    code = GroupRank(plan_setup(plan, local_rank), connection, status).serve()
-    flush()
-    os._exit(code)
+    become_rank(plan, local_rank, [output], 0)
+    exit_rank(GroupRank(plan_setup(plan, local_rank), connection, status).serve())
 
 
 def keep(*objects: Any, **named: Any) -> None:
@@ -105,18 +96,21 @@ def keep(*objects: Any, **named: Any) -> None:
         _kept[sorted(names)[0]] = None
 
 
-class GroupRank:
+class GroupRank(RankRuntime):
     """One rank of a persistent group: its namespace, its process group, and the loop serving the kernel."""
 
+    made_by = "%ddp start"
+    joins_at_set_up = False  # the kernel has every rank join (do_join) once all are up, and again on a re-form
+
     def __init__(self, setup: RankSetup, connection: Any, status_connection: Any) -> None:
-        self.setup = setup
+        super().__init__(dataclasses.replace(setup, backend=setup.backend or "gloo"))
         self.connection = connection
         self.status_connection = status_connection
         self.jobs: queue.Queue[tuple] = queue.Queue()
         self.sending = threading.Lock()
         self.namespace: dict[str, Any] = {}
+        self.provided: set[str] = set()  # the names the runtime put in the namespace (rank, device, ...)
         self.shipped: dict[str, int] = {}  # names the kernel sent: the id of the object each was sent as
-        self.device: Any = None
         self.executing: str | None = None  # the cell being run
         self.executing_since = 0.0
         self.collective: tuple[str, float] | None = None
@@ -133,8 +127,9 @@ class GroupRank:
         global _this_rank
         try:
             self.set_up()
+            self._open_namespace()
         except BaseException as err:  # noqa: BLE001 - the kernel must hear why the rank cannot serve
-            self.send(("failed", 0, failure_report("setup", err)))
+            self.send(("failed", 0, failure_report(self.phase, err)))
             return 1
         _this_rank = self
         threading.Thread(target=self._control, name="gpumagic-control", daemon=True).start()
@@ -188,7 +183,7 @@ class GroupRank:
             try:
                 self.connection.send(message)
             except (OSError, ValueError):  # the kernel is gone: so is this rank
-                _end_own_group()
+                end_own_group()
 
     def _answer_status(self) -> None:
         """The status channel: answered at once, whatever the main thread does (the kernel may ask from another
@@ -206,7 +201,7 @@ class GroupRank:
             try:
                 message = self.connection.recv()
             except (EOFError, OSError):
-                _end_own_group()
+                end_own_group()
                 return
             if message[0] == "break":
                 self.break_group()
@@ -223,24 +218,17 @@ class GroupRank:
 
     # --- set-up ----------------------------------------------------------------------------------------
 
-    def set_up(self) -> None:
-        import torch
-
-        setup = self.setup
-        torch.set_num_threads(setup.threads)
-        _fork_for_workers()
-        _keep_ended_process_groups()
-        _seed_from_environment()
-        _accept_the_users_own_set_up(setup.backend or "gloo", setup.world_size, setup.rank, made_by="%ddp start")
+    def prepare(self) -> None:
+        """Watches over the user's code, before the device is chosen (``RankRuntime.set_up``)."""
         self._track_collectives()
         track_ddp_forwards(self.sync)
         _end_stuck_data_loader_workers_soon()
-        self.device = torch.device("cpu")
-        if setup.use_cuda:
-            torch.cuda.set_device(0)
-            self.device = torch.device("cuda", 0)
-        self.namespace = _notebook_main().__dict__
-        self.namespace.update(rank_namespace(setup.rank, setup.local_rank, setup.world_size, self.device))
+
+    def _open_namespace(self) -> None:
+        """The namespace every cell runs in (the fresh ``__main__``), with the names the runtime provides; the
+        kernel's interrupt from now on reaches the user's code only."""
+        self.namespace = self.main_module.__dict__
+        self.namespace.update(self.context())
         self.provided = set(self.namespace)
         signal.signal(signal.SIGINT, self._on_interrupt)
 
@@ -250,6 +238,7 @@ class GroupRank:
 
     def _track_collectives(self) -> None:
         """Note which collective the rank is in, and since when (for ``status`` and interrupts)."""
+        # lazy: torch, in rank processes only
         import torch.distributed as dist
 
         def wrap(original: Any) -> Any:
@@ -273,95 +262,52 @@ class GroupRank:
             return collective
 
         for name in COLLECTIVES:
-            _replace_in_torch_distributed(name, wrap)
+            replace_in_torch_distributed(name, wrap)
 
     # --- the process group -----------------------------------------------------------------------------
 
     def do_join(self, ident: int, address: str | None) -> str:
         """Join a fresh process group. Rank 0 serves its store (``secure_store``) on a new Unix socket in the
         run's private launch directory and reports the address first; the others are given it."""
+        # lazy: torch, in rank processes only
         import torch.distributed as dist
-
-        from gpumagic.launch import secure_store
 
         if dist.is_initialized():  # the old group could not be left: joining would reuse it
             raise RuntimeError("this rank is still in its old process group; %ddp restart starts a fresh group")
-        before = set(_socket_inodes().values())
         listener = None
         if address is None:
             address = f"unix:{self.setup.files.launch / f'store-{ident}.sock'}"
             listener = secure_store.listen(address)
             self.send(("store", -1, address))  # persistent.STORE
         os.environ[secure_store.VARIABLE] = address
-        join_process_group(
-            self.setup.backend or "gloo",
-            address,
-            self.setup.rank,
-            self.setup.world_size,
-            self.setup.timeout_s,
-            listener,
+        setup = self.setup
+        self.group_sockets = join_tracking_sockets(
+            setup.backend, address, setup.rank, setup.world_size, setup.timeout_s, listener
         )
-        self.group_sockets = {fd: inode for fd, inode in _socket_inodes().items() if inode not in before}
         self.broken = False
         self.collectives = 0  # counted from this group's start, the same on every rank
         return address
 
     def do_leave(self) -> None:
         """Leave the process group (broken first, so that no peer waits on this rank)."""
+        # lazy: torch, in rank processes only
         import torch.distributed as dist
 
         if not dist.is_initialized():
             return
         if not self.broken:
             self.break_group()
-        from gpumagic.launch.rank_side.rank import _ENDED_PROCESS_GROUPS, close_served_stores
-
-        close_served_stores()
-
-        kept = len(_ENDED_PROCESS_GROUPS)
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - an aborted group may refuse; it is left behind either way
-            pass
-        # Unlike a launch's (rank._keep_ended_process_groups), a group left here is broken first: no collective
-        # of it is in flight, so its destructor has no worker to wait for. Released, a re-form leaks nothing
-        # (kept, each cost rank 0 four threads and 14 descriptors).
-        del _ENDED_PROCESS_GROUPS[kept:]
-        gc.collect()
-        from gpumagic.launch import secure_store
-
-        secure_store.forget_clients()  # after the group that used them is gone
+        leave_broken_group()
 
     def break_group(self) -> None:
         """End every connection of the process group now, from any thread: a collective waiting on a peer fails
         at once ("Connection closed by peer") instead of after the group's timeout. NCCL groups are aborted."""
         self.broken = True
-        if (self.setup.backend or "gloo") != "gloo":
-            try:
-                from torch.distributed import distributed_c10d
-
-                distributed_c10d._abort_process_group()
-            except Exception:  # noqa: BLE001 - the kernel kills the rank if it stays stuck
-                pass
-        for fd, inode in self.group_sockets.items():
-            try:
-                if os.stat(f"/proc/self/fd/{fd}").st_ino != inode:
-                    continue
-                connection = socket.socket(fileno=fd)
-            except OSError:
-                continue
-            try:
-                if connection.family in (socket.AF_INET, socket.AF_INET6) and not connection.getsockopt(
-                    socket.SOL_SOCKET, socket.SO_ACCEPTCONN
-                ):
-                    connection.shutdown(socket.SHUT_RDWR)  # the store's connections are Unix sockets: they stay
-            except OSError:
-                pass
-            finally:
-                connection.detach()
+        break_connections(self.setup.backend, self.group_sockets)
 
     def do_wrapped(self) -> list[str]:
         """The names of DistributedDataParallel models here (and kept ones a fresh rank is to wrap)."""
+        # lazy: torch, in rank processes only
         from torch.nn.parallel import DistributedDataParallel
 
         found = {n for n, v in self.namespace.items() if isinstance(v, DistributedDataParallel)}
@@ -384,8 +330,6 @@ class GroupRank:
     def do_exec(self, label: str, packed: bytes) -> tuple[Any, list[str], list[str]]:
         """Run a shipped cell (``shipping.CellPayload``) in the namespace; its value (pickled), and the names the
         ranks now hold as their own and all the names they hold."""
-        import cloudpickle
-
         payload = cloudpickle.loads(packed)
         payload.prepare()
         self.receive(payload.names)
@@ -395,8 +339,6 @@ class GroupRank:
 
     def do_call(self, label: str, packed: bytes) -> tuple[Any, list[str], list[str]]:
         """Call a shipped function (``shipping.FunctionPayload``)."""
-        import cloudpickle
-
         payload = cloudpickle.loads(packed)
         payload.prepare()
         fn = self._in_namespace(payload.fn)
@@ -469,6 +411,7 @@ class GroupRank:
 
     def do_pull(self, name: str) -> bytes:
         """A name's value, pickled with every tensor copied to the CPU (a DDP model: its module)."""
+        # lazy: torch, in rank processes only
         from torch.nn.parallel import DistributedDataParallel
 
         if name not in self.namespace or _hidden(name):
@@ -479,8 +422,6 @@ class GroupRank:
         return _dumps_to_cpu(value)
 
     def do_push(self, packed: bytes) -> None:
-        import cloudpickle
-
         values = cloudpickle.loads(packed)
         self.namespace.update(values)
         for name in values:
@@ -489,9 +430,8 @@ class GroupRank:
     def do_export(self) -> tuple[bytes, list[str]]:
         """The state registered with ``gpumagic.keep``, pickled together (DDP models as their modules), and
         the names it could not include."""
+        # lazy: torch, in rank processes only
         from torch.nn.parallel import DistributedDataParallel
-
-        from gpumagic.launch.shipping import dumps
 
         state: dict[str, Any] = {}
         wrapped: dict[str, dict[str, Any]] = {}
@@ -517,10 +457,6 @@ class GroupRank:
         sent (``names``, pickled), its cells' imports and definitions (``definitions``, run again), and the state
         another rank exported (``state``: the kept names, tensors landing on this rank's device, and that
         rank's imported modules). What it got, and why anything could not be redone."""
-        import importlib
-
-        import cloudpickle
-
         received = cloudpickle.loads(names)
         self.receive(received)
         replayed, failed, why = replay.replay(self.namespace, definitions)
@@ -564,6 +500,7 @@ class GroupRank:
 
     def do_free(self) -> dict[str, Any]:
         """Collect garbage and return cached GPU memory; what was released."""
+        # lazy: torch, in rank processes only
         import torch
 
         cuda = self.setup.use_cuda and torch.cuda.is_initialized()
@@ -575,6 +512,7 @@ class GroupRank:
         return {"collected": collected, "reserved_before": before, "reserved_after": after, "cuda": cuda}
 
     def status(self) -> dict[str, Any]:
+        # lazy: torch, in rank processes only
         import torch
 
         cuda = self.setup.use_cuda and torch.cuda.is_initialized()
@@ -628,6 +566,7 @@ def _end_stuck_data_loader_workers_soon() -> None:
     ending the iterator joins each for ``MP_STATUS_CHECK_INTERVAL`` (5 s) before terminating it, which held a
     failed rank 10 s and got it killed. Joined for 0.25 s each, they are terminated at once. Only the rank's
     joins change: the workers poll with the value they imported."""
+    # lazy: torch, in rank processes only
     from torch.utils.data import _utils
 
     _utils.MP_STATUS_CHECK_INTERVAL = min(_utils.MP_STATUS_CHECK_INTERVAL, 0.25)
@@ -646,6 +585,7 @@ def _wrapping_of(model: Any) -> dict[str, Any]:
 
 
 def _wrap_like(module: Any, old: Any, how: dict[str, Any] | None = None) -> Any:
+    # lazy: torch, in rank processes only
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(module, **(how if how is not None else _wrapping_of(old)))
@@ -654,11 +594,8 @@ def _wrap_like(module: Any, old: Any, how: dict[str, Any] | None = None) -> Any:
 def _dumps_to_cpu(value: Any) -> bytes:
     """``value`` pickled (cloudpickle: what the notebook's ranks defined travels by value) with every GPU
     tensor copied to the CPU, so the kernel can load it without a GPU."""
-    import io
-
+    # lazy: torch, in rank processes only
     import torch
-
-    from gpumagic.launch.shipping import pickler_class
 
     class ToCpu(pickler_class()):
         def reducer_override(self, obj: Any) -> Any:
@@ -672,19 +609,6 @@ def _dumps_to_cpu(value: Any) -> bytes:
     buffer = io.BytesIO()
     ToCpu(buffer).dump(value)
     return buffer.getvalue()
-
-
-def _socket_inodes() -> dict[int, int]:
-    """This process's open sockets: file descriptor -> inode."""
-    found = {}
-    for entry in os.listdir("/proc/self/fd"):
-        try:
-            status = os.stat(f"/proc/self/fd/{entry}")
-        except OSError:
-            continue
-        if stat.S_ISSOCK(status.st_mode):
-            found[int(entry)] = status.st_ino
-    return found
 
 
 def _rss() -> int | None:

@@ -15,14 +15,22 @@ exits: when the kernel closes its end of the server's alive pipe (``stop_for_goo
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
+import functools
 import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
+import warnings
+from multiprocessing import forkserver, resource_tracker, util
 from typing import Any
+
+from gpumagic.devices.processes import is_running, parent_pid, signal_processes
 
 BASE_PRELOAD = (
     "torch",
@@ -90,7 +98,6 @@ def forkserver_context() -> Any:
 
 def _ensure_server(wanted: list[str]) -> None:
     global _preloaded, _server_pid, _report
-    from multiprocessing import forkserver
 
     server = forkserver._forkserver
     running = getattr(server, "_forkserver_pid", None)
@@ -101,7 +108,6 @@ def _ensure_server(wanted: list[str]) -> None:
         _stop_unlocked()  # idle: restart it with the larger preload
     elif running is not None:
         return  # busy with another launch: its ranks import what is missing themselves
-    import tempfile
 
     forkserver.set_forkserver_preload(wanted)
     if _report is not None:
@@ -118,9 +124,6 @@ def _ensure_server(wanted: list[str]) -> None:
         os.environ.pop(REPORT_VARIABLE, None)
     _preloaded = frozenset(wanted)
     _server_pid = server._forkserver_pid
-    from gpumagic.launch.kernel_side.kernel_end import watch_this_kernel
-
-    watch_this_kernel()  # in a kernel, the server and its ranks end before the kernel does
 
 
 def stop_for_good(grace_s: float = 2.0) -> None:
@@ -130,7 +133,6 @@ def stop_for_good(grace_s: float = 2.0) -> None:
     A launch afterwards (or one that another thread makes meanwhile: a cell still running as the kernel is
     shut down) fails at once with RuntimeError, instead of starting a server this process would leave behind.
     """
-    from multiprocessing import forkserver
 
     forkserver._forkserver.ensure_running = _refuse_to_start  # type: ignore[method-assign]
     with _lock:
@@ -144,7 +146,6 @@ def _refuse_to_start() -> None:
 def _stop_unlocked(grace_s: float = 2.0) -> None:
     """Stop the server: closing the kernel's end of its alive pipe makes it exit and end its children."""
     global _preloaded, _server_pid, _report
-    from multiprocessing import forkserver, util
 
     server = forkserver._forkserver
     with server._lock:
@@ -172,7 +173,6 @@ def stop_resource_tracker(grace_s: float = 1.0) -> None:
     """Let multiprocessing's resource tracker end and reap it (it ignores SIGTERM; it ends when the last holder
     of its pipe closes it: the kernel here, the ranks by ending); killed after ``grace_s`` seconds if another
     process still holds it. For the kernel's end: ipykernel waits for its children then."""
-    from multiprocessing import resource_tracker
 
     tracker = resource_tracker._resource_tracker
     if not tracker._lock.acquire(timeout=grace_s):
@@ -212,9 +212,6 @@ REPORT_PREFIX = "gpumagic-rank-server-"  # then the kernel's pid: the server rem
 def remove_stale_reports() -> list[str]:
     """Remove this user's rank server reports in the temp directory whose kernel is gone (a server killed
     with SIGKILL cannot remove its own; before the pid was in the name, none was removed); the names removed."""
-    import tempfile
-
-    from gpumagic.devices.processes import is_running
 
     removed = []
     directory = tempfile.gettempdir()
@@ -246,10 +243,6 @@ def _become_rank_server() -> None:
     """In the server: lead a process group of its own, adopt the processes ranks leave behind (a child
     subreaper), and end all of them, with every rank's process group, when the server exits (the kernel closed
     its alive pipe or died, a SIGTERM came, or the server is restarted)."""
-    import atexit
-    import ctypes
-    import functools
-    import warnings
 
     os.environ.pop(SERVER_VARIABLE, None)
     report = os.environ.pop(REPORT_VARIABLE, "")
@@ -317,13 +310,11 @@ def _end_descendants(within_s: float = END_WITHIN_S) -> None:
 
 def _kill_with_groups(pids: list[int]) -> None:
     """SIGKILL to each process and to the group it leads, if it leads one (a rank: what it started is in it)."""
-    from gpumagic.devices.processes import signal_processes
 
     signal_processes(pids, pids, signal.SIGKILL)
 
 
 def _children_of(parent: int) -> list[int]:
-    from gpumagic.devices.processes import parent_pid
 
     return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and parent_pid(int(entry)) == parent]
 

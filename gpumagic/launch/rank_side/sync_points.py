@@ -20,6 +20,7 @@ A rank that makes no sync point in time is interrupted the usual way (SIGINT), w
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
@@ -84,8 +85,8 @@ class SyncPoints:
 
 def track_ddp_forwards(points: SyncPoints) -> None:
     """Make every training forward of a DistributedDataParallel model a sync point (once per process)."""
-    import functools
 
+    # lazy: torch takes seconds to import; only rank processes need it
     import torch
     from torch.nn.parallel import DistributedDataParallel
 

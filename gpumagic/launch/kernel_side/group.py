@@ -1,0 +1,533 @@
+"""Persistent ranks: a DDP group that lives across cells (``gpumagic.ranks``, ``%ddp``/``%%ddp``), and its life.
+
+The kernel starts N ranks from the rank server (``launch.rank_side.rank_server``, as a launch does) running
+``launch.rank_side.group_rank``'s loop, forms their process group, and then sends them work over one pipe each:
+cells, functions, pull/push of names. Each rank keeps its namespace between cells. Names a cell uses from the
+kernel travel by value once and again only when they change (``group_shipping``); names the ranks made
+themselves never travel. The ranks' processes and pipes are ``group_members``'s, their output
+``group_output``'s; an interrupt, a timeout, a failure or a death is recovered from by ``group_recovery``,
+keeping what can be kept.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
+
+import cloudpickle
+
+from gpumagic.devices import selection
+from gpumagic.devices.processes import is_running
+from gpumagic.devices.spec import parse_spec
+from gpumagic.errors import GpumagicError, InvalidArgument, ReportedError
+from gpumagic.launch.failures import LaunchError
+from gpumagic.launch.kernel_side.ddp import default_nprocs, gpus_for_ranks, stdout_writer
+from gpumagic.launch.kernel_side.group_members import (
+    START_TIMEOUT_S,
+    GroupError,
+    GroupMembers,
+    Member,
+    RankDied,
+    RankFailed,
+    ReplyTimeout,
+    ask_status,
+)
+from gpumagic.launch.kernel_side.group_output import GroupOutput
+from gpumagic.launch.kernel_side.group_recovery import GroupRecovery
+from gpumagic.launch.kernel_side.group_shipping import NameShipper
+from gpumagic.launch.kernel_side.kernel_end import watch_this_kernel
+from gpumagic.launch.options import LaunchOptions
+from gpumagic.launch.plan import LaunchPlan, assign_gpus, check_timeout
+from gpumagic.launch.rank_side.group_rank import sync_here
+from gpumagic.launch.rank_side.rank_server import forkserver_context
+from gpumagic.launch.replay import Definition, definitions
+from gpumagic.launch.replicas import Divergence, compare, sync_plan
+from gpumagic.launch.shipping import FunctionPayload, dumps, pack, parse_cell, ship_cell, ship_function
+from gpumagic.run_dirs import store
+from gpumagic.run_dirs.launch_files import make_launch_directories, remove_launch_directories
+from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.run_dirs.outcomes import ProcessEnd, RankOutcome, read_outcome, root_cause
+from gpumagic.units import parse_duration
+
+DEFAULT_GRACE_S = 5.0
+CLOSE_GRACE_S = 5.0
+
+
+class CellInterrupted(ReportedError):
+    """A cell on the group was interrupted or timed out; the message says what was kept and what was lost."""
+
+
+class CellFailed(LaunchError):
+    """A cell raised on some rank (or a rank died): the first failure's traceback, every rank's fate, and what
+    gpumagic did about it (a replaced rank, lost names)."""
+
+
+_open_groups: set[RankGroup] = set()  # every group of this process not closed yet, for close_open_groups
+
+
+def close_open_groups(status: str = "finished") -> int:
+    """Close every group of ranks this process has open (the kernel is ending); how many were open."""
+    groups = list(_open_groups)
+    for group in groups:
+        with contextlib.suppress(Exception):
+            group.close(status)
+    return len(groups)
+
+
+class RankGroup:
+    """N ranks with a process group, kept across calls. Use as a context manager, or ``close()`` it.
+
+    ``run(fn, *args)`` and ``exec(code)`` return ``{rank: value}``; ``pull``/``push`` move names;
+    ``status()``/``free()`` look after the ranks. See ``gpumagic.ranks``.
+    """
+
+    def __init__(
+        self,
+        launch: LaunchOptions | None = None,
+        *,
+        grace: str | float = DEFAULT_GRACE_S,
+        write: Callable[[str], None] | None = None,
+        on_note: Callable[[str], None] | None = None,
+    ) -> None:
+        """Start the group: ``launch`` (``LaunchOptions.for_group``: ranks, GPUs, backend, timeout, output; checked
+        when it was made), ``grace`` (how long an interrupted cell may take to stop), ``write`` (where rank output
+        goes, default stdout) and ``on_note`` (where gpumagic's notes go, default ``write``)."""
+        self.launch = launch or LaunchOptions.for_group()
+        self.timeout_s = self.launch.timeout_s
+        self.grace_s = parse_duration(grace, at_most=3600.0, what="a grace period")
+        self.requested = self.launch.nprocs
+        self.output = self.launch.output
+        self.write = write or stdout_writer()
+        self.on_note = on_note or (lambda text: self.write(text + "\n"))
+        self.closed = True
+        self.cells = 0
+        self._output = GroupOutput(bars=write is None)  # progress bars updated in place (in a notebook)
+        self.members = GroupMembers(self._output.feed, self._check_open)
+        self._shipper = NameShipper()
+        self.recovery = GroupRecovery(self.members, self._shipper, self.grace_s)
+        self.divergence = Divergence()  # what differed between the replicas when last compared
+        self._stack = contextlib.ExitStack()
+        self._start()
+
+    # --- life --------------------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        gpus, per_rank = self.launch.gpus, self.launch.gpus_per_rank
+        run_dir = store.new_run("ddp-group", ranks=0)
+        try:
+            make_launch_directories(RunFiles(run_dir))  # the stores' sockets: private to the user
+            available, simulated = gpus_for_ranks(gpus, self.requested, per_rank)
+            nprocs = self.requested
+            if nprocs is None:
+                nprocs = default_nprocs(available, per_rank)
+            self.rank_gpus = assign_gpus(available, nprocs, per_rank)
+        except BaseException:
+            shutil.rmtree(run_dir, ignore_errors=True)  # a refused start leaves nothing behind
+            raise
+        self.run_dir = run_dir
+        self.leased = gpus is not None and (gpus == "auto" or not parse_spec(gpus).none) and bool(available)
+        self.nprocs = nprocs
+        self.use_cuda = bool(available) and not simulated
+        self.backend = self.launch.backend or ("nccl" if self.use_cuda else "gloo")
+        store.update_run(self.run_dir, ranks=nprocs, backend=self.backend, gpus=[list(g) for g in self.rank_gpus])
+        self.plan = LaunchPlan.on_this_machine(
+            self.run_dir,
+            self.rank_gpus,
+            backend=self.backend,
+            use_cuda=self.use_cuda,
+            master_port=0,
+            timeout_s=self.timeout_s,
+        )
+        self.closed = False
+        _open_groups.add(self)
+        atexit.register(self.close)
+        try:
+            context = self._stack.enter_context(forkserver_context())  # held: the server is not restarted
+            watch_this_kernel()  # in a kernel, the rank server and its ranks end before the kernel does
+            self.members.start(context, self.plan)
+            self.members.form()
+        except RankDied as died:
+            self._forget()
+            member = self.members[died.ranks[0]]
+            raise GroupError(f"rank {member.rank} {member.death()} while the group was starting") from None
+        except BaseException:
+            self._forget()
+            raise
+
+    def _forget(self) -> None:
+        """A start that failed: its ranks end and it leaves no run behind (the error says what went wrong)."""
+        self.close(status="failed")
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def close(self, status: str = "finished") -> None:
+        """End the ranks (their process trees), release the group's leases and its rank server hold."""
+        if self.closed:
+            return
+        self.closed = True
+        _open_groups.discard(self)
+        atexit.unregister(self.close)
+        self.members.close(within=CLOSE_GRACE_S)
+        self._stack.close()
+        if getattr(self, "leased", False):
+            with contextlib.suppress(GpumagicError, OSError):
+                selection.release()
+        if getattr(self, "run_dir", None) is not None:
+            remove_launch_directories(RunFiles(self.run_dir))
+            store.finish_run(self.run_dir, status)
+
+    def __enter__(self) -> RankGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{sum(m.alive for m in self.members)} alive"
+        return f"<RankGroup {self.nprocs} ranks ({self.backend}), {state}>"
+
+    @property
+    def pids(self) -> list[int]:
+        return [m.pid for m in self.members]
+
+    @property
+    def reformed(self) -> int:
+        """How many times the process group was re-formed (after a stuck collective, a death)."""
+        return self.recovery.reformed
+
+    @property
+    def replaced(self) -> int:
+        """How many dead ranks were replaced by fresh ones."""
+        return self.recovery.replaced
+
+    # --- work --------------------------------------------------------------------------------------------
+
+    def exec(
+        self,
+        code: str,
+        namespace: Mapping[str, Any] | None = None,
+        *,
+        ranks: Iterable[int] | None = None,
+        timeout: str | float | None = None,
+        filename: str | None = None,
+        hidden: Collection[str] = (),
+    ) -> dict[int, Any]:
+        """Run ``code`` on the ranks (all, or ``ranks``) in their namespaces; ``{rank: last expression}``.
+
+        Names the code reads from ``namespace`` (default: the caller's globals) travel by value, once while
+        unchanged; names the ranks hold themselves are not sent.
+
+        Raises:
+            CellFailed: a rank raised or died (the traceback, what was replaced and lost).
+            CellInterrupted: interrupted or timed out (what was kept and lost). ShippingError, InvalidArgument.
+        """
+        if namespace is None:
+            namespace = sys._getframe(1).f_globals
+        self.cells += 1
+        filename = filename or f"<ddp cell {self.cells}>"
+        tree = parse_cell(code, filename)  # once, for what the cell needs and what a replaced rank redoes
+        payload = ship_cell(code, namespace, filename, hidden, tree)
+        self._deadline(timeout)  # a bad timeout is refused before anything else
+        self._recover_dead()
+        targets = self._targets(ranks)
+        packed, digests = self._shipper.pack_for(payload, targets, namespace, hidden)
+        found = definitions(code, filename, tree)
+        return self._run("exec", filename, packed, targets, self._deadline(timeout), digests, found)
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[int, Any]:
+        """Call ``fn(*args, **kwargs)`` on every rank (in its namespace: globals it defines persist);
+        ``{rank: value}``."""
+        self.cells += 1
+        packed = pack(ship_function(fn, args, kwargs, rank_first=False))
+        self._recover_dead()
+        targets = self._targets(None)
+        return self._run("call", getattr(fn, "__name__", "fn"), {m.rank: packed for m in targets}, targets, None, {})
+
+    def pull(self, name: str, rank: int = 0) -> Any:
+        """A copy of ``name`` from ``rank`` (tensors, modules and state_dicts on the CPU; a DDP model: its module)."""
+        self._check_open()
+        if not isinstance(name, str) or not name.isidentifier():
+            raise InvalidArgument(f"pull needs a variable name, got {name!r}")
+        (member,) = self._targets([rank])
+        reply = self._request(member, "pull", name)
+        return cloudpickle.loads(reply)
+
+    def push(self, **values: Any) -> None:
+        """Set names on every rank (``push(lr=1e-3, batch=b)``); pushed names are the ranks' own from then on."""
+        self._check_open()
+        try:
+            packed = dumps(values)
+        except Exception:
+            pack(FunctionPayload(dict, kwargs=values))
+            raise
+        self._recover_dead()
+        replies = self.members.ask(list(self.members), "push", packed)
+        for member in self.members:
+            if replies[member.rank][0] == "done":
+                member.own.update(values)
+                member.present.update(values)
+                for name in values:
+                    member.shipped.pop(name, None)
+
+    def status(self) -> list[dict[str, Any]]:
+        """Each rank: alive, pid, the cell it is running and since when, the collective it is in and since
+        when, GPU memory allocated and reserved (bytes; ``None`` on a CPU rank), resident memory."""
+        self._check_open()
+        members = list(self.members)
+        replies = ask_status([m for m in members if m.alive and is_running(m.pid)], 2.0)
+        rows = []
+        for member in members:
+            row = {"rank": member.rank, "pid": member.pid, "alive": member.alive and is_running(member.pid)}
+            row.update(replies.get(member.rank, {}))
+            rows.append(row)
+        return rows
+
+    def free(self) -> list[dict[str, Any]]:
+        """Collect garbage and empty the CUDA cache on every rank; per rank what was released."""
+        self._check_open()
+        self._recover_dead()
+        replies = self.members.ask(list(self.members), "free")
+        return [{"rank": r, **replies[r][2]} for r in sorted(replies) if replies[r][0] == "done"]
+
+    def kept(self) -> list[str]:
+        """The names registered with ``gpumagic.keep`` (rank 0's list)."""
+        self._check_open()
+        return list(self._request(self.members[0], "kept"))
+
+    def check(self) -> Divergence:
+        """Compare the replicas: their DistributedDataParallel models, the optimizers and schedulers of those,
+        the kept names, and the plain numbers that were equal on every rank when the last cell started (a step
+        counter). What differs (empty: nothing); ``sync`` makes them alike.
+
+        Raises:
+            GroupError: the group is closed, or a rank could not describe its state.
+        """
+        self._check_open()
+        self._recover_dead()
+        replies = self.members.ask(list(self.members), "describe", within=START_TIMEOUT_S)
+        refused = {r: reply[2] for r, reply in replies.items() if reply[0] != "done"}
+        if refused:
+            rank, report = min(refused.items())
+            raise GroupError(f"rank {rank} could not describe its state: {report.get('type')}: {report.get('message')}")
+        self.divergence = compare({r: reply[2] for r, reply in replies.items()})
+        return self.divergence
+
+    def sync(self, source: int = 0, names: Iterable[str] | None = None) -> list[str]:
+        """Make every rank's ``names`` equal to rank ``source``'s, over the process group: models and tensors in
+        place, optimizers and schedulers by their state, other values replaced. Default names: every rank's
+        replicated state (DDP models, their optimizers and schedulers, the kept names) and whatever the last
+        ``check`` (or the last interrupt's) found different. The names synced.
+
+        Raises:
+            InvalidArgument: ``source`` is not a rank, or it lacks a name. CellFailed, CellInterrupted.
+        """
+        (member,) = self._targets([source])
+        if names is None:
+            wanted = set(self._request(member, "replicated")) | set(self.divergence.names)
+        else:
+            wanted = {names} if isinstance(names, str) else set(names)
+            bad = sorted(repr(n) for n in wanted if not isinstance(n, str) or not n.isidentifier())
+            if bad:
+                raise InvalidArgument(f"sync needs variable names, got {', '.join(bad)}")
+        if not wanted:
+            return []
+        kinds = {r: reply[2] for r, reply in self.members.ask(list(self.members), "kinds", sorted(wanted)).items()}
+        try:
+            plan = sync_plan(sorted(wanted), kinds, source)
+        except KeyError as err:
+            raise InvalidArgument(f"{err.args[0]!r} is not defined on rank {source}: nothing to copy") from None
+        except ValueError as err:
+            raise InvalidArgument(str(err)) from None
+        self.run(sync_here, source, plan)
+        self.divergence = Divergence()
+        return [name for name, _ in plan]
+
+    # --- helpers of the work -------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise GroupError("this group of ranks is closed; start another (gpumagic.ranks, %ddp start)")
+
+    def _targets(self, ranks: Iterable[int] | None) -> list[Member]:
+        self._check_open()
+        if ranks is None:
+            return list(self.members)
+        asked = list(ranks)
+        chosen = sorted(set(asked))
+        bad = [r for r in chosen if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.nprocs]
+        if bad or not chosen:
+            raise InvalidArgument(f"ranks must be among 0..{self.nprocs - 1}, got {asked!r}")
+        if len(chosen) < len(asked):
+            raise InvalidArgument(f"each rank once: {asked!r} names a rank twice")
+        return [self.members[r] for r in chosen]
+
+    def _deadline(self, timeout: str | float | None) -> float | None:
+        if timeout is None:
+            return None
+        return time.monotonic() + check_timeout(timeout, what="a cell timeout")
+
+    def _request(self, member: Member, kind: str, *args: Any) -> Any:
+        """One request to one rank outside a cell, dead ranks replaced first (``GroupMembers.request``)."""
+        self._recover_dead()
+        return self.members.request(member, kind, *args)
+
+    def _recover_dead(self) -> None:
+        """Ranks that died between cells: replace them now, telling what they lost."""
+        self._check_open()
+        for note in self.recovery.recover_dead():
+            self.on_note(note)
+
+    # --- cells -------------------------------------------------------------------------------------------
+
+    def _run(
+        self,
+        kind: str,
+        label: str,
+        packed: dict[int, bytes],
+        targets: list[Member],
+        deadline: float | None,
+        digests: dict[str, str],
+        found: list[Definition] | None = None,
+    ) -> dict[int, Any]:
+        members, recovery = self.members, self.recovery
+        reformed = recovery.reformed
+        notes: list[str] = []
+        why = None
+        point = None
+        with self._output.cell(self.write, self.output, self.nprocs, len(targets)):
+            ident = members.next_ident()
+            members.partial = {}
+            try:
+                try:
+                    for member in targets:
+                        member.busy = label
+                        member.send((kind, ident, label, packed[member.rank]))
+                    replies = members.wait(ident, targets, deadline, stop_on_failure=True)
+                except (KeyboardInterrupt, ReplyTimeout) as stopped:
+                    why = "interrupted" if isinstance(stopped, KeyboardInterrupt) else "timed out"
+                    replies = dict(members.partial)
+                    point = recovery.stop_together(ident, targets, replies)
+                    replies = recovery.recover(ident, targets, why, notes, replies)
+                except (RankDied, RankFailed):
+                    replies = recovery.recover(ident, targets, None, notes, members.partial)
+                else:
+                    if any(reply[0] == "interrupted" and reply[2] for reply in replies.values()):
+                        replies = recovery.recover(ident, targets, None, notes, replies)
+            except KeyboardInterrupt:  # interrupted again while recovering: the next call re-forms the group
+                recovery.needs_reform = True
+                raise CellInterrupted(
+                    "interrupted twice: the cell was stopped, and the group is re-formed before the next cell"
+                ) from None
+        steady = why is None and reformed == recovery.reformed and len(targets) == len(members)
+        if steady and all(m.alive for m in members):
+            self._check_collectives(replies, notes)
+        self._shipper.received(targets, replies, digests)
+        recovery.replay.record(found or [], [r for r, reply in replies.items() if reply[0] == "done"])
+        failed = {r: m for r, m in replies.items() if m[0] in ("failed", "interrupted")}
+        dead = [m for m in targets if m.rank not in replies]
+        if why is not None or failed or dead:
+            notes.extend(self._replicas_after(replies, targets, point, quiet=why is None))
+        if why is not None:
+            raise CellInterrupted("; ".join([f"{why}: the cell was stopped on every rank", *notes]))
+        if failed or dead:
+            raise _failure(targets, replies, notes, RunFiles(self.run_dir))
+        return {rank: cloudpickle.loads(reply[2][0]) for rank, reply in sorted(replies.items())}
+
+    def _check_collectives(self, replies: dict[int, tuple], notes: list[str]) -> None:
+        """After a cell every rank finished: one rank that skipped a collective its peers made leaves the group
+        out of step; it is re-formed, and the user told."""
+        counts = {r: _collectives(reply) for r, reply in replies.items()}
+        if len(set(counts.values()) - {None}) <= 1:
+            return
+        try:
+            self.recovery.reform(notes, {})
+        except KeyboardInterrupt:
+            self.recovery.needs_reform = True
+        told = ", ".join(f"rank {r}: {c}" for r, c in sorted(counts.items()))
+        notes.insert(0, f"the ranks made different numbers of collectives ({told})")
+        if not any(reply[0] != "done" for reply in replies.values()):
+            for note in notes:
+                self.on_note(note)
+
+    def _replicas_after(
+        self, replies: dict[int, tuple], targets: list[Member], point: int | None, quiet: bool = False
+    ) -> list[str]:
+        """After an interrupt or a failure: are the replicas still alike? What to tell the user (``quiet``, after
+        a failure: only that they differ)."""
+        together = point is not None and all(
+            len(r := replies.get(m.rank, ())) > 4 and r[0] == "interrupted" and r[4] is not None for m in targets
+        )
+        stopped_at = {replies[m.rank][4] for m in targets} if together else set()
+        if len(stopped_at) > 1:
+            together = False
+        if self.nprocs < 2 or self.closed or not all(m.alive for m in self.members):
+            return []
+        try:
+            divergence = self.check()
+        except (GroupError, KeyboardInterrupt):
+            return ["the replicas could not be compared (%ddp check compares them)"]
+        compared = ", ".join(divergence.checked)
+        if divergence:
+            return [
+                f"the replicas differ now: {divergence.describe()}; %ddp sync makes every rank like rank 0 "
+                "(group.sync() from Python)"
+            ]
+        if quiet:
+            return []
+        if together:
+            nth = _nth(stopped_at.pop() + 1)
+            where = f"every rank stopped before the same collective or DDP forward (the cell's {nth})"
+            return [where + (f"; the replicas are alike: {compared}" if compared else "")]
+        return [f"the replicas are alike: {compared}"] if compared else []
+
+
+def _failure(targets: list[Member], replies: dict[int, tuple], notes: list[str], files: RunFiles) -> CellFailed:
+    """The error of a cell that failed on some rank: every target's fate, the root cause first in time."""
+    outcomes = [_outcome(member, replies.get(member.rank), files) for member in targets]
+    deaths = [o for o in outcomes if o.phase == "process" and not o.stopped_by_launcher]
+    cause = root_cause(deaths) if deaths else (root_cause(outcomes) or outcomes[0])  # its peers fail after it
+    return CellFailed(outcomes, cause, "\n".join(notes))
+
+
+def _outcome(member: Member, reply: tuple | None, files: RunFiles) -> RankOutcome:
+    """How a cell ended on one rank: done, failed (its report), died (with the Python stack a fatal signal left,
+    read as a launch's rank's is), or freed by gpumagic (a peer failed)."""
+    if reply is None and not member.alive:
+        end = ProcessEnd(member.pid, member.exitcode, member.died_at, member.killed)
+        return read_outcome(files, member.rank, 0, end)
+    if reply is None or (reply[0] == "interrupted" and member.alive):  # gpumagic freed it: a peer failed
+        return RankOutcome(member.rank, member.pid, -int(signal.SIGINT), stopped_by_launcher=True)
+    if reply[0] == "done":
+        return RankOutcome(member.rank, member.pid, 0)
+    report = reply[2]
+    return RankOutcome(
+        member.rank,
+        member.pid,
+        1,
+        report.get("phase"),
+        report.get("type"),
+        report.get("message"),
+        report.get("traceback"),
+        report.get("timestamp"),
+    )
+
+
+def _nth(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n:,}{suffix}"
+
+
+def _collectives(reply: tuple) -> int | None:
+    """How many collectives the rank had made when it replied to a cell."""
+    if reply[0] == "done" and isinstance(reply[2], tuple) and len(reply[2]) > 3:
+        return reply[2][3]
+    if reply[0] == "failed" and isinstance(reply[2], dict):
+        return reply[2].get("collectives")
+    if reply[0] == "interrupted" and len(reply) > 3:
+        return reply[3]
+    return None

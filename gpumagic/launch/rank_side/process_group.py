@@ -1,0 +1,293 @@
+"""A rank's process group: joining it through its own store (``secure_store``: only the user's processes get
+in), leaving it, re-forming it (a persistent group's rank), and the user's own ``init_process_group`` calls,
+accepted when they ask for the group gpumagic made or served on the launch's store when the code makes its
+own (``spawn``). Everything here replaces or calls ``torch.distributed``; torch is imported when first used."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import gc
+import inspect
+import os
+import socket
+import stat
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from gpumagic.launch import secure_store
+
+_STORE_SERVERS: list[Any] = []  # the stores this rank serves: alive while the rank runs (or until left)
+_USERS_STORE: list[Any] = []  # the store of the groups the user's own code makes (``spawn``)
+_ENDED_PROCESS_GROUPS: list[Any] = []  # groups ``destroy_process_group`` ended: alive until the rank exits
+
+
+def environment_store_address() -> str:
+    """The store of a rank started with torchrun's variables: ``GPUMAGIC_STORE``, else MASTER_ADDR:MASTER_PORT."""
+    return os.environ.get(secure_store.VARIABLE) or secure_store.tcp_address(
+        os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "0")
+    )
+
+
+def group_store(
+    address: str, rank: int, timeout_s: float, listener: Any = None, served_prefix: str | None = None
+) -> Any:
+    """The process group's store at ``address`` (``secure_store``: only the user's own processes get in). Rank 0
+    serves it: on ``listener`` (a socket bound already by the launcher) when given, else on a socket it binds to
+    ``address`` itself, never on every interface. ``served_prefix``: an elastic agent serves the store already;
+    every rank is a client under that prefix."""
+    # lazy: torch, in rank processes only
+    import torch.distributed as dist
+
+    if served_prefix is not None:
+        return dist.PrefixStore(served_prefix, secure_store.connect(address, timeout_s))
+    if rank != 0:
+        return secure_store.connect(address, timeout_s)
+    if listener is None:
+        listener = secure_store.listen(address)
+    server, store = secure_store.serve_and_connect(listener, address, timeout_s)
+    _STORE_SERVERS.append(server)
+    return store
+
+
+def close_served_stores() -> None:
+    """Stop serving the stores of groups this rank left (a persistent group's rank, before a re-form)."""
+    while _STORE_SERVERS:
+        _STORE_SERVERS.pop().close()
+
+
+def join_process_group(
+    backend: str,
+    store_address: str,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    listener: Any = None,
+    served_prefix: str | None = None,
+) -> None:
+    """Join the process group through its store (``group_store``).
+
+    With gloo every rank then waits at a barrier, so that none finishes and exits while a peer is still
+    connecting to it (``Gloo connectFullMesh failed ... Connection closed by peer``).
+    """
+    # lazy: torch, in rank processes only
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = group_store(store_address, rank, timeout_s, listener, served_prefix)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    if backend == "gloo" and world_size > 1:
+        dist.barrier()
+
+
+def leave_process_group() -> None:
+    # lazy: torch, in rank processes only
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --- a persistent group's rank: joined again and again -----------------------------------------------------
+
+
+def join_tracking_sockets(
+    backend: str, address: str, rank: int, world_size: int, timeout_s: float, listener: Any
+) -> dict[int, int]:
+    """``join_process_group``; the connections the group opened (file descriptor -> inode), for
+    ``break_connections``."""
+    before = set(_socket_inodes().values())
+    join_process_group(backend, address, rank, world_size, timeout_s, listener)
+    return {fd: inode for fd, inode in _socket_inodes().items() if inode not in before}
+
+
+def break_connections(backend: str, sockets: dict[int, int]) -> None:
+    """End every connection of the process group now, from any thread: a collective waiting on a peer fails
+    at once ("Connection closed by peer") instead of after the group's timeout. NCCL groups are aborted."""
+    if backend != "gloo":
+        try:
+            # lazy: torch, in rank processes only
+            from torch.distributed import distributed_c10d
+
+            distributed_c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 - the kernel kills the rank if it stays stuck
+            pass
+    for fd, inode in sockets.items():
+        try:
+            if os.stat(f"/proc/self/fd/{fd}").st_ino != inode:
+                continue
+            connection = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if connection.family in (socket.AF_INET, socket.AF_INET6) and not connection.getsockopt(
+                socket.SOL_SOCKET, socket.SO_ACCEPTCONN
+            ):
+                connection.shutdown(socket.SHUT_RDWR)  # the store's connections are Unix sockets: they stay
+        except OSError:
+            pass
+        finally:
+            connection.detach()
+
+
+def leave_broken_group() -> None:
+    """Leave a process group whose connections were broken (``break_connections``), releasing all it held."""
+    # lazy: torch, in rank processes only
+    import torch.distributed as dist
+
+    close_served_stores()
+    kept = len(_ENDED_PROCESS_GROUPS)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - an aborted group may refuse; it is left behind either way
+        pass
+    # Unlike a launch's (keep_ended_process_groups), a group left here is broken first: no collective of it is
+    # in flight, so its destructor has no worker to wait for. Released, a re-form leaks nothing (kept, each
+    # cost rank 0 four threads and 14 descriptors).
+    del _ENDED_PROCESS_GROUPS[kept:]
+    gc.collect()
+    secure_store.forget_clients()  # after the group that used them is gone
+
+
+def _socket_inodes() -> dict[int, int]:
+    """This process's open sockets: file descriptor -> inode."""
+    found = {}
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            status = os.stat(f"/proc/self/fd/{entry}")
+        except OSError:
+            continue
+        if stat.S_ISSOCK(status.st_mode):
+            found[int(entry)] = status.st_ino
+    return found
+
+
+# --- torch.distributed, as the user's code finds it ------------------------------------------------------
+
+
+def replace_in_torch_distributed(name: str, wrap: Callable[[Any], Any]) -> None:
+    """Replace ``torch.distributed.<name>`` (and ``distributed_c10d.<name>``, which torch's own code calls)
+    with ``wrap(original)``, once per process: code that looks it up later, or unpickles a reference to it,
+    gets the replacement."""
+    # lazy: torch, in rank processes only
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    original = getattr(distributed_c10d, name)
+    if getattr(original, "_gpumagic_replaced", False):
+        return
+    replacement = functools.wraps(original)(wrap(original))
+    replacement._gpumagic_replaced = True
+    setattr(distributed_c10d, name, replacement)
+    setattr(dist, name, replacement)
+
+
+def keep_ended_process_groups() -> None:
+    """``destroy_process_group`` in a rank keeps the groups it ends alive until the rank exits (``os._exit``:
+    their destructors never run).
+
+    torch 2.13 can deadlock when the last reference to a gloo group goes (pytorch PRs 180700, 182083): the
+    group's destructor joins its worker threads while holding the GIL, and a worker still releasing a
+    collective made in ``backward()`` waits for the GIL. The DDP tutorial's ``demo_basic`` (``cleanup()``,
+    then ``return``: the DDP model's reducer holds the group's last reference) hung in 24 of 100
+    ``gpumagic.spawn`` launches. Kept here, the group's last reference never goes while the rank runs.
+    """
+    # lazy: torch, in rank processes only
+    from torch.distributed import distributed_c10d
+
+    def wrap(original: Any) -> Any:
+        def destroy_process_group(group: Any = None) -> None:
+            if group is None or group == distributed_c10d.GroupMember.WORLD:
+                _ENDED_PROCESS_GROUPS.extend(distributed_c10d._world.pg_map)
+            else:
+                _ENDED_PROCESS_GROUPS.append(group)
+            return original(group)
+
+        return destroy_process_group
+
+    replace_in_torch_distributed("destroy_process_group", wrap)
+
+
+def serve_the_users_own_group(store_address: str, rank: int, world_size: int, timeout_s: float, listener: Any) -> None:
+    """Code that makes its own group (``spawn``) the torchrun way (``init_process_group(backend)``, env://) gets
+    it on the launch's own store, which only the user's processes can reach, not on a TCPStore that answers
+    anyone at MASTER_PORT. A group made again after ``destroy_process_group`` meets under a fresh prefix."""
+    # lazy: torch, in rank processes only
+    import torch.distributed as dist
+
+    made = [0]
+    unused_listener = [listener]
+
+    def wrap(original: Any) -> Any:
+        signature = inspect.signature(original)
+
+        def init_process_group(*args: Any, **kwargs: Any) -> None:
+            asked = signature.bind_partial(*args, **kwargs).arguments
+            if asked.get("store") is not None or asked.get("init_method") not in (None, "env://"):
+                return original(*args, **kwargs)  # the user's own rendezvous: theirs to secure
+            own_rank = int(asked["rank"]) if asked.get("rank") not in (None, -1) else rank
+            world = int(asked["world_size"]) if asked.get("world_size") not in (None, -1) else world_size
+            timeout = asked.get("timeout")
+            asked_timeout_s = timeout.total_seconds() if timeout is not None else timeout_s
+            if made[0] == 0:
+                store = group_store(store_address, own_rank, asked_timeout_s, unused_listener[0])
+                unused_listener[0] = None
+                _USERS_STORE[:] = [store]
+            else:
+                store = _USERS_STORE[0] if own_rank == 0 else group_store(store_address, own_rank, asked_timeout_s)
+            made[0] += 1
+            asked.pop("init_method", None)
+            asked.update(store=dist.PrefixStore(f"gpumagic-init-{made[0]}", store), rank=own_rank, world_size=world)
+            return original(**asked)
+
+        return init_process_group
+
+    replace_in_torch_distributed("init_process_group", wrap)
+
+
+class ProcessGroupExists(RuntimeError):
+    """The user's code asked for a process group other than the one the launch made."""
+
+
+def accept_the_users_own_set_up(backend: str, world_size: int, rank: int, made_by: str = "%%launch_ddp") -> None:
+    """Let code written for torchrun (``init_process_group(...)`` first thing, as pytorch/examples' multigpu.py)
+    run unchanged: a call asking for the group the launch made does nothing, with one line from rank 0; a call
+    asking for another group fails in one line that says what to change."""
+    # lazy: torch, in rank processes only
+    import torch.distributed as dist
+
+    def wrap(original: Any) -> Any:
+        signature = inspect.signature(original)
+
+        def init_process_group(*args: Any, **kwargs: Any) -> None:
+            if not dist.is_initialized():  # the user destroyed ours first: theirs is theirs
+                return original(*args, **kwargs)
+            asked = signature.bind_partial(*args, **kwargs).arguments
+            asked_backend = str(asked.get("backend") or backend).lower()
+            asked_world = int(asked.get("world_size", -1) if asked.get("world_size") is not None else -1)
+            asked_rank = int(asked.get("rank", -1) if asked.get("rank") is not None else -1)
+            same = (
+                backend in asked_backend.replace(",", ":").split(":")
+                and asked_world in (-1, world_size)
+                and asked_rank in (-1, rank)
+            )
+            made = f"{backend}, {world_size} rank{'s' if world_size != 1 else ''}"
+            if not same:
+                wanted = ", ".join(f"{k}={v!r}" for k, v in asked.items() if k in ("backend", "world_size", "rank"))
+                raise ProcessGroupExists(
+                    f"init_process_group({wanted}): {made_by} made the process group already ({made}, this is rank "
+                    f"{rank}); remove the call, or launch with the backend (--backend) and number of ranks (-n) it "
+                    "asks for"
+                )
+            if rank == 0:
+                print(
+                    f"[gpumagic] init_process_group: {made_by} made the process group already ({made}); "
+                    "the call does nothing",
+                    file=sys.stderr,
+                )
+            return None
+
+        return init_process_group
+
+    replace_in_torch_distributed("init_process_group", wrap)

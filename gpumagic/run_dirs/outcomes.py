@@ -1,0 +1,185 @@
+"""How a run's ranks ended, read from its run directory after they wrote it: every rank's outcome (its own
+failure report, the Python stack a fatal signal left, how its process ended), the root cause among them, and
+the ranks' values. The ranks write these files (``launch.rank_side``); launchers, the Slurm job's rank 0 and
+the elastic agents' notebook read them here. Independent of how the processes were started."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.run_dirs.signing import read_sealed
+
+FATAL_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}  # faulthandler's
+GPUMAGIC_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # gpumagic's own frames: machinery
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one rank ended.
+
+    ``phase`` is where a failure happened: ``setup`` (loading the shipped code), ``rendezvous`` (joining
+    the process group), ``user code``, or ``process`` (the process died without reporting: a signal or
+    ``os._exit``). ``stopped_by_launcher`` is True for ranks gpumagic stopped because another failed.
+    """
+
+    rank: int
+    pid: int | None
+    exitcode: int | None
+    phase: str | None = None
+    exc_type: str | None = None
+    message: str | None = None
+    traceback: str | None = None
+    timestamp: float | None = None
+    stopped_by_launcher: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.exitcode == 0 and self.exc_type is None
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exitcode is not None and self.exitcode < 0:
+            try:
+                return signal.Signals(-self.exitcode).name
+            except ValueError:
+                return f"signal {-self.exitcode}"
+        return None
+
+    def describe(self) -> str:
+        if self.ok:
+            return f"rank {self.rank}: finished"
+        if self.stopped_by_launcher:
+            how = self.signal_name or f"exit code {self.exitcode}"
+            return f"rank {self.rank}: stopped by gpumagic after the failure ({how})"
+        if self.exc_type == "SystemExit":
+            return f"rank {self.rank}: called sys.exit({self.message}) (exit code {self.exitcode})"
+        if self.exc_type:
+            return f"rank {self.rank}: raised {self.exc_type}: {self.message} (in {self.phase})"
+        if self.signal_name:
+            return f"rank {self.rank}: killed by {self.signal_name} (pid {self.pid})"
+        return f"rank {self.rank}: exited with code {self.exitcode} without an error report (pid {self.pid})"
+
+
+def root_cause(outcomes: list[RankOutcome]) -> RankOutcome | None:
+    """The earliest failure that was not caused by gpumagic stopping the rank."""
+    failed = [o for o in outcomes if not o.ok and not o.stopped_by_launcher]
+    if not failed:
+        return None
+    return min(failed, key=lambda o: (o.timestamp if o.timestamp is not None else float("inf"), o.rank))
+
+
+@dataclass(frozen=True)
+class ProcessEnd:
+    """How a rank's process ended, as its launcher saw it: exit code (negative: the signal) and when."""
+
+    pid: int | None
+    exitcode: int | None
+    time: float | None
+    stopped_by_launcher: bool = False
+
+
+def read_outcome(files: RunFiles, rank: int, attempt: int = 0, end: ProcessEnd | None = None) -> RankOutcome:
+    """How ``rank`` ended in ``attempt``: its own report; else the Python stack a fatal signal left (timed by when
+    the signal came, not when a launcher noticed); else how its process ended (``end``); else, with a result,
+    finished; else stopped by its launcher (an agent or Slurm ended it because another rank failed)."""
+    report = _read_json(files.rank_error(rank, attempt))
+    if report is not None:
+        return RankOutcome(
+            rank,
+            report.get("pid"),
+            report.get("exitcode"),
+            report.get("phase"),
+            report.get("type"),
+            report.get("message"),
+            report.get("traceback"),
+            report.get("timestamp"),
+        )
+    fatal = _fatal_stack(files.rank_fatal(rank, attempt))
+    if fatal is not None and (end is None or end.exitcode is None or -end.exitcode in FATAL_SIGNALS):
+        stack, died = fatal
+        exitcode = end.exitcode if end is not None and end.exitcode is not None else None
+        return RankOutcome(rank, end.pid if end else None, exitcode, "process", traceback=stack, timestamp=died)
+    if end is not None and end.exitcode is not None:
+        if end.exitcode == 0:
+            return RankOutcome(rank, end.pid, 0, timestamp=end.time)
+        return RankOutcome(
+            rank,
+            end.pid,
+            end.exitcode,
+            "process",
+            timestamp=end.time,
+            stopped_by_launcher=end.stopped_by_launcher,
+        )
+    if files.rank_result(rank).exists():
+        return RankOutcome(rank, None, 0)
+    return RankOutcome(rank, None, -int(signal.SIGTERM), timestamp=time.time(), stopped_by_launcher=True)
+
+
+def rank_outcomes(
+    files: RunFiles, world_size: int, failures: dict[str, dict[str, Any]] | None = None
+) -> list[RankOutcome]:
+    """Every rank's outcome in its latest attempt (``failures``: the elastic agents' records, by rank)."""
+    outcomes = []
+    for rank in range(world_size):
+        attempt = int(read_rank_start(files, rank).get("attempt", 0))
+        failure = (failures or {}).get(str(rank))
+        end = ProcessEnd(failure.get("pid"), failure.get("exitcode"), failure.get("time")) if failure else None
+        outcomes.append(read_outcome(files, rank, attempt, end))
+    return outcomes
+
+
+def read_rank_start(files: RunFiles, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s latest start (``ranks/rank-R.json``: attempt, pid, host, time); empty before it started."""
+    return _read_json(files.rank_start(rank)) or {}
+
+
+def read_result(files: RunFiles, rank: int) -> Any:
+    """Rank ``rank``'s value (``None`` if it wrote none)."""
+    path = files.rank_result(rank)
+    return cloudpickle.loads(read_sealed(path, f"rank {rank}'s result ({path})")) if path.exists() else None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _fatal_stack(path: Path) -> tuple[str, float] | None:
+    """The Python stack ``faulthandler`` wrote when a fatal signal hit, and when (the file's change time)."""
+    try:
+        status = path.stat()
+        if not status.st_size:
+            return None
+        return _tidy_stack(path.read_text(errors="replace")), status.st_mtime
+    except OSError:
+        return None
+
+
+def _tidy_stack(dump: str) -> str:
+    """``faulthandler``'s dump without gpumagic's own threads and the frames under the user's code."""
+    machinery = (GPUMAGIC_ROOT, os.path.dirname(multiprocessing.__file__), threading.__file__)
+    machinery += ("<string>", "<frozen ")  # <frozen runpy>: python -m ...rank_side.rank
+    blocks = []
+    for block in dump.strip().split("\n\n"):
+        lines = block.splitlines()
+        if lines and lines[0].startswith("Extension modules:"):
+            continue
+        frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+        users = [i for i in frames if not any(f'"{root}' in lines[i] for root in machinery)]
+        if frames and not users:
+            continue  # a thread of gpumagic's (the watchdog)
+        blocks.append("\n".join(lines[: users[-1] + 1] if users else lines))
+    return "\n\n".join(blocks)

@@ -208,18 +208,9 @@ def kill(pid: int, *, timeout: float = 5.0) -> KillReport:
     Raises KillRefused for processes of other users, processes not on a GPU, and this kernel itself.
     """
     # lazy: import gpumagic stays a few milliseconds
-    from gpumagic.devices.inventory import read_inventory
-    from gpumagic.devices.processes import kill_own_process
+    from gpumagic.devices.own_processes import kill_gpu_process
 
-    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-        raise InvalidArgument(f"a PID is a positive whole number, got {pid!r}")
-    processes = [p for g in read_inventory().gpus for p in g.processes]
-    for process in processes:
-        if process.pid == pid and process.simulated:
-            raise KillRefused(
-                f"PID {pid} is a simulated process of {process.user}; gpumagic stops only your own processes"
-            )
-    return kill_own_process(pid, {p.pid for p in processes}, timeout)
+    return kill_gpu_process(pid, timeout)
 
 
 def launch_ddp(

@@ -27,8 +27,6 @@ import cloudpickle
 
 from gpumagic.devices.processes import process_start_time
 from gpumagic.errors import DiskFull, InvalidArgument, RunsDirectoryError
-from gpumagic.jobs import executors, queue
-from gpumagic.launch.plan import LaunchPlan, assign_gpus
 from gpumagic.run_dirs import private, records, store
 from gpumagic.run_dirs.launch_files import make_launch_directories, remove_launch_directories
 from gpumagic.run_dirs.layout import RunFiles
@@ -80,7 +78,7 @@ class _Runner:
         except DiskFull as err:
             self._disk_full(err)
         finally:
-            # lazy: ranks import this as main
+            # lazy: the spawn ranks import this module as their main; only the runner needs leases
             from gpumagic.devices import leases
 
             leases.book().release_all()
@@ -151,6 +149,8 @@ class _Runner:
 
     def _wait_for_dependencies(self, spec: dict[str, Any]) -> bool:
         """Block until every ``after`` job has finished; False (job cancelled) if one did not."""
+        # lazy: the spawn ranks import this module as their main; only the runner waits
+        from gpumagic.jobs import executors
 
         pending = list(spec.get("after") or [])
         last = None
@@ -174,6 +174,8 @@ class _Runner:
         return True
 
     def _wait_for_gpus(self, spec: dict[str, Any]) -> list[Any]:
+        # lazy: the spawn ranks import this module as their main; only the runner queues
+        from gpumagic.jobs import queue
 
         request = queue.Request.from_json(spec["request"])
         if request.wants == 0:
@@ -187,10 +189,11 @@ class _Runner:
         )
 
     def _run(self, spec: dict[str, Any], gpus: list[Any]) -> None:
-        # lazy: the runner takes its place in the queue first, light (~50 ms of imports); the launch loads to run
+        # lazy: the spawn ranks import this module as their main; only the runner needs the launch
         from gpumagic.launch import failures
         from gpumagic.launch.kernel_side import local
         from gpumagic.launch.kernel_side.output import RankOutput
+        from gpumagic.launch.plan import LaunchPlan, assign_gpus
         from gpumagic.launch.rank_side.memory_cap import MEMORY_LIMIT_VARIABLE
 
         ddp = spec.get("ddp")

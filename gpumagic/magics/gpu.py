@@ -13,9 +13,9 @@ from IPython.core.magic import Magics, line_magic, magics_class
 
 from gpumagic.devices import selection
 from gpumagic.devices.inventory import read_inventory
-from gpumagic.devices.processes import kill_own_process
+from gpumagic.devices.own_processes import kill_gpu_process
 from gpumagic.devices.status import gather_status
-from gpumagic.errors import GpumagicError, KillRefused
+from gpumagic.errors import GpumagicError
 from gpumagic.launch.kernel_side.output import in_kernel
 from gpumagic.launch.seeding import seed
 from gpumagic.magics.parsing import Help, Parser, parse, subcommand, whole_number
@@ -198,13 +198,7 @@ def _seed(args: argparse.Namespace) -> Any:
 def _kill(args: argparse.Namespace) -> Any:
     pid = whole_number(args.pid, "%gpu kill: PID must be a whole number")
     timeout = parse_duration(args.timeout)
-    processes = [p for g in read_inventory().gpus for p in g.processes]
-    simulated = [p for p in processes if p.pid == pid and p.simulated]
-    if simulated:  # gpumagic.kill refuses it too; devices.processes should own this refusal for both
-        raise KillRefused(
-            f"PID {pid} is a simulated process of {simulated[0].user}; gpumagic stops only your own processes"
-        )
-    return kill_own_process(pid, {p.pid for p in processes}, timeout)
+    return kill_gpu_process(pid, timeout)
 
 
 def _watch(args: argparse.Namespace) -> Any:

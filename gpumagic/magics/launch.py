@@ -193,7 +193,7 @@ class LaunchMagics(Magics):
                 namespace[variable] = outcome
 
         run = functools.partial(launch_packed, packed, launch, dashboard=dashboard)
-        self.last_launch = LaunchHandle(run, on_end=ended).start()
+        LaunchMagics.last_launch = LaunchHandle(run, on_end=ended).start()
 
 
 LaunchMagics.launch_ddp.__doc__ = _LAUNCH_PARSER.format_help()

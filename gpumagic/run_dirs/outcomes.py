@@ -21,7 +21,7 @@ from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.signing import read_sealed
 
 FATAL_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}  # faulthandler's
-GPUMAGIC_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # gpumagic's own frames: machinery
+GPUMAGIC_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # gpumagic's frames: machinery
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpumagic.devices.placement import Request
-from gpumagic.jobs.api import _format_metrics
+from gpumagic.jobs.api import format_metrics
 from gpumagic.jobs.executors import executor_of
 from gpumagic.jobs.queue import one_line_why
 from gpumagic.run_dirs import records
@@ -60,7 +60,7 @@ def job_row(
     why = "" if status == "finished" else ended.short
     shown = ""
     if status not in ("queued", "cancelled"):
-        shown = _format_metrics(latest if latest is not None else job.last_metrics())
+        shown = format_metrics(latest if latest is not None else job.last_metrics())
     line = one_line_why(why, _request(info) if status == "queued" else None, place)
     return JobRow(info["name"], status, gpus, format_duration(records.elapsed(info)), why, shown, line)
 

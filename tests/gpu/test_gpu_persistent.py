@@ -12,7 +12,8 @@ import signal
 import time
 
 import pytest
-from test_persistent import LOOP  # the CPU tests' DDP training loop
+
+from tests.kernel.test_persistent import LOOP  # the CPU tests' DDP training loop
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kernel, pytest.mark.usefixtures("real_gpu")]
 

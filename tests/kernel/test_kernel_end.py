@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 from conftest import Kernel, kernel_env
-from test_launch import alive
+
+from tests.kernel.test_launch import alive
 
 pytestmark = pytest.mark.kernel
 

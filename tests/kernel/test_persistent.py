@@ -7,7 +7,8 @@ import time
 import psutil
 import pytest
 from conftest import cpu_kernel
-from test_launch import alive, rank_processes
+
+from tests.kernel.test_launch import alive, rank_processes
 
 pytestmark = pytest.mark.kernel
 

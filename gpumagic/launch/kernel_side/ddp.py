@@ -166,7 +166,7 @@ def launch_packed(
             files = RunFiles(run_dir)
             make_launch_directories(files)
             listener = store_listener(files)  # rank 0's from here on
-        placement = _place_ranks(launch)
+        placement = place_ranks(launch)
     except BaseException:
         if listener is not None:
             listener.close()
@@ -242,7 +242,7 @@ def _run_here(
             dashboard.finish(status)
 
 
-class _Placement(NamedTuple):
+class Placement(NamedTuple):
     """Where a launch's ranks run: each rank's GPUs (UUIDs), whether CUDA is used, the process group's backend
     (``None``: ``spawn``'s code makes its own group)."""
 
@@ -251,7 +251,7 @@ class _Placement(NamedTuple):
     backend: str | None
 
 
-def _place_ranks(launch: LaunchOptions) -> _Placement:
+def place_ranks(launch: LaunchOptions) -> Placement:
     """Read or lease the GPUs ``launch`` asks for and give each rank its share.
 
     Raises:
@@ -266,7 +266,7 @@ def _place_ranks(launch: LaunchOptions) -> _Placement:
         rank_gpus = assign_gpus(available, nprocs, launch.gpus_per_rank)
     use_cuda = bool(available) and not simulated
     backend = (launch.backend or ("nccl" if use_cuda else "gloo")) if launch.process_group else None
-    return _Placement(rank_gpus, use_cuda, backend)
+    return Placement(rank_gpus, use_cuda, backend)
 
 
 def gpus_for_ranks(spec: str | None, nprocs: int | None, per_rank: int) -> tuple[list[str], bool]:

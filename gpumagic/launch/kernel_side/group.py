@@ -27,7 +27,7 @@ from gpumagic.devices.processes import is_running
 from gpumagic.devices.spec import parse_spec
 from gpumagic.errors import GpumagicError, InvalidArgument, ReportedError
 from gpumagic.launch.failures import LaunchError
-from gpumagic.launch.kernel_side.ddp import default_nprocs, gpus_for_ranks, stdout_writer
+from gpumagic.launch.kernel_side.ddp import place_ranks, stdout_writer
 from gpumagic.launch.kernel_side.group_members import (
     START_TIMEOUT_S,
     GroupError,
@@ -43,7 +43,7 @@ from gpumagic.launch.kernel_side.group_recovery import GroupRecovery
 from gpumagic.launch.kernel_side.group_shipping import NameShipper
 from gpumagic.launch.kernel_side.kernel_end import watch_this_kernel
 from gpumagic.launch.options import LaunchOptions
-from gpumagic.launch.plan import LaunchPlan, assign_gpus, check_timeout
+from gpumagic.launch.plan import LaunchPlan, check_timeout
 from gpumagic.launch.rank_side.group_rank import sync_here
 from gpumagic.launch.rank_side.rank_server import forkserver_context
 from gpumagic.launch.replay import Definition, definitions
@@ -118,23 +118,20 @@ class RankGroup:
     # --- life --------------------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        gpus, per_rank = self.launch.gpus, self.launch.gpus_per_rank
+        gpus = self.launch.gpus
         run_dir = store.new_run("ddp-group", ranks=0)
         try:
             make_launch_directories(RunFiles(run_dir))  # the stores' sockets: private to the user
-            available, simulated = gpus_for_ranks(gpus, self.requested, per_rank)
-            nprocs = self.requested
-            if nprocs is None:
-                nprocs = default_nprocs(available, per_rank)
-            self.rank_gpus = assign_gpus(available, nprocs, per_rank)
+            placed = place_ranks(self.launch)  # the same GPUs, ranks and backend as a launch's
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)  # a refused start leaves nothing behind
             raise
         self.run_dir = run_dir
-        self.leased = gpus is not None and (gpus == "auto" or not parse_spec(gpus).none) and bool(available)
-        self.nprocs = nprocs
-        self.use_cuda = bool(available) and not simulated
-        self.backend = self.launch.backend or ("nccl" if self.use_cuda else "gloo")
+        self.rank_gpus = placed.rank_gpus
+        self.leased = gpus is not None and (gpus == "auto" or not parse_spec(gpus).none) and any(placed.rank_gpus)
+        self.nprocs = nprocs = len(placed.rank_gpus)
+        self.use_cuda = placed.use_cuda
+        self.backend = placed.backend or "gloo"
         store.update_run(self.run_dir, ranks=nprocs, backend=self.backend, gpus=[list(g) for g in self.rank_gpus])
         self.plan = LaunchPlan.on_this_machine(
             self.run_dir,
@@ -498,6 +495,8 @@ def _outcome(member: Member, reply: tuple | None, files: RunFiles) -> RankOutcom
     """How a cell ended on one rank: done, failed (its report), died (with the Python stack a fatal signal left,
     read as a launch's rank's is), or freed by gpumagic (a peer failed)."""
     if reply is None and not member.alive:
+        if member.exitcode is None:  # its exit code was not collected in time: a death all the same
+            return RankOutcome(member.rank, member.pid, None, "process", timestamp=member.died_at)
         end = ProcessEnd(member.pid, member.exitcode, member.died_at, member.killed)
         return read_outcome(files, member.rank, 0, end)
     if reply is None or (reply[0] == "interrupted" and member.alive):  # gpumagic freed it: a peer failed

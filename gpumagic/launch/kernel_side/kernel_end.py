@@ -52,8 +52,10 @@ def end_kernel_work() -> None:
     """End the rank server for good (every rank and what they started end with it), close every group of ranks
     (its leases, its run's record), then let the resource tracker end. Never raises: the kernel's shutdown
     must go on whatever happens here."""
-    # not imported: this kernel started no rank server and no group (and importing them now costs time)
+    # not imported, or imported but never used (%load_ext imports them): nothing of gpumagic's to end there
     rank_server = sys.modules.get("gpumagic.launch.rank_side.rank_server")
+    if rank_server is not None and not rank_server.started():
+        rank_server = None
     persistent = sys.modules.get("gpumagic.launch.kernel_side.group")
     # the ranks end first, at once: a cell still running on them (on the main thread) cannot hold this up,
     # and the groups only have to record their end; the tracker is held by the ranks until they end

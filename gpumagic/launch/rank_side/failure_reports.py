@@ -13,9 +13,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from gpumagic.run_dirs.outcomes import GPUMAGIC_ROOT
 from gpumagic.run_dirs.private import write_private
-
-GPUMAGIC_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def report_failure(path: Path, rank: int, phase: str, err: BaseException) -> int:
@@ -54,6 +53,6 @@ def failure_report(phase: str, err: BaseException) -> dict[str, Any]:
 def _user_traceback(err: BaseException) -> str:
     """The traceback from the user's first frame on: gpumagic's own frames are noise to the user."""
     tb = err.__traceback__
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(GPUMAGIC_ROOT + os.sep):
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(GPUMAGIC_ROOT):
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(err), err, tb or err.__traceback__))

@@ -278,7 +278,7 @@ class GroupRank(RankRuntime):
         if address is None:
             address = f"unix:{self.setup.files.launch / f'store-{ident}.sock'}"
             listener = secure_store.listen(address)
-            self.send(("store", -1, address))  # persistent.STORE
+            self.send(("store", -1, address))  # group_members.STORE
         os.environ[secure_store.VARIABLE] = address
         setup = self.setup
         self.group_sockets = join_tracking_sockets(

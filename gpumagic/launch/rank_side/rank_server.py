@@ -73,6 +73,7 @@ _preloaded: frozenset[str] = frozenset()
 _server_pid: int | None = None
 _report: str | None = None  # the file the running server writes its heavy libraries to
 _launches = 0  # launches of this process using the server now
+_started = False  # whether this process ever started a rank server
 
 
 def preload_list() -> list[str]:
@@ -97,7 +98,7 @@ def forkserver_context() -> Any:
 
 
 def _ensure_server(wanted: list[str]) -> None:
-    global _preloaded, _server_pid, _report
+    global _preloaded, _server_pid, _report, _started
 
     server = forkserver._forkserver
     running = getattr(server, "_forkserver_pid", None)
@@ -124,6 +125,13 @@ def _ensure_server(wanted: list[str]) -> None:
         os.environ.pop(REPORT_VARIABLE, None)
     _preloaded = frozenset(wanted)
     _server_pid = server._forkserver_pid
+    _started = True
+
+
+def started() -> bool:
+    """Whether this process started a rank server (then its end stops it, and multiprocessing's resource tracker;
+    a process that never launched leaves the user's own forkserver and tracker alone)."""
+    return _started
 
 
 def stop_for_good(grace_s: float = 2.0) -> None:

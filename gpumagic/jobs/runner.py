@@ -71,9 +71,8 @@ class _Runner:
                 return
             self.name = spec["name"]
             sys.path[:0] = [p for p in spec.get("sys_path") or [] if p not in sys.path]  # the ranks inherit it
-            records.update(
-                self.run_dir, runner_pid=os.getpid(), runner_start=process_start_time(os.getpid()), reason="starting"
-            )
+            # the reason stays: "starting", or why the job waits, which the kernel recorded at the submission
+            records.update(self.run_dir, runner_pid=os.getpid(), runner_start=process_start_time(os.getpid()))
             self._run_job(spec)
         except DiskFull as err:
             self._disk_full(err)

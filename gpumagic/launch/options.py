@@ -90,9 +90,20 @@ class LaunchOptions:
         backend: str | None = None,
         timeout: str | float = "30m",
         output: str = "rank0",
+        **others: Any,
     ) -> LaunchOptions:
         """The options of a group that lives across cells (``%ddp start``, ``gpumagic.ranks``): those it takes,
-        with its own default output (rank 0's)."""
+        with its own default output (rank 0's).
+
+        Raises:
+            InvalidArgument: an option a group does not take (a port, a start method, several nodes: named), or a
+            bad value.
+        """
+        if others:
+            raise InvalidArgument(
+                f"a group of ranks does not take {', '.join(sorted(others))}; it takes nprocs, gpus, gpus_per_rank, "
+                "backend, timeout and output"
+            )
         return cls(nprocs, gpus, gpus_per_rank, backend, timeout=timeout, output=output)
 
     @property
@@ -157,6 +168,7 @@ class LaunchOptions:
             raise InvalidArgument("node 0 serves the rendezvous: name its address and port in --rdzv-endpoint")
 
 
+GROUP_OPTIONS = ("nprocs", "gpus", "gpus_per_rank", "backend", "timeout", "output")  # what for_group takes
 USER_OPTIONS = tuple(f.name for f in fields(LaunchOptions) if f.init and f.name not in ("nprocs", "process_group"))
 
 

@@ -164,6 +164,8 @@ class LaunchDashboard:
         metrics = RunFiles(self.run_dir).metrics
         self._readers = [RankReader(metrics, rank) for rank in range(self.nprocs)]
         self._processes = _rank_processes(self.pids)
+        with contextlib.suppress(Exception):  # a dashboard hiccup must never break the launch
+            self._push_resources(self._processes)  # now, while the ranks surely live: a launch of 0.1 s has one
         self._thread = threading.Thread(target=self._loop, name="gpumagic-launch-dashboard", daemon=True)
         self._thread.start()
 

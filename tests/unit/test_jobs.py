@@ -52,6 +52,21 @@ def test_four_variants_run_at_once_and_a_fifth_waits_for_a_free_gpu(simulated):
     assert jobs[1].last_metrics() == {"loss": (3.0, 0.25)}
 
 
+def test_why_a_job_waits_shows_from_its_submission_on(simulated):
+    """The kernel records why a new job waits; its runner, starting a moment later, must not hide that behind
+    "starting" until it has queued itself (a %jobs right after the submission read "starting")."""
+    busy = [gpumagic.submit(variant, k, 4.0, name=f"B{k}") for k in range(4)]
+    wait_until(lambda: all(j.status == "running" for j in busy))
+    waiting = gpumagic.submit(variant, 9, 0.1, name="B9")
+    seen = []
+    deadline = time.monotonic() + 1.5  # past the runner's start and its own first placement
+    while time.monotonic() < deadline:
+        seen.append(waiting.reason)
+        time.sleep(0.002)
+    assert seen and all(reason.startswith("waiting for 1 GPU") for reason in seen), sorted(set(seen))
+    assert [j.wait("2m") for j in [*busy, waiting]] == ["finished"] * 5
+
+
 def test_a_job_sees_exactly_its_gpus_and_a_cpu_job_none(simulated):
     def visible():
         import os

@@ -13,6 +13,7 @@ from gpumagic.errors import InvalidArgument
 from gpumagic.jobs.api import JobRequest
 from gpumagic.jobs.slurm import torchrun_environment
 from gpumagic.launch.kernel_side.ddp import check_launch
+from gpumagic.launch.kernel_side.group import RankGroup
 from gpumagic.launch.kernel_side.launch_handle import LaunchHandle
 from gpumagic.launch.options import LaunchOptions
 from gpumagic.launch.plan import TORCHRUN_VARIABLES, LaunchPlan
@@ -94,7 +95,7 @@ def test_a_group_takes_its_own_default_output_and_what_rank_group_takes():
     )
     with pytest.raises(InvalidArgument, match="output must be one of all, rank0, none, got 'loud'"):
         LaunchOptions.for_group(output="loud")
-    with pytest.raises(TypeError):
+    with pytest.raises(InvalidArgument, match="a group of ranks does not take port; it takes nprocs"):
         LaunchOptions.for_group(port=5000)  # RankGroup takes no port
 
 
@@ -173,3 +174,15 @@ def test_local_ranks_and_slurm_tasks_get_the_torchrun_variables_from_one_writer(
     assert list(task) == list(TORCHRUN_VARIABLES)
     assert (task["RANK"], task["LOCAL_WORLD_SIZE"], task["GROUP_RANK"], task["NODE_RANK"]) == ("3", "2", "1", "1")
     assert task["MASTER_ADDR"] == "node-a" and task["TORCHELASTIC_RUN_ID"] == "4242"
+
+
+def test_a_group_refuses_options_it_would_ignore():
+    for launch in (
+        LaunchOptions(2, port=5000),
+        LaunchOptions(2, start_method="spawn"),
+        LaunchOptions(2, max_restarts=1),
+    ):
+        with pytest.raises(InvalidArgument, match="a group of ranks runs on this machine"):
+            RankGroup(launch)
+    with pytest.raises(InvalidArgument, match="a group of ranks does not take max_restarts"):
+        gpumagic.ranks(2, max_restarts=1)

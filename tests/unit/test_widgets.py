@@ -423,6 +423,27 @@ def test_the_launch_dashboard_shows_each_ranks_own_gpu_memory(fake_nvml, tmp_pat
             rank.wait()
 
 
+def test_ranks_that_end_right_after_they_start_still_have_their_resources_drawn(tmp_path):
+    """A launch shorter than the dashboard's first tick (150 steps of a small model: well under 0.1 s) is sampled
+    when the dashboard attaches, while its ranks surely live."""
+    from gpumagic.widgets.launch_dashboard import LaunchDashboard
+
+    rank = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        (tmp_path / "metrics").mkdir()
+        dashboard = LaunchDashboard(push_interval=5.0)  # its thread's first sample comes 0.1 s after attach
+        dashboard.attach(tmp_path, [rank.pid], use_gpus=False)
+        rank.stdin.close()  # the rank ends at once
+        rank.wait()
+        dashboard.finish("finished")
+        dashboard.join()
+        assert len(dashboard.resource_sources[0].data["memory"]) >= 1
+        assert dashboard.resource_sources[0].data["memory"][0] > 1  # MiB: the live process's own memory
+    finally:
+        rank.kill()
+        rank.wait()
+
+
 def test_a_flat_metric_is_not_magnified_and_the_axis_changes_rarely():
     from gpumagic.widgets.plots import SteadySpan, styled_figure
 

@@ -42,7 +42,7 @@ from gpumagic.launch.kernel_side.group_output import GroupOutput
 from gpumagic.launch.kernel_side.group_recovery import GroupRecovery
 from gpumagic.launch.kernel_side.group_shipping import NameShipper
 from gpumagic.launch.kernel_side.kernel_end import watch_this_kernel
-from gpumagic.launch.options import LaunchOptions
+from gpumagic.launch.options import GROUP_OPTIONS, LaunchOptions
 from gpumagic.launch.plan import LaunchPlan, check_timeout
 from gpumagic.launch.rank_side.group_rank import sync_here
 from gpumagic.launch.rank_side.rank_server import forkserver_context
@@ -99,6 +99,11 @@ class RankGroup:
         when it was made), ``grace`` (how long an interrupted cell may take to stop), ``write`` (where rank output
         goes, default stdout) and ``on_note`` (where gpumagic's notes go, default ``write``)."""
         self.launch = launch or LaunchOptions.for_group()
+        if self.launch != LaunchOptions.for_group(**{name: getattr(self.launch, name) for name in GROUP_OPTIONS}):
+            raise InvalidArgument(
+                "a group of ranks runs on this machine, from the rank server, on ports of its own: make its options "
+                "with LaunchOptions.for_group (nprocs, gpus, gpus_per_rank, backend, timeout, output)"
+            )
         self.timeout_s = self.launch.timeout_s
         self.grace_s = parse_duration(grace, at_most=3600.0, what="a grace period")
         self.requested = self.launch.nprocs

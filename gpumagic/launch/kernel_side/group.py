@@ -501,7 +501,9 @@ def _outcome(member: Member, reply: tuple | None, files: RunFiles) -> RankOutcom
     read as a launch's rank's is), or freed by gpumagic (a peer failed)."""
     if reply is None and not member.alive:
         if member.exitcode is None:  # its exit code was not collected in time: a death all the same
-            return RankOutcome(member.rank, member.pid, None, "process", timestamp=member.died_at)
+            return RankOutcome(
+                member.rank, member.pid, None, "process", timestamp=member.died_at, stopped_by_launcher=member.killed
+            )
         end = ProcessEnd(member.pid, member.exitcode, member.died_at, member.killed)
         return read_outcome(files, member.rank, 0, end)
     if reply is None or (reply[0] == "interrupted" and member.alive):  # gpumagic freed it: a peer failed

@@ -47,6 +47,12 @@ CONTRAST = (
 )
 
 
+def contrast_of(page, selector: str, variable: str | None, timeout: float = 10_000) -> dict:
+    """The contrast of the first element matching ``selector`` (its colour, or its CSS ``variable``) against what
+    is behind it, waiting up to ``timeout`` ms for the element: a view redrawn at a tick leaves the page for a frame."""
+    return page.wait_for_function(CONTRAST, arg=[selector, variable], timeout=timeout).json_value()
+
+
 LIGHT_TEXT = (
     ("tick labels", ".bk-Figure", "--bk-major-label-text-color"),
     ("titles", ".bk-Figure", "--bk-text-color"),
@@ -105,7 +111,7 @@ def test_curves_draw_live_when_the_first_log_comes_4_s_after_the_start(jupyterla
         assert 20 < rate < 60, status  # 50 steps/s at most (a 20 ms sleep a step), not 0.0
         assert "of 600" in status and "ETA" in status, status
         for name, selector, variable in LIGHT_TEXT:  # JupyterLab Light: text at least 4.5:1 too
-            found = page.evaluate(CONTRAST, [selector, variable])
+            found = contrast_of(page, selector, variable)
             assert found is not None and found["ratio"] >= 4.5, (name, found)
         page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=60_000)
         page.wait_for_timeout(1500)
@@ -239,11 +245,11 @@ def test_the_dark_theme_reads_at_4_5_to_1_and_reading_a_plot_sends_nothing(jupyt
         wait_for_pixels(page, 1, artifacts / "browser-dark-theme.png")
         page.locator(".jp-Cell >> nth=1").screenshot(path=str(artifacts / "cell-dark-theme.png"))
         measured = {
-            "tick labels": page.evaluate(CONTRAST, [".bk-Figure", "--bk-major-label-text-color"]),
-            "legend": page.evaluate(CONTRAST, [".bk-Figure", "--bk-label-text-color"]),
-            "titles": page.evaluate(CONTRAST, [".bk-Figure", "--bk-text-color"]),
-            "active tab": page.evaluate(CONTRAST, [".bk-tab.bk-active", None]),
-            "status line": page.evaluate(CONTRAST, [".widget-html-content, .gpumagic-launch-dashboard", None]),
+            "tick labels": contrast_of(page, ".bk-Figure", "--bk-major-label-text-color"),
+            "legend": contrast_of(page, ".bk-Figure", "--bk-label-text-color"),
+            "titles": contrast_of(page, ".bk-Figure", "--bk-text-color"),
+            "active tab": contrast_of(page, ".bk-tab.bk-active", None),
+            "status line": contrast_of(page, ".widget-html-content, .gpumagic-launch-dashboard", None),
         }
         print({name: round(found["ratio"], 2) for name, found in measured.items() if found})
         for name, found in measured.items():

@@ -161,6 +161,20 @@ def isolated_leases(tmp_path_factory, monkeypatch):
     visibility.restore()
 
 
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real Slurm cluster of two nodes on this machine (``tests/slurm_cluster.py``), for the session. Skipped,
+    with the reason, only where the machine cannot start one (not root, no slurm-wlm): a start that fails fails."""
+    from tests import slurm_cluster as cluster
+
+    reason = cluster.cannot_start()
+    if reason:
+        pytest.skip(f"no Slurm cluster here: {reason}")
+    running = cluster.start(2)
+    yield running
+    running.stop()
+
+
 @pytest.fixture
 def simulated(monkeypatch):
     """Four simulated A100s."""

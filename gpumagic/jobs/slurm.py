@@ -20,6 +20,8 @@ import io
 import os
 import random
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -31,9 +33,11 @@ import cloudpickle
 from gpumagic.devices.processes import is_same_process, process_start_time
 from gpumagic.devices.shared_files import one_line
 from gpumagic.errors import InvalidArgument
+from gpumagic.jobs import slurm_state
 from gpumagic.jobs.executors import Entry, Submission
 from gpumagic.jobs.local import stop_process_tree
 from gpumagic.jobs.queue import Request
+from gpumagic.jobs.slurm_state import SlurmState
 from gpumagic.launch.failures import LaunchError
 from gpumagic.launch.plan import torchrun_variables
 from gpumagic.launch.rank_side.rank import run_rank
@@ -65,7 +69,8 @@ KEYS = (
 )
 QUEUED_STATES = ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED")
 RUNNING_STATES = ("RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING", "RESIZING")
-STATE_CACHE_S = 10.0
+ENDED_STATES = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "ENDED")
+STATE_CACHE_S = 3.0  # scontrol answers in milliseconds; %jobs and a watch ask every job each time
 CONTROLLER_GRACE_S = 5.0  # submitit's local controller, between SIGTERM and SIGKILL, whatever grace kill is given
 
 
@@ -298,19 +303,47 @@ class Task:
 
         run_dir = Path(self.run_dir)
         env = submitit.JobEnvironment()
+        # submitit lets the code run on through SIGTERM (for checkpoints); Slurm's SIGTERM here is scancel's or a
+        # requeue's, and then the rank ends at once rather than at SIGKILL, KillWait later (30 s on many clusters)
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
         rank, world_size = env.global_rank, env.num_tasks
         master = "127.0.0.1" if cluster_of(run_dir) == "local" else env.hostnames[0]
         os.environ.update(
             torchrun_environment(env.job_id, rank, env.local_rank, world_size, env.num_nodes, env.node, master)
         )
+        restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+        if restarts:  # Slurm requeued the job (preemption, node failure, scontrol requeue): this is attempt N + 1
+            keep_earlier_attempt(run_dir, rank, restarts)
         if rank == 0:
-            records.update(run_dir, status="running", reason="", started=time.time(), slurm_nodes=list(env.hostnames))
+            fields: dict[str, Any] = {"slurm_restarts": restarts} if restarts else {}
+            if restarts:  # an end the earlier attempt recorded is not this one's
+                fields.update(slurm_attempts_kept=str(RunFiles(run_dir).root / "attempts"), exit="", ended=None)
+            records.update(
+                run_dir, status="running", reason="", started=time.time(), slurm_nodes=list(env.hostnames), **fields
+            )
         code = run_rank(run_dir)
         if rank == 0:
             record_outcome(run_dir, world_size)
         if code:
             raise RuntimeError(f"rank {rank} failed (exit code {code}); see {RunFiles(run_dir).error}")
         return code
+
+
+def keep_earlier_attempt(run_dir: Path, rank: int, restarts: int) -> None:
+    """Move what ``rank`` left of the attempt before this one (its log, start, result, errors, metrics; rank 0 also
+    the job's result and error) into ``attempts/<restarts - 1>/``, so a requeued job never overwrites it. Each rank
+    moves its own files: the ranks of the new attempt start at once."""
+    files = RunFiles(run_dir)
+    kept = RunFiles(files.root / "attempts" / str(restarts - 1))
+    mine = [files.rank_log(rank), files.rank_start(rank), files.rank_result(rank), *files.rank_errors(rank)]
+    mine += [*files.ranks.glob(f"rank-{rank}.fatal.*.txt"), files.metric_names(rank), files.metric_points(rank)]
+    if rank == 0:
+        mine += [files.result, files.error]
+    for path in mine:
+        if path.exists():
+            target = kept.root / path.relative_to(files.root)
+            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.replace(path, target)
 
 
 def cluster_of(run_dir: Path) -> str:
@@ -362,26 +395,20 @@ def record_outcome(run_dir: Path, world_size: int, wait_s: float = 60.0) -> None
     record_end(run_dir, "finished", "finished", exitcode=0)
 
 
-_states: dict[str, tuple[float, str]] = {}
+_states: dict[str, tuple[float, SlurmState]] = {}
 
 
-def state(info: Mapping[str, Any]) -> str:
-    """The job's Slurm state (``PENDING``, ``RUNNING``, ``COMPLETED``, ``CANCELLED`` ...), asked at most every
-    10 s per job (sacct); ``UNKNOWN`` if Slurm cannot tell."""
+def state(info: Mapping[str, Any]) -> SlurmState:
+    """The job's Slurm state (``slurm_state.ask``: the controller, the accounting, its output), asked at most
+    every ``STATE_CACHE_S`` per job."""
     job_id = str(info.get("slurm_job_id", ""))
     if info.get("slurm_cluster") == "local":
         alive = is_same_process(int(info.get("runner_pid") or 0), info.get("runner_start"))
-        return "RUNNING" if alive else "ENDED"
+        return SlurmState("RUNNING" if alive else "ENDED", "its controller process")
     cached = _states.get(job_id)
     if cached is not None and time.monotonic() - cached[0] < STATE_CACHE_S:
         return cached[1]
-    try:
-        # lazy: submitit, only for Slurm
-        import submitit
-
-        found = str(submitit.SlurmJob(folder=info["slurm_folder"], job_id=job_id).state).split()[0].upper()
-    except Exception:  # noqa: BLE001 - sacct missing or failing: Slurm cannot tell now
-        found = "UNKNOWN"
+    found = slurm_state.ask(job_id, info.get("slurm_folder"))
     _states[job_id] = (time.monotonic(), found)
     return found
 
@@ -393,22 +420,37 @@ def end(info: Mapping[str, Any]) -> RunEnd:
 
 
 def _slurm_watch(info: Mapping[str, Any]) -> RunEnd:
-    """An active job as Slurm sees it: queued, running, or ended without rank 0 recording the end."""
+    """An active job as Slurm sees it: queued (requeued), running, or ended without rank 0 recording the end."""
     recorded = str(info.get("status", "?"))
     found = state(info)
     stand_in = " (local stand-in)" if info.get("slurm_cluster") == "local" else ""
     job = f"Slurm job {info.get('slurm_job_id')}{stand_in}"
-    if found in QUEUED_STATES:
-        return RunEnd("queued", f"{job}: {found}")
-    if found in RUNNING_STATES:
-        nodes = ",".join(info.get("slurm_nodes") or []) or "its nodes"
-        return RunEnd("running" if recorded == "queued" else recorded, f"{job}: {found} on {nodes}")
-    if found == "UNKNOWN":
-        return RunEnd(recorded, f"{job}: Slurm cannot tell its state now (sacct)")
-    ended = f"{job} ended ({found}) without recording a result; see {info.get('slurm_folder')}"
-    if found.startswith("CANCELLED"):
+    requeued = ""
+    if found.restarts:
+        kept = info.get("slurm_attempts_kept")
+        requeued = f"requeued by Slurm {found.restarts} time(s)" + (
+            f", the earlier attempts' rank files kept in {kept}" if kept else ""
+        )
+    if found.restarts > int(info.get("slurm_restarts") or 0) and found.state not in ("UNKNOWN", *ENDED_STATES):
+        # requeued, and the new attempt has not begun (its rank 0 records the restart): the earlier one may be ending
+        return RunEnd("queued", f"{job}: {requeued}; {found.state}", brief=f"requeued, {found.state}")
+    if found.state in QUEUED_STATES:
+        why = f" ({found.reason})" if found.reason else ""
+        if requeued:
+            return RunEnd("queued", f"{job}: {requeued}; {found.state}{why}", brief=f"requeued, {found.state}")
+        return RunEnd("queued", f"{job}: {found.state}{why}")
+    if found.state in RUNNING_STATES:
+        nodes = found.nodes or ",".join(info.get("slurm_nodes") or []) or "its nodes"
+        again = f" (attempt {found.restarts + 1}: {requeued})" if requeued else ""
+        status = "running" if recorded == "queued" or found.restarts else recorded
+        return RunEnd(status, f"{job}: {found.state} on {nodes}{again}")
+    if found.state == "UNKNOWN":
+        return RunEnd(recorded, f"{job}: Slurm cannot tell its state now ({found.source})")
+    told = f"{found.state}, from {found.source}" if found.source != "controller" else found.state
+    ended = f"{job} ended ({told}) without recording a result; see {info.get('slurm_folder')}"
+    if found.state.startswith("CANCELLED"):
         return RunEnd("killed", ended)
-    return RunEnd("lost" if found in ("COMPLETED", "ENDED") else "failed", ended)
+    return RunEnd("lost" if found.state in ("COMPLETED", "ENDED") else "failed", ended)
 
 
 def outputs(path: Path, info: Mapping[str, Any]) -> list[tuple[int | None, Path]]:
@@ -439,12 +481,18 @@ def kill(path: Path, info: Mapping[str, Any], grace_s: float) -> None:
 
 
 def cancel(info: Mapping[str, Any]) -> str:
-    """Cancel a Slurm job through Slurm (scancel). Returns what was done."""
-    # lazy: submitit, only for Slurm
-    import submitit
+    """Cancel a Slurm job through Slurm (scancel). Returns what was done.
 
+    Raises:
+        InvalidArgument: scancel refused (its words).
+    """
     job_id = str(info.get("slurm_job_id"))
-    submitit.SlurmJob(folder=info["slurm_folder"], job_id=job_id).cancel(check=True)
+    try:
+        done = subprocess.run(["scancel", job_id], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise InvalidArgument(f"cannot cancel Slurm job {job_id}: scancel failed ({err})") from None
+    if done.returncode != 0:
+        raise InvalidArgument(f"scancel {job_id} refused: {one_line(done.stderr or done.stdout, 200)}")
     _states.pop(job_id, None)
     return f"cancelled through Slurm (scancel {job_id})"
 

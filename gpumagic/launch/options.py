@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from gpumagic.errors import InvalidArgument
+from gpumagic.launch.allocation import Allocation, check_srun, current
 from gpumagic.launch.plan import check_backend, check_timeout
 
 MAX_RANKS = 256
@@ -64,6 +65,8 @@ class LaunchOptions:
     runs_dir: str | None = None
     process_group: bool = True
     timeout_s: float = field(init=False, repr=False, compare=False)
+    # the Slurm allocation whose nodes a multi-node launch without an endpoint runs on (srun starts their agents)
+    allocation: Allocation | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timeout_s", self._check())
@@ -113,8 +116,11 @@ class LaunchOptions:
 
     @property
     def endpoint(self) -> str | None:
-        """The rendezvous endpoint of an elastic launch (this machine's loopback for one node)."""
-        return self.rdzv_endpoint or (LOCAL_ENDPOINT if self.nnodes == 1 else None)
+        """The rendezvous endpoint of an elastic launch (this machine's loopback for one node; inside a Slurm
+        allocation, the address its nodes reach this machine at, any free port)."""
+        if self.rdzv_endpoint or self.nnodes == 1:
+            return self.rdzv_endpoint or LOCAL_ENDPOINT
+        return f"{self.allocation.address}:0" if self.allocation is not None else None
 
     @property
     def hosts_rendezvous(self) -> bool:
@@ -148,8 +154,13 @@ class LaunchOptions:
             raise InvalidArgument("with an elastic launch the port is --rdzv-endpoint's; leave out --port")
         if not _whole(self.nnodes, 1, MAX_NODES):
             raise InvalidArgument(f"nnodes must be a whole number from 1 to {MAX_NODES}, got {self.nnodes!r}")
+        if self.nnodes > 1 and self.rdzv_endpoint is None:
+            self._check_allocation()
         if self.endpoint is None:
-            raise InvalidArgument("a multi-node launch needs --rdzv-endpoint HOST:PORT, an address of this machine")
+            raise InvalidArgument(
+                "a multi-node launch needs --rdzv-endpoint HOST:PORT (an address of this machine), or a notebook "
+                "inside a Slurm allocation (salloc -N 2, then jupyter lab), where gpumagic starts the other nodes"
+            )
         _, port = self.rendezvous_address()
         if self.node_rank is not None:
             if not _whole(self.node_rank, 0, self.nnodes - 1):
@@ -166,6 +177,24 @@ class LaunchOptions:
             )
         if port == 0 and not self.hosts_rendezvous:
             raise InvalidArgument("node 0 serves the rendezvous: name its address and port in --rdzv-endpoint")
+
+    def _check_allocation(self) -> None:
+        """Inside a Slurm allocation, ``nnodes`` without an endpoint runs on its nodes: enough of them, srun."""
+        allocation = current()
+        if allocation is None:
+            return
+        if self.node_rank is not None:
+            raise InvalidArgument(
+                "inside a Slurm allocation the rendezvous numbers the nodes: leave out --node-rank (or give "
+                "--rdzv-endpoint and start every agent yourself)"
+            )
+        if self.nnodes > len(allocation.nodes):
+            raise InvalidArgument(
+                f"--nnodes {self.nnodes}, but {allocation.describe()}; ask for at most {len(allocation.nodes)}, or "
+                f"allocate more nodes (salloc -N {self.nnodes})"
+            )
+        check_srun()
+        object.__setattr__(self, "allocation", allocation)
 
 
 GROUP_OPTIONS = ("nprocs", "gpus", "gpus_per_rank", "backend", "timeout", "output")  # what for_group takes

@@ -82,8 +82,12 @@ cp "$1" "{log}/script.sh"
 echo "Submitted batch job 4242"
 """
 SACCT = """#!/bin/sh
-echo "JobID|State|NodeList"
-echo "4242|$(cat {log}/state)|None assigned"
+echo "$@" >> "{log}/sacct"
+echo "$(cat {log}/state)|None assigned"
+"""
+SCONTROL = """#!/bin/sh
+echo "slurm_load_jobs error: Invalid job id specified" >&2
+exit 1
 """
 SCANCEL = """#!/bin/sh
 echo "$@" >> "{log}/scancel"
@@ -92,10 +96,17 @@ echo "$@" >> "{log}/scancel"
 
 @pytest.fixture
 def slurm_commands(tmp_path, monkeypatch, no_job_left_running):
-    """sbatch, srun, sacct and scancel stand-ins that record what they are given (no cluster here)."""
+    """sbatch, srun, sacct, scontrol and scancel stand-ins that record what they are given: a controller that
+    forgot the job and an accounting that remembers it (the real cluster's tests are test_slurm_cluster.py)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in {"sbatch": SBATCH, "sacct": SACCT, "scancel": SCANCEL, "srun": "#!/bin/sh\n"}.items():
+    for name, text in {
+        "sbatch": SBATCH,
+        "sacct": SACCT,
+        "scancel": SCANCEL,
+        "scontrol": SCONTROL,
+        "srun": "#!/bin/sh\n",
+    }.items():
         path = bin_dir / name
         path.write_text(text.format(log=tmp_path))
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
@@ -132,6 +143,7 @@ def test_the_slurm_path_builds_the_sbatch_script_and_follows_slurm(shell, slurm_
     job = gpumagic.job("big")
     assert job.info["slurm_job_id"] == "4242" and job.info["ranks"] == 8
     assert job.status == "queued" and job.reason == "Slurm job 4242: PENDING"
+    assert "--noheader --allocations --parsable2 --jobs 4242" in (slurm_commands / "sacct").read_text()
     (slurm_commands / "state").write_text("RUNNING")
     assert job.status == "running"
     shell.run_line_magic("jobs", "kill big")

@@ -257,6 +257,8 @@ def place_ranks(launch: LaunchOptions) -> Placement:
     Raises:
         InvalidArgument: too few GPUs, or a spec naming none (nothing is leased then).
     """
+    if launch.allocation is not None and launch.allocation.here is None:
+        return _place_on_allocation(launch)
     available, simulated = gpus_for_ranks(launch.gpus, launch.nprocs, launch.gpus_per_rank)
     nprocs = launch.nprocs if launch.nprocs is not None else default_nprocs(available, launch.gpus_per_rank)
     check_nprocs(nprocs)
@@ -267,6 +269,26 @@ def place_ranks(launch: LaunchOptions) -> Placement:
     use_cuda = bool(available) and not simulated
     backend = (launch.backend or ("nccl" if use_cuda else "gloo")) if launch.process_group else None
     return Placement(rank_gpus, use_cuda, backend)
+
+
+def _place_on_allocation(launch: LaunchOptions) -> Placement:
+    """From a login node, no rank runs here: the ranks use the GPUs Slurm allocated on each node (``gpus_per_node``
+    of ``scontrol show job``), unless ``--gpus none``; this machine's GPUs are not theirs to lease.
+
+    Raises:
+        InvalidArgument: a device spec, which names this machine's GPUs.
+    """
+    assert launch.allocation is not None
+    gpus = launch.allocation.gpus_per_node
+    if launch.gpus is not None and not parse_spec(launch.gpus).none:
+        raise InvalidArgument(
+            f"--gpus {launch.gpus} names this machine's GPUs, and no rank runs here: the ranks use the GPUs Slurm "
+            f"allocated on each node ({gpus} per node); leave out --gpus, or give --gpus none for CPU ranks"
+        )
+    use_cuda = gpus > 0 and launch.gpus is None
+    nprocs = launch.nprocs if launch.nprocs is not None else max(1, gpus // launch.gpus_per_rank) if use_cuda else 2
+    check_nprocs(nprocs)
+    return Placement(tuple(() for _ in range(nprocs)), use_cuda, launch.backend or ("nccl" if use_cuda else "gloo"))
 
 
 def gpus_for_ranks(spec: str | None, nprocs: int | None, per_rank: int) -> tuple[list[str], bool]:

@@ -9,11 +9,8 @@ through the directory: every rank's output (``ranks/rank-R.log``), the agents' r
 
 from __future__ import annotations
 
-import contextlib
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -23,20 +20,19 @@ from pathlib import Path
 from typing import Any
 
 from gpumagic.errors import GpumagicError, InvalidArgument
+from gpumagic.launch.allocation import Allocation
 from gpumagic.launch.failures import LaunchError, LaunchInterrupted
+from gpumagic.launch.kernel_side.node_agents import NodeAgents, start_agents
 from gpumagic.launch.kernel_side.output import RankOutput, progress_lines
-from gpumagic.launch.kernel_side.process_set import ProcessSet
 from gpumagic.launch.options import LaunchOptions
-from gpumagic.launch.plan import command_environment, threads_per_rank
+from gpumagic.launch.plan import threads_per_rank
 from gpumagic.launch.rank_side.agent import AgentError, agent_command, read_events
 from gpumagic.run_dirs import store
 from gpumagic.run_dirs.launch_files import write_spec
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.outcomes import ProcessEnd, rank_outcomes, read_outcome, read_rank_start, read_result, root_cause
-from gpumagic.run_dirs.private import open_private
 
 RESULTS_WAIT_S = 60.0  # after this node's agent finished, for the other nodes' results to appear
-STOP_GRACE_S = 10.0
 
 
 @dataclass
@@ -128,30 +124,30 @@ def launch_elastic(
     }
     files = RunFiles(run_dir)
     write_spec(files, spec, packed)
-    write(_announce(spec, run_dir, launch.node_rank))
-    agent = _start_agent(run_dir, endpoint, listener, launch.node_rank, gpu_uuids)
+    write(_announce(spec, run_dir, launch.node_rank, launch.allocation))
+    agents = start_agents(run_dir, endpoint, listener, launch.node_rank, gpu_uuids, launch.allocation, launch.nnodes)
     sink = RankOutput(write, launch.output, world_size, progress_lines())
     follower = _Follower(run_dir, world_size, launch.max_restarts, sink, write)
     status = "failed"
     try:
-        _follow(agent, follower, dashboard, run_dir, spec, poll_s)
-        if agent.returncode != 0:
-            raise follower.failure(agent.returncode)
+        _follow(agents, follower, dashboard, run_dir, spec, poll_s)
+        if agents.returncode != 0:
+            raise follower.failure(agents.returncode or 1)
         results = follower.results()
         status = "finished"
         return results
     except (KeyboardInterrupt, _Cancelled) as reason:
         status = "interrupted"
-        started = time.monotonic()
-        _stop(agent, run_dir)
+        took = agents.stop()
         follower.drain()
         why = "stopped from the dashboard" if isinstance(reason, _Cancelled) else "interrupted"
         raise LaunchInterrupted(
-            f"{why}; told every node to stop (this node's ranks stopped in {time.monotonic() - started:.1f}s)"
+            f"{why}; told every node to stop (the agents started here ended in {took:.1f}s)"
         ) from None
     finally:
-        if agent.poll() is None:
-            _stop(agent, run_dir)
+        if agents.running():
+            agents.stop()
+        agents.close()
         follower.drain()
         store.finish_run(run_dir, status)
         if dashboard is not None:
@@ -169,14 +165,21 @@ def _bind(host: str, port: int) -> socket.socket:
         ) from None
 
 
-def _announce(spec: dict[str, Any], run_dir: Path, node_rank: int | None) -> str:
+def _announce(spec: dict[str, Any], run_dir: Path, node_rank: int | None, allocation: Allocation | None) -> str:
     restarts = f", up to {spec['max_restarts']} group restart(s)" if spec["max_restarts"] else ""
     kind = "static rendezvous" if spec["static"] else f"c10d rendezvous (id {spec['rdzv_id']})"
     lines = [
         f"[gpumagic] {spec['nnodes']} nodes × {spec['nproc_per_node']} rank(s), {kind} at {spec['rdzv_endpoint']}"
         f"{restarts}; run directory {run_dir}",
-        "[gpumagic] on each other node, in the same Python environment and with this directory reachable, run:",
     ]
+    if allocation is not None:
+        nodes = allocation.nodes_to_start(int(spec["nnodes"]))
+        here = f"this node ({allocation.here}) and " if allocation.here else ""
+        lines.append(f"[gpumagic] {allocation.describe()}: ranks on {here}{', '.join(nodes)} (srun --overlap)")
+        return "\n".join(lines) + "\n"
+    lines.append(
+        "[gpumagic] on each other node, in the same Python environment and with this directory reachable, run:"
+    )
     if node_rank is None:
         lines.append("  " + agent_command(spec["rdzv_endpoint"], run_dir))
     else:
@@ -188,43 +191,20 @@ def _announce(spec: dict[str, Any], run_dir: Path, node_rank: int | None) -> str
     return "\n".join(lines) + "\n"
 
 
-def _start_agent(
-    run_dir: Path, endpoint: str, listener: socket.socket | None, node_rank: int | None, gpu_uuids: list[str]
-) -> subprocess.Popen:
-    command = [sys.executable, "-m", "gpumagic.agent", "--rdzv-endpoint", endpoint, "--run-dir", str(run_dir)]
-    command.append("--die-with-parent")
-    if node_rank is not None:
-        command += ["--node-rank", str(node_rank)]
-    pass_fds: tuple[int, ...] = ()
-    if listener is not None:
-        listener.set_inheritable(True)
-        pass_fds = (listener.fileno(),)
-        command += ["--listen-fd", str(listener.fileno())]
-    env = command_environment()
-    if gpu_uuids:
-        env.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=",".join(gpu_uuids))
-    files = RunFiles(run_dir)
-    files.agents.mkdir(mode=0o700, exist_ok=True)
-    try:
-        with open_private(files.notebook_agent_log) as log:
-            return subprocess.Popen(
-                command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, pass_fds=pass_fds
-            )
-    finally:
-        if listener is not None:
-            listener.close()  # the agent holds it now
-
-
 class _Cancelled(Exception):
     """The dashboard's Stop button."""
 
 
 def _follow(
-    agent: subprocess.Popen, follower: _Follower, dashboard: Any, run_dir: Path, spec: dict[str, Any], poll_s: float
+    agents: NodeAgents, follower: _Follower, dashboard: Any, run_dir: Path, spec: dict[str, Any], poll_s: float
 ) -> None:
-    attached = False
-    while agent.poll() is None:
+    attached = told_stop = False
+    while agents.running():
         follower.read()
+        agents.check_nodes()
+        if agents.failed_early() and not told_stop:  # one node gave up: the others stop too, not at their timeout
+            agents.tell_stop()
+            told_stop = True
         if dashboard is not None:
             if not attached and follower.started():
                 dashboard.attach(run_dir, follower.local_pids(), use_gpus=spec["use_cuda"])
@@ -233,15 +213,6 @@ def _follow(
                 raise _Cancelled()
         time.sleep(poll_s)
     follower.read()
-
-
-def _stop(agent: subprocess.Popen, run_dir: Path) -> None:
-    """Tell every node to stop (the stop file), stop this node's agent (SIGTERM, then SIGKILL)."""
-    with contextlib.suppress(OSError):
-        open_private(RunFiles(run_dir).stop).close()
-    agents = ProcessSet([agent])
-    agents.stop(signal.SIGTERM, grace_s=STOP_GRACE_S)
-    agents.close()
 
 
 class _Follower:

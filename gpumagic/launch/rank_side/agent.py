@@ -68,10 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local-addr", help="the address other nodes reach this node at (default: its name)")
     parser.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)  # the kernel's bound rendezvous socket
     parser.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-only", action="store_true", help=argparse.SUPPRESS)  # a login node's kernel
     args = parser.parse_args(argv)
     if args.die_with_parent:
         die_with_parent(signal.SIGTERM)
     try:
+        if args.serve_only:
+            return serve_rendezvous(Path(args.run_dir), args.rdzv_endpoint, args.listen_fd)
         return run_agent(
             Path(args.run_dir),
             args.rdzv_endpoint,
@@ -133,6 +136,24 @@ def run_agent(
         return 1
     events.write("finished")
     return 0
+
+
+def serve_rendezvous(run_dir: Path, endpoint: str, listen_fd: int | None) -> int:
+    """Serve only the rendezvous of a run whose ranks all run on other nodes (a kernel on an allocation's login
+    node), until the notebook writes the stop file or ends this process.
+
+    Raises:
+        PayloadRejected, AgentError: as ``run_agent``.
+    """
+    files = RunFiles(run_dir)
+    spec = read_spec(files)
+    read_sealed(files.payload, f"the code sent to the ranks ({files.payload})")
+    host, port = parse_endpoint(endpoint)
+    _rendezvous_store(host, port, True, listen_fd, float(spec.get("join_timeout_s", 600)))
+    _stop_when_asked(files.stop)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while True:
+        time.sleep(3600)
 
 
 def _set_environment(spec: dict[str, Any], host: str) -> None:

@@ -1,0 +1,288 @@
+"""Against a real Slurm cluster of two nodes on this machine (#28; ``tests/slurm_cluster.py``, no accounting
+daemon, as on most small clusters): background jobs read their state from the controller, are killed and
+requeued through Slurm; a kernel inside an allocation runs one DDP group across its nodes, starting the other
+nodes' agents with srun."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from IPython.core.error import UsageError
+
+import gpumagic
+from gpumagic.jobs import slurm, slurm_state
+from gpumagic.launch.rank_side.agent import AgentError
+from gpumagic.run_dirs.layout import RunFiles
+
+pytestmark = pytest.mark.kernel
+
+ALL_REDUCE = (
+    "import socket, torch, torch.distributed as dist\n"
+    "print('hello from', socket.gethostname(), flush=True)\n"
+    "t = torch.tensor(float(dist.get_rank() + 1))\n"
+    "dist.all_reduce(t)\n"
+    "(socket.gethostname(), t.item())"
+)
+FOREVER = "import time\nwhile True:\n    print('working', flush=True)\n    time.sleep(0.5)"
+
+
+@pytest.fixture
+def on_cluster(slurm_cluster, monkeypatch, no_job_left_running):
+    """This process and the kernels it starts use the test cluster; Slurm's answers are not cached."""
+    for name, value in slurm_cluster.environment().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("GPUMAGIC_SLURM", raising=False)
+    monkeypatch.setattr(slurm, "STATE_CACHE_S", 0.0)
+    yield slurm_cluster
+    slurm_cluster.run("scancel", "--user=root", check=False)  # the allocations and jobs a test left
+
+
+@pytest.fixture
+def allocation(on_cluster):
+    """A two-node allocation, as ``salloc -N 2`` gives a login node's shell; cancelled after the test."""
+    job_id, env = on_cluster.allocation(2)
+    yield env
+    on_cluster.run("scancel", job_id, check=False)
+
+
+def run_streaming(kernel, code: str, timeout: float = 120) -> tuple[list[tuple[float, str]], dict]:
+    """Run ``code`` in a real kernel; each stdout piece with the seconds since the cell was sent, and the reply."""
+    sent = time.monotonic()
+    msg_id = kernel.client.execute(code)
+    pieces: list[tuple[float, str]] = []
+    while True:
+        message = kernel.client.get_iopub_msg(timeout=timeout)
+        if message["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = message["msg_type"], message["content"]
+        if kind == "stream":
+            pieces.append((time.monotonic() - sent, content["text"]))
+        elif kind == "error":
+            pieces.append((time.monotonic() - sent, f"{content['ename']}: {content['evalue']}"))
+        elif kind == "status" and content["execution_state"] == "idle":
+            break
+    reply = kernel.client.get_shell_msg(timeout=timeout)
+    return pieces, reply["content"]
+
+
+def first_line_at(pieces: list[tuple[float, str]], text: str) -> float:
+    return next(when for when, piece in pieces if text in piece)
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def test_a_two_node_job_reads_its_states_from_the_controller_without_accounting(on_cluster, start_kernel):
+    assert "accounting storage is disabled" in on_cluster.run("sacct", check=False).stderr  # no sacct here
+    kernel = start_kernel()
+    kernel.ok("%load_ext gpumagic")
+    submitted = kernel.run(
+        "%%launch_bg --executor slurm --name C1 --nodes 2 --tasks-per-node 1 --gpus 0 --time 10m\n"
+        "import time\ntime.sleep(3)\n" + ALL_REDUCE
+    )
+    assert submitted.status == "ok", submitted
+    job = gpumagic.job("C1")
+    reasons = []
+    while job.status in ("queued", "running"):
+        reasons.append((job.status, job.reason))
+        assert len(reasons) < 600, reasons
+        time.sleep(0.1)
+    assert job.status == "finished", (job.status, job.reason, reasons)
+    assert not [r for r in reasons if "cannot tell" in r[1]], reasons
+    assert any(status == "running" and "RUNNING on gmn[1-2]" in reason for status, reason in reasons), reasons
+    assert job.result() == {0: ("gmn1", 3.0), 1: ("gmn2", 3.0)}
+    shown = [kernel.ok(line) for line in ("%jobs", "%jobs logs C1", "%jobs result C1")]
+    said = "".join(r.all_text + r.stderr for r in [*shown, submitted])
+    assert "slurm 2×1" in said and "finished" in said, said
+    assert "[rank 1] hello from gmn2" in said and "('gmn2', 3.0)" in said, said
+    assert "sacct" not in said and "WARNING" not in said, said  # submitit's "Bypassing sacct error" is gone
+
+
+def test_killing_a_two_node_job_stops_its_ranks_on_both_nodes(on_cluster, shell):
+    shell.run_cell_magic("launch_bg", "--executor slurm --name K2 --nodes 2 --tasks-per-node 1 --gpus 0", FOREVER)
+    job = gpumagic.job("K2")
+    files = RunFiles(job.path)
+    starts = wait_for(lambda: all(files.rank_start(r).exists() for r in (0, 1)), 60, "both ranks started")
+    assert starts
+    pids = [json.loads(files.rank_start(r).read_text())["pid"] for r in (0, 1)]
+    hosts = {json.loads(files.rank_start(r).read_text())["host"] for r in (0, 1)}
+    assert hosts == {"gmn1", "gmn2"}
+    began = time.monotonic()
+    shell.run_line_magic("jobs", "kill K2")
+    assert job.status == "killed" and f"scancel {job.info['slurm_job_id']}" in job.info["exit"]
+    wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), 30, "both nodes' ranks ended")
+    print(f"kill: both nodes' ranks ended {time.monotonic() - began:.1f}s after %jobs kill")
+    state = wait_for(
+        lambda: (s := slurm_state.ask(job.info["slurm_job_id"], job.info["slurm_folder"])).state != "RUNNING" and s,
+        30,
+        "Slurm ended the job",
+    )
+    assert state.state.startswith("CANCELLED") or state.state == "COMPLETING", state
+    assert job.status == "killed"
+
+
+def test_a_requeued_job_says_so_and_keeps_the_earlier_attempts_files(on_cluster):
+    def attempts():
+        import os
+        import time
+
+        attempt = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+        print("attempt", attempt, flush=True)
+        gpumagic.log(attempt=attempt)
+        time.sleep(600 if attempt == 0 else 1)
+        return attempt
+
+    job = gpumagic.submit(attempts, name="R1", executor="slurm", gpus=0, slurm={"time": "10m"})
+    job_id = job.info["slurm_job_id"]
+    wait_for(lambda: "attempt 0" in job.logs(), 60, "the first attempt's output")
+    on_cluster.run("scontrol", "requeue", job_id)
+    requeued = wait_for(lambda: "requeued" in job.reason and job.reason, 30, "the job reads as requeued")
+    assert job.status == "queued" and "requeued by Slurm 1 time(s)" in requeued, requeued
+    wait_for(lambda: on_cluster.job_fields(job_id).get("JobState") == "PENDING", 30, "the earlier attempt ended")
+    on_cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")  # Slurm holds a requeued job 2 min
+    assert job.wait(timeout="90s") == "finished", job.reason
+    assert job.result() == 1
+    assert "attempt 1" in job.logs() and "attempt 0" not in job.logs()
+    kept = Path(job.info["slurm_attempts_kept"]) / "0"
+    assert "attempt 0" in (kept / "ranks" / "rank-0.log").read_text()
+    assert (kept / "metrics" / "rank-0.bin").exists()
+    assert job.last_metrics()["attempt"][1] == 1  # this attempt's curve, not mixed with the earlier one's
+
+
+def test_a_job_cancelled_from_a_shell_reads_killed_and_its_end_survives_the_controller(on_cluster):
+    job = gpumagic.submit(time.sleep, 600, name="S1", executor="slurm", gpus=0, slurm={"time": "10m"})
+    job_id, folder = job.info["slurm_job_id"], job.info["slurm_folder"]
+    wait_for(lambda: job.status == "running", 60, "the job runs")
+    on_cluster.run("scancel", job_id)
+    wait_for(lambda: job.status == "killed", 30, "the job reads killed")
+    assert "CANCELLED" in job.reason and "without recording a result" in job.reason, job.reason
+    # once the controller forgot the job (MinJobAge) and with no accounting, slurmstepd's line in its output tells
+    forgotten = wait_for(lambda: list(Path(folder).glob(f"{job_id}_0_log.*")), 10, "Slurm's output file")
+    assert forgotten
+    from_output = slurm_state.from_output(job_id, Path(folder))
+    assert from_output == slurm_state.SlurmState("CANCELLED", "its Slurm output"), from_output
+    assert slurm_state.ask("999999", None).state == "ENDED"  # a job nobody knows: ended, not "cannot tell"
+
+
+def test_ddp_across_the_allocation_from_a_kernel_on_a_login_node(allocation, start_kernel):
+    kernel = start_kernel(**allocation)
+    kernel.ok("%load_ext gpumagic")
+    pieces, reply = run_streaming(kernel, "%%launch_ddp -n 1 --nnodes 2 --gpus none -o out\n" + ALL_REDUCE)
+    said = "".join(text for _, text in pieces)
+    assert reply["status"] == "ok", said
+    assert "Slurm allocation" in said and "ranks on gmn1, gmn2 (srun --overlap)" in said, said
+    assert "[rank 0] hello from gmn1" in said and "[rank 1] hello from gmn2" in said, said
+    assert kernel.ok("print(out)").stdout.strip() == "{0: ('gmn1', 3.0), 1: ('gmn2', 3.0)}"
+    second_node = first_line_at(pieces, "[rank 1] hello from gmn2")
+    print(f"from the cell's start to the second node's first line: {second_node:.1f}s; all_reduce: 1 + 2 = 3.0")
+    # the same cell with two ranks per node: one group of four across the nodes
+    pieces, reply = run_streaming(kernel, "%%launch_ddp -n 2 --nnodes 2 --gpus none -o out\n" + ALL_REDUCE)
+    assert reply["status"] == "ok", pieces
+    assert kernel.ok("print(out)").stdout.strip() == (
+        "{0: ('gmn1', 10.0), 1: ('gmn1', 10.0), 2: ('gmn2', 10.0), 3: ('gmn2', 10.0)}"
+    )
+
+
+def test_an_interrupt_stops_the_ranks_on_every_node(allocation, start_kernel):
+    kernel = start_kernel(**allocation)
+    kernel.ok("%load_ext gpumagic\nimport gpumagic")
+    msg_id = kernel.client.execute("%%launch_ddp -n 1 --nnodes 2 --gpus none\n" + FOREVER)
+    seen = ""
+    deadline = time.monotonic() + 90
+    while "[rank 1] working" not in seen or "[rank 0] working" not in seen:
+        assert time.monotonic() < deadline, seen
+        message = kernel.client.get_iopub_msg(timeout=90)
+        if message["parent_header"].get("msg_id") == msg_id and message["msg_type"] == "stream":
+            seen += message["content"]["text"]
+    run_dir = Path(seen.split("run directory ", 1)[1].split()[0])
+    files = RunFiles(run_dir)
+    pids = {json.loads(files.rank_start(r).read_text())["host"]: json.loads(files.rank_start(r).read_text())["pid"]
+            for r in (0, 1)}  # fmt: skip
+    assert set(pids) == {"gmn1", "gmn2"}
+    content, took = kernel.interrupt()
+    assert content["status"] == "error" and content["ename"] == "LaunchInterrupted", content
+    began = time.monotonic()
+    wait_for(lambda: not any(psutil.pid_exists(p) for p in pids.values()), 15, "every node's rank ended")
+    print(f"interrupt: the cell returned in {took:.1f}s, every node's ranks had ended by then "
+          f"(+{time.monotonic() - began:.1f}s)")  # fmt: skip
+    steps = subprocess.run(["squeue", "--steps", "--noheader", "--format=%i %j"], capture_output=True, text=True,
+                           check=False).stdout  # fmt: skip
+    assert "gpumagic-agent" not in steps, steps  # srun's step ended too
+    assert kernel.ok("print('still here')").stdout.strip() == "still here"
+
+
+def test_a_kernel_on_a_node_of_the_allocation_runs_ranks_there_and_srun_starts_the_other(allocation, tmp_path):
+    """Open OnDemand and batchspawner start Jupyter on the allocation's first node: that node's ranks run beside
+    the kernel, the other node's through srun."""
+    script = tmp_path / "on_node.py"
+    script.write_text(
+        "import gpumagic, socket\n"
+        "def f():\n"
+        "    import socket, torch, torch.distributed as dist\n"
+        "    t = torch.tensor(1.0)\n"
+        "    dist.all_reduce(t)\n"
+        "    return socket.gethostname(), t.item()\n"
+        "print('kernel on', socket.gethostname())\n"
+        "print(gpumagic.launch_ddp(f, 1, nnodes=2, gpus='none'))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ["PYTHONPATH"]])}
+    done = subprocess.run(
+        ["srun", "--overlap", f"--jobid={allocation['SLURM_JOB_ID']}", "--nodelist=gmn1", "-N1", "-n1",
+         sys.executable, str(script)],
+        env=env, capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "kernel on gmn1" in done.stdout and "ranks on this node (gmn1) and gmn2" in done.stdout, done.stdout
+    assert "{0: ('gmn1', 2.0), 1: ('gmn2', 2.0)}" in done.stdout, done.stdout
+
+
+def test_a_node_that_does_not_answer_is_named_and_nothing_is_left(allocation, on_cluster, monkeypatch):
+    for name, value in allocation.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("GPUMAGIC_NODE_TIMEOUT", "6")
+    slurmd = on_cluster.node_pid("gmn2")
+    os.kill(slurmd, signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        with pytest.raises(AgentError) as caught:
+            gpumagic.launch_ddp(print, 1, nnodes=2, gpus="none")
+        took = time.monotonic() - began
+    finally:
+        os.kill(slurmd, signal.SIGCONT)
+    assert "gmn2" in str(caught.value) and "did not answer within 6s" in str(caught.value), caught.value
+    assert "\n" not in str(caught.value)
+    print(f"a silent node: named after {took:.1f}s (timeout 6 s)")
+    assert not [p for p in psutil.Process().children(recursive=True) if "gpumagic.agent" in " ".join(p.cmdline())]
+
+
+@pytest.mark.parametrize(
+    ("environment", "line", "says"),
+    [
+        ({}, "-n 1 --nnodes 3 --gpus none", "--nnodes 3, but Slurm allocation"),
+        ({"PATH": "/nonexistent"}, "-n 1 --nnodes 2 --gpus none", "with srun, which is not on PATH"),
+        ({}, "-n 1 --nnodes 2 --node-rank 0 --gpus none", "leave out --node-rank"),
+        ({}, "-n 1 --nnodes 2 --gpus 0", "names this machine's GPUs, and no rank runs here"),
+        ({"SLURM_JOB_ID": "", "SLURM_JOBID": ""}, "-n 1 --nnodes 2 --gpus none", "notebook inside a Slurm allocation"),
+    ],
+)
+def test_multi_node_mistakes_are_one_line_errors(allocation, shell, monkeypatch, environment, line, says):
+    for name, value in {**allocation, **environment}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UsageError) as caught:
+        shell.run_cell_magic("launch_ddp", line, "1")
+    assert says in str(caught.value) and "\n" not in str(caught.value), caught.value

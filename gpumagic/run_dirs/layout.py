@@ -14,6 +14,7 @@ A run directory is a launch's, a background job's or a kernel's own (``run_dirs.
     ranks/rank-R.result.pkl     rank R's value (sealed)
     ranks/rank-R.error.A.json   how rank R failed in attempt A (0 first, 1 after the first restart ...)
     ranks/rank-R.fatal.A.txt    rank R's Python stack when a fatal signal (SIGSEGV, SIGABRT ...) ended attempt A
+    ranks/rank-R.usage.jsonl    rank R's memory and CPU (GPU) use, sampled by its node's agent (multi-node runs)
     agents/                     elastic agents' events and logs
     job.json payload.pkl output.log result.pkl error.txt kill.json runner.log .reserve   a background job's
                                 (``run_dirs.records``)
@@ -111,6 +112,9 @@ class RunFiles:
 
     def rank_fatal(self, rank: int, attempt: int = 0) -> Path:
         return self.ranks / f"rank-{rank}.fatal.{attempt}.txt"
+
+    def rank_usage(self, rank: int) -> Path:
+        return self.ranks / f"rank-{rank}.usage.jsonl"
 
     @property
     def agents(self) -> Path:

@@ -18,6 +18,7 @@ while nothing changes (no new metric bytes, no mark, no busy rank) its thread re
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from collections import deque
@@ -86,6 +87,8 @@ class LaunchDashboard:
         self.live_after = live_after
         self.started = time.monotonic()
         self.run_dir: Path | None = None
+        self._remote_usage: dict[int, int] = {}
+        self._attached_epoch = 0.0
         self.pids: list[int | None] = []
         self.gpu_uuids: list[str] = []
         self.use_gpus = False
@@ -164,6 +167,9 @@ class LaunchDashboard:
         metrics = RunFiles(self.run_dir).metrics
         self._readers = [RankReader(metrics, rank) for rank in range(self.nprocs)]
         self._processes = _rank_processes(self.pids)
+        # the ranks on other nodes: their agents sample them into the run directory (bytes read so far)
+        self._remote_usage = {rank: 0 for rank, pid in enumerate(self.pids) if pid is None}
+        self._attached_epoch = time.time()
         with contextlib.suppress(Exception):  # a dashboard hiccup must never break the launch
             self._push_resources(self._processes)  # now, while the ranks surely live: a launch of 0.1 s has one
         self._thread = threading.Thread(target=self._loop, name="gpumagic-launch-dashboard", daemon=True)
@@ -506,6 +512,36 @@ class LaunchDashboard:
             self._drawn[rank] = (memory, busy)
             self._draw_sample(rank, sample)
             drew = True
+        return self._push_remote_usage() or drew
+
+    def _push_remote_usage(self) -> bool:
+        """Draw the samples the other nodes' agents wrote since the last look (``ranks/rank-R.usage.jsonl``)."""
+        if not self._remote_usage or self.run_dir is None:
+            return False
+        files, drew = RunFiles(self.run_dir), False
+        for rank, offset in self._remote_usage.items():
+            try:
+                with open(files.rank_usage(rank), "rb") as handle:
+                    handle.seek(offset)
+                    data = handle.read()
+            except OSError:
+                continue
+            complete = data[: data.rfind(b"\n") + 1]  # a line being written waits for the next look
+            self._remote_usage[rank] = offset + len(complete)
+            sample: dict[str, list[float]] = {"time": [], "memory": [], "busy": []}
+            for line in complete.splitlines():
+                try:
+                    point = json.loads(line)
+                    when, memory, busy = float(point["time"]), float(point["memory"]), float(point["busy"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+                sample["time"].append(max(0.0, when - self._attached_epoch))
+                sample["memory"].append(memory)
+                sample["busy"].append(busy)
+            if sample["time"]:
+                self._drawn[rank] = (sample["memory"][-1], sample["busy"][-1])
+                self._draw_sample(rank, sample)
+                drew = True
         return drew
 
     def _draw_held(self) -> None:

@@ -5,6 +5,7 @@ nodes' agents with srun."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -196,6 +197,25 @@ def test_ddp_across_the_allocation_from_a_kernel_on_a_login_node(allocation, sta
     assert kernel.ok("print(out)").stdout.strip() == (
         "{0: ('gmn1', 10.0), 1: ('gmn1', 10.0), 2: ('gmn2', 10.0), 3: ('gmn2', 10.0)}"
     )
+
+
+def test_the_dashboard_draws_the_resources_of_every_nodes_ranks(allocation, start_kernel):
+    """No rank runs on the kernel's machine here: each node's agent samples its ranks into the run directory."""
+    kernel = start_kernel(**allocation)
+    kernel.ok("%load_ext gpumagic\nfrom gpumagic.magics.launch import LaunchMagics")
+    cell = kernel.ok(
+        "%%launch_ddp -n 1 --nnodes 2 --gpus none\nimport time\nheld = bytearray(200 * 2**20)\ntime.sleep(4)",
+        timeout=120,
+    )
+    assert "application/vnd.jupyter.widget-view+json" in cell.mimetypes
+    kernel.ok("LaunchMagics.last_dashboard.join()")
+    drawn = kernel.ok(
+        "d = LaunchMagics.last_dashboard\n"
+        "print({r: (len(d.resource_sources[r].data['memory']), max(d.resource_sources[r].data['memory'])) "
+        "for r in (0, 1)})"
+    ).stdout.strip()
+    samples = ast.literal_eval(drawn)  # {rank: (samples, most MiB)}
+    assert all(count >= 2 and most > 200 for count, most in samples.values()), drawn
 
 
 def test_an_interrupt_stops_the_ranks_on_every_node(allocation, start_kernel):

@@ -31,6 +31,7 @@ from gpumagic.errors import GpumagicError
 from gpumagic.launch import secure_store
 from gpumagic.launch.options import parse_endpoint
 from gpumagic.launch.rank_side.lifeline import die_with_parent
+from gpumagic.launch.rank_side.usage import start_sampling
 from gpumagic.run_dirs.launch_files import read_spec
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.private import open_private
@@ -124,6 +125,7 @@ def run_agent(
     handler = _rendezvous_handler(spec, store, endpoint, node_rank, local_addr)
     agent = _agent(spec, run_dir, handler, events, local_addr, (host, port) if static else None)
     events.write("started", node=label, hosting=hosting)
+    start_sampling(run_dir, bool(spec.get("use_cuda")))  # the dashboard draws every node's ranks from these
     _stop_when_asked(files.stop)
     try:
         result = agent.run()

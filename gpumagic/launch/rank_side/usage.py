@@ -1,0 +1,95 @@
+"""Each node's agent samples the resources of its own ranks into the run directory
+(``ranks/rank-R.usage.jsonl``: one JSON line per sample, ``{"time", "memory", "busy"}``), so the notebook's
+dashboard draws every node's ranks, not only those on the kernel's machine.
+
+Memory is MiB, ``busy`` percent: the rank's resident memory and CPU use, or on a CUDA run the GPU memory NVML
+names for its process and its GPU's utilization.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.run_dirs.private import open_private
+
+SAMPLE_INTERVAL_S = 1.0
+MIB = 2**20
+
+
+def start_sampling(run_dir: Path, use_cuda: bool, interval_s: float = SAMPLE_INTERVAL_S) -> threading.Event:
+    """Sample this node's ranks of ``run_dir`` every ``interval_s`` in a daemon thread; set the event to stop."""
+    stop = threading.Event()
+    sampler = _Sampler(RunFiles(run_dir), use_cuda)
+    threading.Thread(target=sampler.run, args=(stop, interval_s), name="gpumagic-usage", daemon=True).start()
+    return stop
+
+
+class _Sampler:
+    def __init__(self, files: RunFiles, use_cuda: bool) -> None:
+        self.files = files
+        self.use_cuda = use_cuda
+        self.host = socket.gethostname()
+        self.processes: dict[int, Any] = {}  # rank -> its psutil.Process (this attempt's)
+
+    def run(self, stop: threading.Event, interval_s: float) -> None:
+        while not stop.wait(interval_s):
+            with contextlib.suppress(Exception):  # sampling must never end the agent
+                self.sample()
+
+    def _local_ranks(self) -> dict[int, int]:
+        """rank -> pid of the ranks whose latest start was on this node."""
+        found = {}
+        for path in self.files.ranks.glob("rank-*.json"):
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if record.get("host") == self.host and isinstance(record.get("pid"), int):
+                found[int(record["rank"])] = record["pid"]
+        return found
+
+    def sample(self) -> None:
+        ranks = self._local_ranks()
+        gpus = self._gpu_use() if self.use_cuda else {}
+        now = time.time()
+        for rank, pid in ranks.items():
+            process = self.processes.get(rank)
+            if process is None or process.pid != pid:
+                try:
+                    process = self.processes[rank] = psutil.Process(pid)
+                    process.cpu_percent(None)  # counted from now: the next sample has a rate
+                except psutil.Error:
+                    continue
+                continue
+            try:
+                if pid in gpus:
+                    memory, busy = gpus[pid]
+                else:
+                    memory, busy = process.memory_info().rss / MIB, process.cpu_percent(None)
+            except psutil.Error:
+                continue
+            line = json.dumps({"time": now, "memory": round(memory, 1), "busy": round(busy, 1)}) + "\n"
+            with open_private(self.files.rank_usage(rank)) as handle:
+                handle.write(line.encode())
+
+    def _gpu_use(self) -> dict[int, tuple[float, float]]:
+        """pid -> (its GPU memory in MiB, its GPU's utilization) for the processes NVML names."""
+        # lazy: NVML only for CUDA runs
+        from gpumagic.devices.inventory import read_inventory
+
+        use = {}
+        with contextlib.suppress(Exception):
+            for gpu in read_inventory().gpus:
+                for process in gpu.processes:
+                    if process.gpu_memory is not None:
+                        use[process.pid] = (process.gpu_memory / MIB, float(gpu.utilization or 0.0))
+        return use

@@ -246,6 +246,29 @@ def test_an_interrupt_stops_the_ranks_on_every_node(allocation, start_kernel):
     assert kernel.ok("print('still here')").stdout.strip() == "still here"
 
 
+def test_a_killed_kernel_leaves_no_rank_on_any_node(allocation, start_kernel):
+    kernel = start_kernel(**allocation)
+    kernel.ok("%load_ext gpumagic")
+    msg_id = kernel.client.execute("%%launch_ddp -n 1 --nnodes 2 --gpus none\n" + FOREVER)
+    seen = ""
+    while "[rank 1] working" not in seen:
+        message = kernel.client.get_iopub_msg(timeout=90)
+        if message["parent_header"].get("msg_id") == msg_id and message["msg_type"] == "stream":
+            seen += message["content"]["text"]
+    files = RunFiles(Path(seen.split("run directory ", 1)[1].split()[0]))
+    pids = [json.loads(files.rank_start(r).read_text())["pid"] for r in (0, 1)]
+    os.kill(kernel.pid, signal.SIGKILL)
+    began = time.monotonic()
+    wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), 30, "every node's rank ended with the kernel")
+    print(f"a killed kernel: both nodes' ranks gone {time.monotonic() - began:.1f}s later")
+    wait_for(lambda: "gpumagic-agent" not in on_steps(), 30, "srun's step ended")
+
+
+def on_steps() -> str:
+    return subprocess.run(["squeue", "--steps", "--noheader", "--format=%i %j"], capture_output=True, text=True,
+                          check=False).stdout  # fmt: skip
+
+
 def test_a_kernel_on_a_node_of_the_allocation_runs_ranks_there_and_srun_starts_the_other(allocation, tmp_path):
     """Open OnDemand and batchspawner start Jupyter on the allocation's first node: that node's ranks run beside
     the kernel, the other node's through srun."""

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -99,10 +100,19 @@ def test_a_two_node_job_reads_its_states_from_the_controller_without_accounting(
     assert submitted.status == "ok", submitted
     job = gpumagic.job("C1")
     reasons = []
-    while job.status in ("queued", "running"):
-        reasons.append((job.status, job.reason))
-        assert len(reasons) < 600, reasons
-        time.sleep(0.1)
+
+    def watch_states() -> None:
+        while job.status in ("queued", "running") and len(reasons) < 600:
+            reasons.append((job.status, job.reason))
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch_states)
+    watcher.start()
+    followed = kernel.ok("%jobs logs C1 -f", timeout=120)  # follows the job until it ends, as a local one
+    watched = kernel.ok("%jobs watch C1")
+    watcher.join()
+    assert "[rank 0] hello from gmn1" in followed.all_text and "[rank 1] hello from gmn2" in followed.all_text
+    assert "application/vnd.jupyter.widget-view+json" in watched.mimetypes
     assert job.status == "finished", (job.status, job.reason, reasons)
     assert not [r for r in reasons if "cannot tell" in r[1]], reasons
     assert any(status == "running" and "RUNNING on gmn[1-2]" in reason for status, reason in reasons), reasons
@@ -216,6 +226,26 @@ def test_the_dashboard_draws_the_resources_of_every_nodes_ranks(allocation, star
     ).stdout.strip()
     samples = ast.literal_eval(drawn)  # {rank: (samples, most MiB)}
     assert all(count >= 2 and most > 200 for count, most in samples.values()), drawn
+
+
+def test_a_rank_dying_on_the_other_node_restarts_the_group_across_the_allocation(allocation, start_kernel):
+    kernel = start_kernel(**allocation)
+    kernel.ok("%load_ext gpumagic")
+    cell = kernel.ok(
+        "%%launch_ddp -n 1 --nnodes 2 --gpus none --max-restarts 1 -o out\n"
+        "import os, socket, torch, torch.distributed as dist\n"
+        "attempt = int(os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+        "if rank == 1 and attempt == 0:\n"
+        "    os._exit(3)\n"
+        "t = torch.tensor(1.0)\n"
+        "dist.all_reduce(t)\n"
+        "(socket.gethostname(), attempt, t.item())",
+        timeout=180,
+    )
+    assert "rank 1: exited with code 3" in cell.stdout and "restarting the group (restart 1 of 1)" in cell.stdout, (
+        cell.stdout
+    )
+    assert kernel.ok("print(out)").stdout.strip() == "{0: ('gmn1', 1, 2.0), 1: ('gmn2', 1, 2.0)}"
 
 
 def test_an_interrupt_stops_the_ranks_on_every_node(allocation, start_kernel):

@@ -154,6 +154,8 @@ def isolated_leases(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("GPUMAGIC_RUNS_DIR", str(tmp_path_factory.mktemp("runs")))
     for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "GPUMAGIC_SIMULATE", "GPUMAGIC_SEED", "GPUMAGIC_RUN_DIR"):
         monkeypatch.delenv(name, raising=False)
+    for name in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):  # run inside an allocation
+        monkeypatch.delenv(name, raising=False)  # or not, a test sees none unless it makes one (slurm_cluster)
     yield directory
     from gpumagic.devices import leases, visibility
 

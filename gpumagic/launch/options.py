@@ -102,6 +102,12 @@ class LaunchOptions:
             InvalidArgument: an option a group does not take (a port, a start method, several nodes: named), or a
             bad value.
         """
+        if others.get("nnodes", 1) != 1:
+            raise InvalidArgument(
+                "a group that lives across cells runs its ranks on this machine; for one DDP group across several "
+                "nodes run the cell with %%launch_ddp --nnodes N (launch_ddp(fn, n, nnodes=N))"
+            )
+        others.pop("nnodes", None)
         if others:
             raise InvalidArgument(
                 f"a group of ranks does not take {', '.join(sorted(others))}; it takes nprocs, gpus, gpus_per_rank, "

@@ -36,6 +36,7 @@ def _parsers() -> dict[str, Parser]:
     )
     start.add_argument("--output", default="rank0", choices=OUTPUT_MODES, help="whose output cells show (rank0)")
     start.add_argument("--no-dashboard", action="store_true", help="no live dashboard under this cell")
+    start.add_argument("--nnodes", type=int, default=1, metavar="N", help="nodes: 1 (across nodes: %%launch_ddp)")
     simple = {
         "stop": "End the ranks and their processes, release the group's GPUs.",
         "restart": "Stop the group and start a fresh one with the same options (every namespace is lost).",
@@ -121,6 +122,7 @@ class DdpMagics(Magics):
             backend=args.backend,
             timeout=args.timeout,
             output=args.output,
+            nnodes=args.nnodes,
         )
         self._start_group(launch, args.grace, dashboard=not args.no_dashboard)
 

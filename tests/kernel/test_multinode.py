@@ -211,10 +211,13 @@ def test_the_rendezvous_listens_only_on_the_address_named(no_leftover_children):
     nodes = OtherNodes()
     seen: set[str] = set()
     done = threading.Event()
+    before = {p.pid for p in psutil.Process().children(recursive=True)}  # e.g. a test Slurm cluster's daemons
 
     def watch() -> None:
         while not done.is_set():
             for process in psutil.Process().children(recursive=True):
+                if process.pid in before:
+                    continue
                 try:
                     seen.update(c.laddr.ip for c in process.net_connections("inet") if c.status == "LISTEN")
                 except psutil.Error:

@@ -228,6 +228,30 @@ def test_the_dashboard_draws_the_resources_of_every_nodes_ranks(allocation, star
     assert all(count >= 2 and most > 200 for count, most in samples.values()), drawn
 
 
+SAME_CELL = (
+    "import torch, torch.distributed as dist\n"
+    "t = torch.tensor(float(rank + 1))\n"
+    "dist.all_reduce(t)\n"
+    "(world_size, t.item())"
+)
+
+
+def test_the_same_cell_runs_on_one_node_across_the_allocation_and_as_a_batch_job(allocation, start_kernel):
+    kernel = start_kernel(**allocation)
+    kernel.ok("%load_ext gpumagic\nimport gpumagic")
+    kernel.ok("%%launch_ddp -n 2 --gpus none -o here\n" + SAME_CELL, timeout=120)
+    kernel.ok("%%launch_ddp -n 1 --nnodes 2 --gpus none -o across\n" + SAME_CELL, timeout=120)
+    kernel.ok("%%launch_ddp -n 1 --nnodes 2 --gpus none --no-wait -o later\n" + SAME_CELL, timeout=120)
+    kernel.ok("%%launch_bg --executor slurm --name B3 --nodes 2 --gpus 0 --time 10m\n" + SAME_CELL)
+    kernel.ok("job = gpumagic.job('B3')\nassert job.wait(timeout='120s') == 'finished', job.reason", timeout=150)
+    waited = kernel.ok(
+        "import time\nfor _ in range(600):\n    if 'later' in globals(): break\n    time.sleep(0.1)\n"
+        "print(here == across == later == job.result(), here)",
+        timeout=90,
+    )
+    assert waited.stdout.strip() == "True {0: (2, 3.0), 1: (2, 3.0)}", waited.stdout
+
+
 def test_a_rank_dying_on_the_other_node_restarts_the_group_across_the_allocation(allocation, start_kernel):
     kernel = start_kernel(**allocation)
     kernel.ok("%load_ext gpumagic")

@@ -186,3 +186,14 @@ def test_a_group_refuses_options_it_would_ignore():
             RankGroup(launch)
     with pytest.raises(InvalidArgument, match="a group of ranks does not take max_restarts"):
         gpumagic.ranks(2, max_restarts=1)
+
+
+def test_a_group_across_several_nodes_points_to_launch_ddp(shell):
+    """#28: %ddp start --nnodes N is not built; the refusal says what runs one group across nodes instead."""
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError) as caught:
+        shell.run_line_magic("ddp", "start -n 1 --nnodes 2 --gpus none")
+    assert "%%launch_ddp --nnodes N" in str(caught.value) and "\n" not in str(caught.value)
+    with pytest.raises(InvalidArgument, match="runs its ranks on this machine"):
+        gpumagic.ranks(2, nnodes=2)

@@ -67,7 +67,9 @@ class NodeAgents:
         """Raises AgentError naming the nodes whose agent srun has not started within the timeout."""
         if self._all_answered:
             return
-        answered = {str(e.get("node", "")).rsplit("-", 1)[0].split(".")[0] for e in read_events(self.run_dir)}
+        started = [e for e in read_events(self.run_dir) if e.get("event") == "started"]
+        # Slurm's name for the node (srun sets SLURMD_NODENAME), else its host name
+        answered = {str(e.get("slurm_node") or e["node"].rsplit("-", 1)[0]).split(".")[0] for e in started}
         missing = [node for node in self.srun_nodes if node.split(".")[0] not in answered]
         if not missing:
             self._all_answered = True

@@ -124,7 +124,7 @@ def run_agent(
     store = _rendezvous_store(host, port, hosting, listen_fd, float(spec.get("join_timeout_s", 600)))
     handler = _rendezvous_handler(spec, store, endpoint, node_rank, local_addr)
     agent = _agent(spec, run_dir, handler, events, local_addr, (host, port) if static else None)
-    events.write("started", node=label, hosting=hosting)
+    events.write("started", node=label, hosting=hosting, slurm_node=os.environ.get("SLURMD_NODENAME"))
     start_sampling(run_dir, bool(spec.get("use_cuda")))  # the dashboard draws every node's ranks from these
     _stop_when_asked(files.stop)
     try:

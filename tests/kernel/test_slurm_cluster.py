@@ -297,8 +297,8 @@ def test_an_interrupt_stops_the_ranks_on_every_node(allocation, start_kernel):
     assert content["status"] == "error" and content["ename"] == "LaunchInterrupted", content
     began = time.monotonic()
     wait_for(lambda: not any(psutil.pid_exists(p) for p in pids.values()), 15, "every node's rank ended")
-    print(f"interrupt: the cell returned in {took:.1f}s, every node's ranks had ended by then "
-          f"(+{time.monotonic() - began:.1f}s)")  # fmt: skip
+    print(f"interrupt: the cell returned in {took:.1f}s; every node's ranks had ended "
+          f"{time.monotonic() - began:.1f}s after that")  # fmt: skip
     assert "gpumagic-agent" not in on_steps()  # srun's step ended too
     assert kernel.ok("print('still here')").stdout.strip() == "still here"
 

@@ -121,7 +121,13 @@ class LaunchMagics(Magics):
                     dashboard.show()
                 self._launch_in_background(packed, launch, args.o, dashboard)
                 return None
-            results = launch_packed(packed, launch, dashboard=dashboard)
+            try:
+                results = launch_packed(packed, launch, dashboard=dashboard)
+            finally:
+                if dashboard is not None:
+                    # the cell ends once the dashboard is its static copy: a page reloaded meanwhile asks the kernel
+                    # for the widgets when the cell ends, and must not get a frame showing a widget just closed
+                    dashboard.join()
         except (LaunchError, LaunchInterrupted):
             raise  # they render as the failing rank's traceback and the ranks' fates
         except GpumagicError as err:

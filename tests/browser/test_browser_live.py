@@ -171,7 +171,11 @@ def test_a_page_reloaded_during_a_launch_shows_its_dashboard_and_then_its_final_
         if flags:  # the kernel is free: the live dashboard again, from where the run is
             assert wait_for_pixels(page, 1, artifacts / f"browser-reload-{name}-live.png") >= 300
             assert page.locator(".jp-Cell >> nth=1 >> text=running").count() == 1
-        page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=60_000)
+        page.screenshot(path=str(artifacts / f"browser-reload-{name}-after.png"))
+        try:
+            page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=60_000)
+        finally:
+            page.screenshot(path=str(artifacts / f"browser-reload-{name}-end.png"))
         page.wait_for_timeout(2000)
         pixels = curve_pixels(page, 1, artifacts / f"browser-reload-{name}-finished.png")
         assert pixels >= 300, f"after the launch ended the reloaded page drew {pixels} pixels of curve"

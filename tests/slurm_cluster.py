@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpumagic.launch.allocation import parse_fields
+
 BRIDGE = "gmslurm0"
 SUBNET = "10.77.0"
 CONTROLLER_ADDRESS = f"{SUBNET}.1"
@@ -128,7 +130,7 @@ class Cluster:
     def job_fields(self, job_id: str) -> dict[str, str]:
         """``scontrol show job``'s fields of a job ({} once the controller forgot it)."""
         done = self.run("scontrol", "show", "job", "-o", job_id, check=False)
-        return dict(word.split("=", 1) for word in done.stdout.split() if "=" in word)
+        return parse_fields(done.stdout)
 
     def stop(self) -> None:
         for process in reversed(self.processes):

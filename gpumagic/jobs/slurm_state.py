@@ -15,6 +15,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpumagic.launch.allocation import parse_fields
+
 COMMAND_TIMEOUT_S = 15.0
 # slurmstepd's line in a job's output when Slurm ends it: "*** JOB 12 ON n1 CANCELLED AT ... DUE TO TIME LIMIT ***"
 ENDED_BY_SLURM = re.compile(r"\*\*\* (?:JOB|STEP) [\d.]+ ON \S+ CANCELLED AT \S+(?: DUE TO ([A-Z ]+?))?(?: \*\*\*|$)")
@@ -79,15 +81,6 @@ def _controller(job_id: str) -> SlurmState | None:
         restarts=int(restarts) if restarts.isdigit() else 0,
         reason="" if reason == "None" else reason,
     )
-
-
-def parse_fields(line: str) -> dict[str, str]:
-    """``scontrol show --oneliner``'s ``Key=Value`` words (a value with spaces, such as ``Command``, is cut).
-
-    >>> parse_fields("JobId=7 JobState=RUNNING Reason=None NodeList=n[1-2]")["NodeList"]
-    'n[1-2]'
-    """
-    return dict(word.split("=", 1) for word in line.split() if "=" in word)
 
 
 def _accounting(job_id: str) -> SlurmState | None:

@@ -77,8 +77,16 @@ def job_fields(job_id: str) -> dict[str, str]:
         return {}
     if done.returncode != 0:
         return {}
-    fields = dict(word.split("=", 1) for word in done.stdout.split() if "=" in word)
-    return {key: value for key, value in fields.items() if value and value != "(null)"}
+    return {key: value for key, value in parse_fields(done.stdout).items() if value and value != "(null)"}
+
+
+def parse_fields(line: str) -> dict[str, str]:
+    """``scontrol show --oneliner``'s ``Key=Value`` words (a value with spaces, such as ``Command``, is cut).
+
+    >>> parse_fields("JobId=7 JobState=RUNNING Reason=None NodeList=n[1-2]")["NodeList"]
+    'n[1-2]'
+    """
+    return dict(word.split("=", 1) for word in line.split() if "=" in word)
 
 
 def allocated_gpus(tres: str) -> int:

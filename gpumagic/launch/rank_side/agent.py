@@ -125,7 +125,8 @@ def run_agent(
     handler = _rendezvous_handler(spec, store, endpoint, node_rank, local_addr)
     agent = _agent(spec, run_dir, handler, events, local_addr, (host, port) if static else None)
     events.write("started", node=label, hosting=hosting, slurm_node=os.environ.get("SLURMD_NODENAME"))
-    start_sampling(run_dir, bool(spec.get("use_cuda")))  # the dashboard draws every node's ranks from these
+    # the dashboard draws every node's ranks from these samples
+    start_sampling(run_dir, nnodes * int(spec["nproc_per_node"]), bool(spec.get("use_cuda")))
     _stop_when_asked(files.stop)
     try:
         result = agent.run()

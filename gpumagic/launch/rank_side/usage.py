@@ -19,23 +19,28 @@ from typing import Any
 import psutil
 
 from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.run_dirs.outcomes import read_rank_start
 from gpumagic.run_dirs.private import open_private
 
 SAMPLE_INTERVAL_S = 1.0
 MIB = 2**20
 
 
-def start_sampling(run_dir: Path, use_cuda: bool, interval_s: float = SAMPLE_INTERVAL_S) -> threading.Event:
-    """Sample this node's ranks of ``run_dir`` every ``interval_s`` in a daemon thread; set the event to stop."""
+def start_sampling(
+    run_dir: Path, world_size: int, use_cuda: bool, interval_s: float = SAMPLE_INTERVAL_S
+) -> threading.Event:
+    """Sample this node's ranks of ``run_dir`` (of ``world_size``) every ``interval_s`` in a daemon thread; set the
+    event to stop."""
     stop = threading.Event()
-    sampler = _Sampler(RunFiles(run_dir), use_cuda)
+    sampler = _Sampler(RunFiles(run_dir), world_size, use_cuda)
     threading.Thread(target=sampler.run, args=(stop, interval_s), name="gpumagic-usage", daemon=True).start()
     return stop
 
 
 class _Sampler:
-    def __init__(self, files: RunFiles, use_cuda: bool) -> None:
+    def __init__(self, files: RunFiles, world_size: int, use_cuda: bool) -> None:
         self.files = files
+        self.world_size = world_size
         self.use_cuda = use_cuda
         self.host = socket.gethostname()
         self.processes: dict[int, Any] = {}  # rank -> its psutil.Process (this attempt's)
@@ -47,15 +52,8 @@ class _Sampler:
 
     def _local_ranks(self) -> dict[int, int]:
         """rank -> pid of the ranks whose latest start was on this node."""
-        found = {}
-        for path in self.files.ranks.glob("rank-*.json"):
-            try:
-                record = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if record.get("host") == self.host and isinstance(record.get("pid"), int):
-                found[int(record["rank"])] = record["pid"]
-        return found
+        starts = {rank: read_rank_start(self.files, rank) for rank in range(self.world_size)}
+        return {r: s["pid"] for r, s in starts.items() if s.get("host") == self.host and isinstance(s.get("pid"), int)}
 
     def sample(self) -> None:
         ranks = self._local_ranks()

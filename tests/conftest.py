@@ -248,6 +248,8 @@ class CellResult:
     html: list[str] = field(default_factory=list)
     mimetypes: list[str] = field(default_factory=list)  # of every display in order
     error: tuple[str, str] | None = None  # (ename, evalue)
+    prompts: list[str] = field(default_factory=list)  # what input() asked, in order (``answers``)
+    times: list[tuple[float, str]] = field(default_factory=list)  # (monotonic arrival, text) of each stream
     execution_count: int = 0  # the cell's number, as its prompt shows it
 
     @property
@@ -271,12 +273,20 @@ class Kernel:
     def pid(self) -> int:
         return self.manager.provisioner.process.pid
 
-    def run(self, code: str, timeout: float = 60) -> CellResult:
+    def run(self, code: str, timeout: float = 60, answers: list[str] | None = None) -> CellResult:
+        """Run ``code``; ``answers``: the lines typed into its input boxes (``input()``, a debugger's prompt),
+        one per prompt, in order (the cell gets an input box only when answers are given)."""
         result = CellResult(status="?")
+        remaining = list(answers or [])
+
+        def answer(message: dict) -> None:
+            result.prompts.append(message["content"]["prompt"])
+            self.client.input(remaining.pop(0) if remaining else "q")
 
         def collect(message: dict) -> None:
             kind, content = message["msg_type"], message["content"]
             if kind == "stream":
+                result.times.append((time.monotonic(), content["text"]))
                 if content["name"] == "stdout":
                     result.stdout += content["text"]
                 else:
@@ -289,7 +299,9 @@ class Kernel:
             elif kind == "error":
                 result.error = (content["ename"], content["evalue"])
 
-        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=collect)
+        reply = self.client.execute_interactive(
+            code, timeout=timeout, output_hook=collect, allow_stdin=answers is not None, stdin_hook=answer
+        )
         result.status = reply["content"]["status"]
         result.execution_count = reply["content"].get("execution_count", 0)
         if result.status == "error" and result.error is None:  # UsageError goes to stderr, not as an error message

@@ -20,6 +20,7 @@ import cloudpickle
 from gpumagic.errors import InvalidArgument, KillRefused, ReportedError
 from gpumagic.jobs import executors
 from gpumagic.jobs.executors import Entry, Submission, executor_of
+from gpumagic.launch.hang_reports import DEFAULT_HANG_AFTER
 from gpumagic.launch.kernel_side.output import RankOutput
 from gpumagic.launch.options import MAX_RANKS, LaunchOptions
 from gpumagic.launch.shipping import pack, ship_cell, ship_function
@@ -257,16 +258,23 @@ class JobRequest:
 
     @classmethod
     def of(
-        cls, *, ddp: int | None = None, backend: str | None = None, timeout: str | float = "30m", **request: Any
+        cls,
+        *,
+        ddp: int | None = None,
+        backend: str | None = None,
+        timeout: str | float = "30m",
+        hang_after: str | float = DEFAULT_HANG_AFTER,
+        **request: Any,
     ) -> JobRequest:
-        """A request from ``submit``'s keywords: ``ddp`` (ranks), ``backend`` and ``timeout`` make its launch.
+        """A request from ``submit``'s keywords: ``ddp`` (ranks), ``backend``, ``timeout`` and ``hang_after`` make
+        its launch.
 
         Raises:
             InvalidArgument: a malformed option, named.
         """
         if ddp is not None and not _is_rank_count(ddp):
             raise InvalidArgument(f"ddp is the number of ranks, a whole number from 1 to {MAX_RANKS}, got {ddp!r}")
-        return cls(launch=LaunchOptions(ddp, backend=backend, timeout=timeout), **request)
+        return cls(launch=LaunchOptions(ddp, backend=backend, timeout=timeout, hang_after=hang_after), **request)
 
     @property
     def ddp(self) -> int | None:
@@ -274,7 +282,18 @@ class JobRequest:
         return self.launch.nprocs
 
 
-JOB_OPTIONS = ("gpus", "min_free", "memory_limit", "ddp", "after", "backend", "timeout", "executor", "slurm")
+JOB_OPTIONS = (
+    "gpus",
+    "min_free",
+    "memory_limit",
+    "ddp",
+    "after",
+    "backend",
+    "timeout",
+    "hang_after",
+    "executor",
+    "slurm",
+)
 
 
 def submit(fn: Callable[..., Any], *args: Any, name: str | None = None, **options: Any) -> Job:
@@ -297,6 +316,8 @@ def submit(fn: Callable[..., Any], *args: Any, name: str | None = None, **option
         ddp: run as a DDP group of this many ranks (process group initialized, as ``launch_ddp``).
         after: name(s) or Job(s) that must finish first; if one fails, this job is cancelled.
         backend, timeout: of the process group with ``ddp`` (default ``"30m"``).
+        hang_after: with ``ddp``, a collective waiting this long writes who is stuck where to the job's log
+            (default ``"10s"``; 0: off).
         executor: ``"local"`` (this machine's queue) or ``"slurm"``: submitted through submitit with the
             options in ``slurm`` (``partition``, ``time``, ``nodes``, ``tasks_per_node``, ``gres`` ...: see
             ``gpumagic.jobs.slurm.parameters``); every task is a rank of one DDP group; ``gpus`` is per node.
@@ -441,6 +462,7 @@ def _create(entries: list[Entry], request: JobRequest, description: str) -> list
         _dependencies(request.after),
         description,
         request.memory_limit,
+        request.launch.hang_after_s,
     )
     return [Job(path) for path in runs_on.submit(entries, resources, submission)]
 

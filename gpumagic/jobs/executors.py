@@ -37,6 +37,7 @@ class Submission:
     after: list[str]
     description: str
     memory_limit: bool = False  # cap each process at its reservation (local jobs with min_free)
+    hang_after_s: float = 10.0  # --hang-after of a DDP job's ranks: the report goes to the job's log
 
     def record(self, entry: Entry) -> dict[str, Any]:
         """The fields of ``run.json`` every executor writes for one of these jobs."""
@@ -44,6 +45,7 @@ class Submission:
             "after": self.after,
             "backend": self.backend,
             "timeout_s": self.timeout_s,
+            "hang_after_s": self.hang_after_s,
             "params": entry.params,
             "description": self.description,
             "uid": os.getuid(),

@@ -190,6 +190,7 @@ class _Runner:
     def _run(self, spec: dict[str, Any], gpus: list[Any]) -> None:
         # lazy: the spawn ranks import this module as their main; only the runner needs the launch
         from gpumagic.launch import failures
+        from gpumagic.launch.hang_reports import HangFollower
         from gpumagic.launch.kernel_side import local
         from gpumagic.launch.kernel_side.output import RankOutput
         from gpumagic.launch.plan import LaunchPlan, assign_gpus
@@ -211,6 +212,7 @@ class _Runner:
             use_cuda=use_cuda,
             master_port=local.loopback_port(None),
             timeout_s=float(spec.get("timeout_s") or 1800.0),
+            hang_after_s=float(spec.get("hang_after_s", 0.0)) if ddp else 0.0,
         )
         reserve = spec["request"].get("min_free")
         if spec.get("memory_limit") and reserve:  # each rank capped at the job's reservation (--memory-limit)
@@ -227,6 +229,13 @@ class _Runner:
         self.output = private.open_private(files.output)
         self.cancel = threading.Event()
         sink = RankOutput(lambda text: self._output(text.encode()), "all", nprocs) if ddp else None
+        hangs = HangFollower(
+            self.run_dir,
+            nprocs,
+            plan.hang_after_s,
+            show=lambda text: self._output(f"{text}\n".encode()),
+            record=lambda report: records.update(self.run_dir, hang=report),
+        )
         try:
             packed = read_sealed(files.job_payload, f"job {self.name}'s code ({files.job_payload})")
             results = local.run_local(
@@ -237,6 +246,7 @@ class _Runner:
                 on_output=sink.feed if sink else (lambda rank, data: self._output(data)),
                 on_start=lambda plan, pids: records.update(self.run_dir, pids=pids),
                 cancel=self.cancel,
+                on_poll=hangs.poll,
             )
             remove_launch_directories(files)  # the ranks' copies: a nearly full disk need not hold two
             write_sealed(files.result, cloudpickle.dumps(results if ddp else results.get(0)))

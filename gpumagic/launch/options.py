@@ -15,7 +15,9 @@ from typing import Any
 
 from gpumagic.errors import InvalidArgument
 from gpumagic.launch.allocation import Allocation, check_srun, current
+from gpumagic.launch.hang_reports import DEFAULT_HANG_AFTER
 from gpumagic.launch.plan import check_backend, check_timeout
+from gpumagic.units import parse_duration
 
 MAX_RANKS = 256
 MAX_NODES = 1024
@@ -64,12 +66,16 @@ class LaunchOptions:
     max_restarts: int = 0
     runs_dir: str | None = None
     process_group: bool = True
+    hang_after: str | float = DEFAULT_HANG_AFTER
+    pdb: bool = False
     timeout_s: float = field(init=False, repr=False, compare=False)
+    hang_after_s: float = field(init=False, repr=False, compare=False)
     # the Slurm allocation whose nodes a multi-node launch without an endpoint runs on (srun starts their agents)
     allocation: Allocation | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timeout_s", self._check())
+        object.__setattr__(self, "hang_after_s", check_hang_after(self.hang_after))
 
     @classmethod
     def of(cls, nprocs: int | None, options: Mapping[str, Any], *, process_group: bool = True) -> LaunchOptions:
@@ -93,6 +99,7 @@ class LaunchOptions:
         backend: str | None = None,
         timeout: str | float = "30m",
         output: str = "rank0",
+        hang_after: str | float = DEFAULT_HANG_AFTER,
         **others: Any,
     ) -> LaunchOptions:
         """The options of a group that lives across cells (``%ddp start``, ``gpumagic.ranks``): those it takes,
@@ -111,9 +118,9 @@ class LaunchOptions:
         if others:
             raise InvalidArgument(
                 f"a group of ranks does not take {', '.join(sorted(others))}; it takes nprocs, gpus, gpus_per_rank, "
-                "backend, timeout and output"
+                "backend, timeout, output and hang_after"
             )
-        return cls(nprocs, gpus, gpus_per_rank, backend, timeout=timeout, output=output)
+        return cls(nprocs, gpus, gpus_per_rank, backend, timeout=timeout, output=output, hang_after=hang_after)
 
     @property
     def elastic(self) -> bool:
@@ -149,11 +156,18 @@ class LaunchOptions:
             raise InvalidArgument(f"port must be a whole number from 1 to 65535, got {self.port!r}")
         if self.nprocs is not None:
             check_nprocs(self.nprocs)
+        if not isinstance(self.pdb, bool):
+            raise InvalidArgument(f"pdb is True or False, got {self.pdb!r}")
         if self.elastic:
             self._check_elastic()
         return timeout_s
 
     def _check_elastic(self) -> None:
+        if self.pdb:
+            raise InvalidArgument(
+                "--pdb keeps a failed rank of this machine for a debugger in the notebook; it does not go with "
+                "--nnodes, --max-restarts, --rdzv-endpoint or --runs-dir"
+            )
         if not self.process_group:
             raise InvalidArgument("spawn runs on this machine only; use launch_ddp for a multi-node or elastic run")
         if self.port is not None:
@@ -203,8 +217,25 @@ class LaunchOptions:
         object.__setattr__(self, "allocation", allocation)
 
 
-GROUP_OPTIONS = ("nprocs", "gpus", "gpus_per_rank", "backend", "timeout", "output")  # what for_group takes
+GROUP_OPTIONS = (
+    "nprocs",
+    "gpus",
+    "gpus_per_rank",
+    "backend",
+    "timeout",
+    "output",
+    "hang_after",
+)  # what for_group takes
 USER_OPTIONS = tuple(f.name for f in fields(LaunchOptions) if f.init and f.name not in ("nprocs", "process_group"))
+
+
+def check_hang_after(value: str | float) -> float:
+    """``--hang-after``: how long a collective may wait before the cell says who is stuck where (0: never).
+
+    >>> check_hang_after("10s"), check_hang_after(0)
+    (10.0, 0.0)
+    """
+    return parse_duration(value, at_most=7 * 86400, what="--hang-after")
 
 
 def parse_endpoint(endpoint: str, free_port: bool = False) -> tuple[str, int]:

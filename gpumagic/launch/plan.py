@@ -83,6 +83,8 @@ class LaunchPlan:
     store_address: str = ""  # the group's store (secure_store); MASTER_PORT is only for code that reads it
     node_rank: int = 0
     nnodes: int = 1
+    hang_after_s: float = 0.0  # --hang-after: the ranks' hang watch (0: off)
+    post_mortem: bool = False  # --pdb: a rank failing in the user's code waits for a debugger from the notebook
 
     @classmethod
     def on_this_machine(
@@ -94,6 +96,8 @@ class LaunchPlan:
         use_cuda: bool,
         master_port: int,
         timeout_s: float,
+        hang_after_s: float = 0.0,
+        post_mortem: bool = False,
     ) -> LaunchPlan:
         """The plan of a launch whose ranks all run here, started by this process, now: their store is a Unix
         socket in the run's private launch directory (``RunFiles.store_socket``)."""
@@ -108,6 +112,8 @@ class LaunchPlan:
             use_cuda=use_cuda,
             threads_per_rank=threads_per_rank(nprocs),
             timeout_s=timeout_s,
+            hang_after_s=hang_after_s,
+            post_mortem=post_mortem,
             launcher_pid=os.getpid(),
             base_env=launch_environment(),
         )

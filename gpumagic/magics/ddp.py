@@ -36,12 +36,19 @@ def _parsers() -> dict[str, Parser]:
     )
     start.add_argument("--output", default="rank0", choices=OUTPUT_MODES, help="whose output cells show (rank0)")
     start.add_argument("--no-dashboard", action="store_true", help="no live dashboard under this cell")
+    start.add_argument(
+        "--hang-after",
+        default="10s",
+        metavar="DURATION",
+        help="a collective waiting this long shows who is stuck where (10s; 0: off)",
+    )
     start.add_argument("--nnodes", type=int, default=1, metavar="N", help="nodes: 1 (across nodes: %%launch_ddp)")
     simple = {
         "stop": "End the ranks and their processes, release the group's GPUs.",
         "restart": "Stop the group and start a fresh one with the same options (every namespace is lost).",
         "status": "Each rank: alive, the cell it runs and since when, the collective it is in, its memory.",
-        "free": "Collect garbage and empty the CUDA cache on every rank; says what was released.",
+        "free": "Collect garbage and empty the CUDA cache on every rank (and drop a failed cell's frames kept for\n"
+        "%ddp debug); says what was released.",
         "watch": "Show the group's live dashboard (loss curves across cells, each rank's resources) here.",
         "kept": "The names gpumagic.keep registered: what a replaced rank gets back.",
         "check": "Compare the replicas: DDP models, optimizers, schedulers, kept names, step counters.",
@@ -54,7 +61,14 @@ def _parsers() -> dict[str, Parser]:
     )
     sync.add_argument("names", nargs="*", metavar="NAME", help="only these names")
     sync.add_argument("--from", dest="source", type=int, default=0, metavar="RANK", help="the rank to copy (0)")
-    parsers = {"start": start, "sync": sync}
+    debug = Parser(
+        "%ddp debug",
+        "A post-mortem debugger (pdb) on the rank whose last cell failed, at the failing line: p x, up, l, q.\n"
+        "The other ranks wait. breakpoint() in a %%ddp cell stops one rank where you choose (c continues).\n"
+        "Example: %ddp debug 1",
+    )
+    debug.add_argument("rank", type=int, metavar="RANK", help="the rank to debug")
+    parsers = {"start": start, "sync": sync, "debug": debug}
     parsers.update({name: Parser(f"%ddp {name}", text) for name, text in simple.items()})
     return parsers
 
@@ -70,6 +84,9 @@ def _cell_parser() -> Parser:
     parser.add_argument("-o", metavar="VAR", help="store {rank: value of the last expression} in VAR")
     parser.add_argument("--timeout", metavar="DURATION", help="stop the cell after this long (as an interrupt)")
     parser.add_argument("--output", choices=OUTPUT_MODES, help="whose output to show (the group's default)")
+    parser.add_argument(
+        "--hang-after", metavar="DURATION", help="this cell's hang report threshold (the group's; 0: off)"
+    )
     return parser
 
 
@@ -78,9 +95,10 @@ _CELL_PARSER = _cell_parser()
 _OVERVIEW = (
     "%ddp SUBCOMMAND — a DDP group that lives across cells.\n\n"
     "  %ddp start [-n N] [--gpus SPEC|auto] [--gpus-per-rank K] [--backend B] [--timeout D] [--grace D]\n"
-    "  %%ddp [--ranks 0] [-o VAR] [--timeout D]   run the cell on every rank (or some)\n"
+    "  %%ddp [--ranks 0] [-o VAR] [--timeout D] [--hang-after D]   run the cell on every rank (or some)\n"
     "  %ddp check                          are the replicas alike (models, optimizers, step counters)?\n"
     "  %ddp sync [--from R] [NAME ...]     make them alike again, from rank R (0)\n"
+    "  %ddp debug R                        pdb on rank R where its last cell failed (breakpoint(): in a cell)\n"
     "  %ddp status | free | watch | kept | restart | stop\n\n"
     "Python API: group = gpumagic.ranks(2); group.exec(code); group.run(fn); group.pull('model'); group.close()"
 )
@@ -122,6 +140,7 @@ class DdpMagics(Magics):
             backend=args.backend,
             timeout=args.timeout,
             output=args.output,
+            hang_after=args.hang_after,
             nnodes=args.nnodes,
         )
         self._start_group(launch, args.grace, dashboard=not args.no_dashboard)
@@ -186,7 +205,14 @@ class DdpMagics(Magics):
             rss = f"{row['rss'] / MIB:.0f} MiB" if row.get("rss") else "-"
             alive = "yes" if row["alive"] else "no"
             lines.append(f"{row['rank']:>4}  {row['pid']:>7}  {alive:5}  {busy:28}  {inside:22}  {gpu:18}  {rss}")
+        if group.hang_reports:
+            report = group.hang_reports[-1]
+            when = time.strftime("%H:%M:%S", time.localtime(report["time"]))
+            lines += ["", f"the last hang report ({when}, {len(group.hang_reports)} in all):", report["text"]]
         return Help("\n".join(lines))
+
+    def _debug(self, args: argparse.Namespace) -> None:
+        self._require().debug(args.rank)
 
     def _free(self, args: argparse.Namespace) -> Help:
         group = self._require()
@@ -262,6 +288,7 @@ class DdpMagics(Magics):
                 timeout=args.timeout,
                 filename=f"<%%ddp cell In[{cell_number(self.shell)}]>",
                 hidden=set(self.shell.user_ns_hidden),
+                hang_after=args.hang_after,
             )
         except GpumagicError as err:
             if isinstance(err, (CellFailed, CellInterrupted)):

@@ -55,6 +55,12 @@ def _launch_bg_parser() -> Parser:
     parser.add_argument("--after", metavar="NAME", help="start after these jobs finish (A or A,B)")
     parser.add_argument("--backend", help="process group backend with --ddp: nccl, gloo, mpi, ucc")
     parser.add_argument("--timeout", default="30m", metavar="DURATION", help="process group timeout (30m)")
+    parser.add_argument(
+        "--hang-after",
+        default="10s",
+        metavar="DURATION",
+        help="with --ddp: a collective waiting this long writes who is stuck where to the log (10s; 0: off)",
+    )
     add_slurm_arguments(parser, shape=True)
     return parser
 
@@ -168,6 +174,7 @@ def _job_request(args: argparse.Namespace) -> JobRequest:
         after=args.after,
         backend=args.backend,
         timeout=args.timeout,
+        hang_after=args.hang_after,
         **_executor(args, _LAUNCH_BG.prog),
     )
 

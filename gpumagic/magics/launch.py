@@ -42,6 +42,15 @@ def _launch_parser() -> Parser:
     parser.add_argument("--start-method", default="forkserver", choices=START_METHODS)
     parser.add_argument("--output", default="all", choices=OUTPUT_MODES, help="whose output to show")
     parser.add_argument("-o", metavar="VAR", help="store {rank: value of the cell's last expression} in VAR")
+    parser.add_argument(
+        "--hang-after",
+        default="10s",
+        metavar="DURATION",
+        help="a collective waiting this long shows who is stuck where (10s; 0: off)",
+    )
+    parser.add_argument(
+        "--pdb", action="store_true", help="a rank that raises waits for a post-mortem debugger here (p x, up, q)"
+    )
     parser.add_argument("--no-dashboard", action="store_true", help="no live status, metric and resource plots")
     parser.add_argument(
         "--no-wait",
@@ -83,6 +92,8 @@ def launch_options(args: argparse.Namespace) -> LaunchOptions:
         rdzv_id=args.rdzv_id,
         max_restarts=args.max_restarts,
         runs_dir=args.runs_dir,
+        hang_after=args.hang_after,
+        pdb=args.pdb,
     )
 
 
@@ -100,6 +111,11 @@ class LaunchMagics(Magics):
             return Help(_LAUNCH_PARSER.format_help())
         filename = f"<%%launch_ddp cell In[{cell_number(self.shell)}]>"
         slurm = slurm_options(args, _LAUNCH_PARSER.prog)
+        if args.pdb and (args.no_wait or slurm is not None):
+            raise UsageError(
+                "%%launch_ddp: --pdb reads the debugger's lines while the cell waits; leave out "
+                + ("--no-wait" if args.no_wait else "--executor slurm")
+            )
         if slurm is not None:
             return self._launch_on_slurm(args, slurm, cell, filename)
         dashboard = None

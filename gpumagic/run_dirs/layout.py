@@ -116,6 +116,27 @@ class RunFiles:
     def rank_usage(self, rank: int) -> Path:
         return self.ranks / f"rank-{rank}.usage.jsonl"
 
+    def rank_waiting(self, rank: int) -> Path:
+        """Written by a rank whose collective has waited past ``--hang-after`` (``hang_watch``)."""
+        return self.ranks / f"rank-{rank}.waiting.json"
+
+    def rank_where(self, rank: int) -> Path:
+        """A rank's answer to a hang request: its collectives in flight and its Python stack."""
+        return self.ranks / f"rank-{rank}.where.json"
+
+    def rank_collective(self, rank: int) -> Path:
+        """The collective a rank is in or made last (``CollectiveRecorder``): left behind if the rank dies."""
+        return self.ranks / f"rank-{rank}.collective"
+
+    @property
+    def hang_request(self) -> Path:
+        """Written by the launcher that saw a rank waiting: every rank answers with its ``rank_where``."""
+        return self.ranks / "hang-request.json"
+
+    def rank_debug_socket(self, rank: int) -> Path:
+        """Where a rank kept alive after a failure (``--pdb``) serves its post-mortem debugger: private."""
+        return self.launch / f"debug-{rank}.sock"
+
     @property
     def agents(self) -> Path:
         return self.root / "agents"

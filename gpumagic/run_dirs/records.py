@@ -45,7 +45,7 @@ ACTIVE = run_end.ACTIVE  # a job's, as every run's
 ENDED = ("finished", "failed", "killed", "cancelled", "lost")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.,=+-]{0,79}$")
 RUNNER_FIELDS = ("name", "submitted", "request", "ddp", "backend", "timeout_s", "after", "sys_path", "cwd")
-RUNNER_FIELDS += ("memory_limit",)
+RUNNER_FIELDS += ("memory_limit", "hang_after_s")
 RESERVE_BYTES = 64 << 10
 
 

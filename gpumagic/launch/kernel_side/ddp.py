@@ -20,10 +20,12 @@ from gpumagic.devices.spec import parse_spec, resolve
 from gpumagic.devices.visibility import current_visibility, hides_every_gpu
 from gpumagic.errors import InvalidArgument
 from gpumagic.launch.failures import LaunchInterrupted
+from gpumagic.launch.hang_reports import HangFollower
 from gpumagic.launch.kernel_side.elastic import launch_elastic, prepare_elastic
 from gpumagic.launch.kernel_side.launch_handle import LaunchHandle
 from gpumagic.launch.kernel_side.local import loopback_port, run_local, store_listener
 from gpumagic.launch.kernel_side.output import RankOutput, progress_lines
+from gpumagic.launch.kernel_side.post_mortem import PostMortems
 from gpumagic.launch.options import LaunchOptions, check_nprocs
 from gpumagic.launch.plan import LaunchPlan, assign_gpus
 from gpumagic.launch.shipping import pack, ship_cell, ship_function
@@ -73,6 +75,8 @@ def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 1, join: bool 
     whose ``join()`` gives that dict.
     """
     launch, follow = _split_options(nprocs, options, process_group=False)
+    if launch.pdb and not join:
+        raise InvalidArgument("pdb=True needs join=True: the debugger's prompt is read while the call waits")
     packed = pack(ship_function(fn, tuple(args), {}, rank_first=True))
     if join:
         return launch_packed(packed, launch, **follow)
@@ -195,8 +199,21 @@ def launch_packed(
         use_cuda=placement.use_cuda,
         master_port=chosen_port,
         timeout_s=launch.timeout_s,
+        hang_after_s=launch.hang_after_s,
+        post_mortem=launch.pdb,
     )
     return _run_here(plan, packed, launch, listener, write, dashboard)
+
+
+def launch_follower(run_dir: Path, world_size: int, after_s: float, write: Callable[[str], None]) -> HangFollower:
+    """The hang follower of a launch: its report written with the ranks' output, and kept in the run's record."""
+    return HangFollower(
+        run_dir,
+        world_size,
+        after_s,
+        show=lambda text: write(text + "\n"),
+        record=lambda report: store.update_run(run_dir, hang=report),
+    )
 
 
 def _run_here(
@@ -213,6 +230,14 @@ def _run_here(
     store.update_run(run_dir, ranks=plan.nprocs, backend=plan.backend, gpus=[list(g) for g in plan.rank_gpus])
     bars = progress_lines() if write is None else None  # one updating line per rank, in a notebook's output
     sink = RankOutput(write or stdout_writer(), launch.output, plan.nprocs, bars)
+    hangs = launch_follower(run_dir, plan.world_size, plan.hang_after_s, write or stdout_writer())
+    debuggers = PostMortems(files, plan.nprocs, write or stdout_writer(), hangs) if plan.post_mortem else None
+
+    def look() -> None:
+        hangs.poll()
+        if debuggers is not None:
+            debuggers.poll()
+
     status = "failed"
 
     def started(plan: LaunchPlan, pids: list[int]) -> None:
@@ -228,6 +253,7 @@ def _run_here(
             on_output=sink.feed,
             on_start=started,
             cancel=dashboard.cancel if dashboard is not None else None,
+            on_poll=look,
         )
         status = "finished"
         return results

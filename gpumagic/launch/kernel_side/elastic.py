@@ -22,6 +22,7 @@ from typing import Any
 from gpumagic.errors import GpumagicError, InvalidArgument
 from gpumagic.launch.allocation import Allocation
 from gpumagic.launch.failures import LaunchError, LaunchInterrupted
+from gpumagic.launch.hang_reports import HangFollower
 from gpumagic.launch.kernel_side.node_agents import NodeAgents, start_agents
 from gpumagic.launch.kernel_side.output import RankOutput, progress_lines
 from gpumagic.launch.options import LaunchOptions
@@ -119,6 +120,7 @@ def launch_elastic(
         "backend": backend,
         "use_cuda": use_cuda,
         "timeout_s": launch.timeout_s,
+        "hang_after_s": launch.hang_after_s,
         "threads_per_rank": threads_per_rank(nprocs),
         "sys_path": [p for p in sys.path if p],  # where the notebook imports from: the nodes share it, usually
     }
@@ -128,9 +130,16 @@ def launch_elastic(
     agents = start_agents(run_dir, endpoint, listener, launch.node_rank, gpu_uuids, launch.allocation, launch.nnodes)
     sink = RankOutput(write, launch.output, world_size, progress_lines())
     follower = _Follower(run_dir, world_size, launch.max_restarts, sink, write)
+    hangs = HangFollower(
+        run_dir,
+        world_size,
+        launch.hang_after_s,
+        show=lambda text: write(text + "\n"),
+        record=lambda report: store.update_run(run_dir, hang=report),
+    )
     status = "failed"
     try:
-        _follow(agents, follower, dashboard, run_dir, spec, poll_s)
+        _follow(agents, follower, dashboard, run_dir, spec, poll_s, hangs.poll)
         if agents.returncode != 0:
             raise follower.failure(agents.returncode or 1)
         results = follower.results()
@@ -196,11 +205,18 @@ class _Cancelled(Exception):
 
 
 def _follow(
-    agents: NodeAgents, follower: _Follower, dashboard: Any, run_dir: Path, spec: dict[str, Any], poll_s: float
+    agents: NodeAgents,
+    follower: _Follower,
+    dashboard: Any,
+    run_dir: Path,
+    spec: dict[str, Any],
+    poll_s: float,
+    look_for_hangs: Callable[[], Any],
 ) -> None:
     attached = told_stop = False
     while agents.running():
         follower.read()
+        look_for_hangs()
         agents.check_nodes()
         if agents.failed_early() and not told_stop:  # one node gave up: the others stop too, not at their timeout
             agents.tell_stop()

@@ -17,7 +17,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import cloudpickle
@@ -27,6 +27,7 @@ from gpumagic.devices.processes import is_running
 from gpumagic.devices.spec import parse_spec
 from gpumagic.errors import GpumagicError, InvalidArgument, ReportedError
 from gpumagic.launch.failures import LaunchError
+from gpumagic.launch.hang_reports import HangFollower, mismatch_after_failure
 from gpumagic.launch.kernel_side.ddp import place_ranks, stdout_writer
 from gpumagic.launch.kernel_side.group_members import (
     START_TIMEOUT_S,
@@ -42,8 +43,10 @@ from gpumagic.launch.kernel_side.group_output import GroupOutput
 from gpumagic.launch.kernel_side.group_recovery import GroupRecovery
 from gpumagic.launch.kernel_side.group_shipping import NameShipper
 from gpumagic.launch.kernel_side.kernel_end import watch_this_kernel
-from gpumagic.launch.options import GROUP_OPTIONS, LaunchOptions
+from gpumagic.launch.kernel_side.post_mortem import read_user_line
+from gpumagic.launch.options import GROUP_OPTIONS, LaunchOptions, check_hang_after
 from gpumagic.launch.plan import LaunchPlan, check_timeout
+from gpumagic.launch.rank_side.debugging import LEFT, PROMPT
 from gpumagic.launch.rank_side.group_rank import sync_here
 from gpumagic.launch.rank_side.rank_server import forkserver_context
 from gpumagic.launch.replay import Definition, definitions
@@ -117,6 +120,9 @@ class RankGroup:
         self._shipper = NameShipper()
         self.recovery = GroupRecovery(self.members, self._shipper, self.grace_s)
         self.divergence = Divergence()  # what differed between the replicas when last compared
+        self.failed_last: dict[int, str] = {}  # rank -> "failed" (its frames kept) or "died", in the last cell
+        self.read_line: Callable[[str], str] = read_user_line  # the user's answer to a rank's pdb prompt
+        self.members.on_debug = self._debug_io
         self._stack = contextlib.ExitStack()
         self._start()
 
@@ -145,7 +151,16 @@ class RankGroup:
             use_cuda=self.use_cuda,
             master_port=0,
             timeout_s=self.timeout_s,
+            hang_after_s=self.launch.hang_after_s,
         )
+        self.hangs = HangFollower(
+            self.run_dir,
+            nprocs,
+            self.launch.hang_after_s,
+            show=self.on_note,
+            record=lambda report: store.update_run(self.run_dir, hang=report),
+        )
+        self.members.on_round = self.hangs.poll
         self.closed = False
         _open_groups.add(self)
         atexit.register(self.close)
@@ -218,8 +233,10 @@ class RankGroup:
         timeout: str | float | None = None,
         filename: str | None = None,
         hidden: Collection[str] = (),
+        hang_after: str | float | None = None,
     ) -> dict[int, Any]:
         """Run ``code`` on the ranks (all, or ``ranks``) in their namespaces; ``{rank: last expression}``.
+        ``hang_after``: this call's hang report threshold (default: the group's ``--hang-after``; 0: off).
 
         Names the code reads from ``namespace`` (default: the caller's globals) travel by value, once while
         unchanged; names the ranks hold themselves are not sent.
@@ -235,11 +252,37 @@ class RankGroup:
         tree = parse_cell(code, filename)  # once, for what the cell needs and what a replaced rank redoes
         payload = ship_cell(code, namespace, filename, hidden, tree)
         self._deadline(timeout)  # a bad timeout is refused before anything else
+        after_s = None if hang_after is None else check_hang_after(hang_after)
         self._recover_dead()
         targets = self._targets(ranks)
         packed, digests = self._shipper.pack_for(payload, targets, namespace, hidden)
         found = definitions(code, filename, tree)
-        return self._run("exec", filename, packed, targets, self._deadline(timeout), digests, found)
+        with self._hang_threshold(after_s):
+            return self._run("exec", filename, packed, targets, self._deadline(timeout), digests, found)
+
+    @property
+    def hang_reports(self) -> list[dict[str, Any]]:
+        """The hang reports of this group's cells, oldest first (each: ``text``, ``time``, ``ranks``, ...)."""
+        return self.hangs.reports
+
+    @contextlib.contextmanager
+    def _hang_threshold(self, after_s: float | None) -> Iterator[None]:
+        """Run with the hang threshold ``after_s`` (``None``: the group's), the group's again afterwards."""
+        default = self.launch.hang_after_s
+        if after_s is None or after_s == default:
+            yield
+            return
+        self._tell_hang_after(after_s)
+        try:
+            yield
+        finally:
+            self._tell_hang_after(default)
+
+    def _tell_hang_after(self, after_s: float) -> None:
+        self.hangs.after_s = after_s
+        for member in self.members:
+            if member.alive:
+                member.send(("hang_after", 0, after_s))
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[int, Any]:
         """Call ``fn(*args, **kwargs)`` on every rank (in its namespace: globals it defines persist);
@@ -289,10 +332,59 @@ class RankGroup:
             rows.append(row)
         return rows
 
+    def debug(self, rank: int) -> None:
+        """A post-mortem debugger (pdb) on the frame where ``rank``'s last cell failed: its prompt and output
+        here, the user's lines read with ``input()`` (in a notebook, an input box), until ``q``. The other ranks
+        wait between cells meanwhile.
+
+        Raises:
+            InvalidArgument: no such rank, or it did not fail in the last cell (or died: its frames are gone).
+        """
+        self._check_open()
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.nprocs:
+            raise InvalidArgument(f"rank {rank!r} is not in this group: its ranks are 0..{self.nprocs - 1}")
+        fate = self.failed_last.get(rank)
+        if fate is None and not self.failed_last and self.cells:
+            raise InvalidArgument(
+                f"rank {rank} has no failed cell to debug (none failed since the last cell or %ddp free); "
+                "breakpoint() in a %%ddp cell stops a rank where you choose"
+            )
+        if fate is None:
+            failed = [r for r, f in sorted(self.failed_last.items()) if f == "failed"]
+            listed = ", ".join(f"rank {r}" for r in failed)
+            raise InvalidArgument(
+                f"rank {rank} did not fail in the last cell, so there is nothing to debug"
+                + (f" ({listed} did: %ddp debug {failed[0]})" if failed else "")
+                + "; breakpoint() in a %%ddp cell stops a rank where you choose"
+            )
+        if fate == "died":
+            raise InvalidArgument(
+                f"rank {rank} died in the last cell, so its frames are gone (a fresh rank took its place); the "
+                "cell's error shows its last Python stack"
+            )
+        self.members.request(self.members[rank], "debug")
+
+    def _debug_io(self, member: Member, text: str, state: str | None) -> None:
+        """A rank's debugger said something: show it; at its prompt, read the user's line and send it."""
+        if state == PROMPT:
+            self.hangs.quiet = True  # the peers wait for the rank in the debugger: no hang to report
+            try:
+                line: str | None = self.read_line(text)
+            except (EOFError, KeyboardInterrupt, Exception):  # noqa: BLE001 - no input box here
+                line = None
+                self.on_note(f"rank {member.rank}'s debugger cannot read a line here (no input); it goes on")
+            member.send(("stdin", 0, line))
+            return
+        if text:
+            self.write(text)
+        if state == LEFT:
+            self.hangs.quiet = False
+
     def free(self) -> list[dict[str, Any]]:
         """Collect garbage and empty the CUDA cache on every rank; per rank what was released."""
         self._check_open()
         self._recover_dead()
+        self.failed_last = {}  # the ranks drop a failed cell's frames too
         replies = self.members.ask(list(self.members), "free")
         return [{"rank": r, **replies[r][2]} for r in sorted(replies) if replies[r][0] == "done"]
 
@@ -401,6 +493,7 @@ class RankGroup:
         notes: list[str] = []
         why = None
         point = None
+        mismatches: list[str] = []
         with self._output.cell(self.write, self.output, self.nprocs, len(targets)):
             ident = members.next_ident()
             members.partial = {}
@@ -416,6 +509,8 @@ class RankGroup:
                     point = recovery.stop_together(ident, targets, replies)
                     replies = recovery.recover(ident, targets, why, notes, replies)
                 except (RankDied, RankFailed):
+                    # read before a dead rank's replacement starts its recorder afresh
+                    mismatches = mismatch_after_failure(RunFiles(self.run_dir), [m.rank for m in targets])
                     replies = recovery.recover(ident, targets, None, notes, members.partial)
                 else:
                     if any(reply[0] == "interrupted" and reply[2] for reply in replies.values()):
@@ -432,12 +527,14 @@ class RankGroup:
         recovery.replay.record(found or [], [r for r, reply in replies.items() if reply[0] == "done"])
         failed = {r: m for r, m in replies.items() if m[0] in ("failed", "interrupted")}
         dead = [m for m in targets if m.rank not in replies]
+        self.failed_last = {r: "failed" for r, m in replies.items() if m[0] == "failed"}
+        self.failed_last.update({m.rank: "died" for m in dead})
         if why is not None or failed or dead:
             notes.extend(self._replicas_after(replies, targets, point, quiet=why is None))
         if why is not None:
             raise CellInterrupted("; ".join([f"{why}: the cell was stopped on every rank", *notes]))
         if failed or dead:
-            raise _failure(targets, replies, notes, RunFiles(self.run_dir))
+            raise _failure(targets, replies, [*mismatches, *notes], RunFiles(self.run_dir))
         return {rank: cloudpickle.loads(reply[2][0]) for rank, reply in sorted(replies.items())}
 
     def _check_collectives(self, replies: dict[int, tuple], notes: list[str]) -> None:

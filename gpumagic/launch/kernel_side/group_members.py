@@ -27,6 +27,7 @@ START_TIMEOUT_S = 120.0
 REPLIES = ("done", "failed", "interrupted")
 READY = 0  # the request number of a rank's "ready"
 STORE = -1  # and of the address of rank 0's store (``group_rank`` sends it so)
+DEBUG = -3  # and of a rank's debugger's output and prompts (``group_rank.DEBUG``)
 
 
 class GroupError(GpumagicError):
@@ -131,6 +132,9 @@ class GroupMembers:
         self.partial: dict[int, tuple] = {}  # the replies the last wait gathered, when it was cut short
         self._ident = 0
         self._mailbox: dict[tuple[int, int], tuple] = {}  # (rank, request) -> its reply
+        self.on_round: Callable[[], Any] | None = None  # called every round of a wait (the hang follower's look)
+        self.on_debug: Callable[[Member, str, str | None], None] | None = None  # a rank's pdb: text, state
+        self._debug_messages: list[tuple[Member, tuple]] = []
 
     def __iter__(self) -> Iterator[Member]:
         return iter(self.all)
@@ -294,6 +298,8 @@ class GroupMembers:
             died = self.pump(timeout, waiting, replies, (ident, also), kinds)
             if died:
                 raise RankDied(died)
+            if self.on_round is not None:
+                self.on_round()
             if stop_on_failure and waiting and any(reply[0] == "failed" for reply in replies.values()):
                 raise RankFailed()
             if deadline is not None and time.monotonic() >= deadline and waiting:
@@ -346,6 +352,10 @@ class GroupMembers:
             member = self.all[exit.index]
             self._receive(member)  # what it said before it died
             self._bury(member, exit)
+        while self._debug_messages:
+            member, (_, _, text, state) = self._debug_messages.pop(0)
+            if self.on_debug is not None and member.alive:
+                self.on_debug(member, text, state)
         died = []
         for rank, member in list(waiting.items()):
             for ident in idents:
@@ -365,6 +375,9 @@ class GroupMembers:
             try:
                 while member.connection.poll():
                     message = member.connection.recv()
+                    if message[0] == "debug_io":  # handled outside: answering a prompt waits for the user
+                        self._debug_messages.append((member, message))
+                        continue
                     self._mailbox[(member.rank, message[1])] = message
                     if message[0] in REPLIES:
                         member.busy = None

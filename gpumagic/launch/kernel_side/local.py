@@ -23,6 +23,7 @@ from typing import Any
 
 from gpumagic.errors import InvalidArgument
 from gpumagic.launch.failures import LaunchError, LaunchInterrupted
+from gpumagic.launch.hang_reports import mismatch_after_failure
 from gpumagic.launch.kernel_side.kernel_end import watch_this_kernel
 from gpumagic.launch.kernel_side.process_set import Exit, ProcessSet
 from gpumagic.launch.plan import LaunchPlan
@@ -46,8 +47,10 @@ def run_local(
     on_start: Callable[[LaunchPlan, list[int]], None] | None = None,
     cancel: threading.Event | None = None,
     poll_s: float = 0.1,
+    on_poll: Callable[[], None] | None = None,
 ) -> dict[int, Any]:
     """Run a packed payload (``shipping.pack``) on ``plan.nprocs`` local ranks; return ``{rank: value}``.
+    ``on_poll()`` is called every round of the watch (``poll_s``): the hang follower's look.
 
     Raises:
         LaunchError: a rank failed (raised, exited non-zero, was killed); all ranks are gone when it is raised.
@@ -58,7 +61,7 @@ def run_local(
     write_sealed(files.payload, packed)
     with _context(start_method) as context:  # held until the ranks ended: the server is not restarted under them
         ranks = _start(plan, context, start_method, listener)
-        watcher = _Watcher(plan, ranks, on_output or (lambda rank, data: None), poll_s, cancel)
+        watcher = _Watcher(plan, ranks, on_output or (lambda rank, data: None), poll_s, cancel, on_poll)
         try:
             if on_start is not None:
                 on_start(plan, ranks.pids)
@@ -78,7 +81,8 @@ def run_local(
             watcher.close()
     failure = root_cause(outcomes)
     if failure is not None:
-        raise LaunchError(outcomes, failure, _full_disk_note(plan.run_dir))
+        mismatches = mismatch_after_failure(files, list(range(plan.nprocs)))
+        raise LaunchError(outcomes, failure, "\n".join(filter(None, [_full_disk_note(plan.run_dir), *mismatches])))
     return {o.rank: read_result(files, o.rank) for o in outcomes}
 
 
@@ -199,8 +203,10 @@ class _Watcher:
         on_output: Callable[[int, bytes], None],
         poll_s: float,
         cancel: threading.Event | None = None,
+        on_poll: Callable[[], None] | None = None,
     ) -> None:
         self.files = RunFiles(plan.run_dir)
+        self.on_poll = on_poll
         self.ranks = ranks
         self.readers = dict(ranks.readers)
         self.on_output = on_output
@@ -216,6 +222,8 @@ class _Watcher:
             for exit in ended:
                 self._ended(exit)
             self.ranks.escalate()
+            if self.on_poll is not None and not self.ranks.stopping:
+                self.on_poll()
             if self.cancel is not None and self.cancel.is_set() and not self.ranks.stopping:
                 raise _Cancelled()
         self.ranks.end_leftovers()  # first: what they left running may hold their output pipes open

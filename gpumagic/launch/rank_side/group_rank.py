@@ -22,6 +22,7 @@ import io
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import types
@@ -31,42 +32,21 @@ import cloudpickle
 
 from gpumagic.launch import replay, replicas, secure_store
 from gpumagic.launch.plan import LaunchPlan
+from gpumagic.launch.rank_side.debugging import RemoteConsole, post_mortem, set_trace
 from gpumagic.launch.rank_side.failure_reports import failure_report
+from gpumagic.launch.rank_side.hang_watch import CollectiveRecorder, HangWatch
 from gpumagic.launch.rank_side.lifeline import end_own_group
 from gpumagic.launch.rank_side.output_routing import flush
 from gpumagic.launch.rank_side.process_group import (
     break_connections,
     join_tracking_sockets,
     leave_broken_group,
-    replace_in_torch_distributed,
 )
 from gpumagic.launch.rank_side.runtime import RankRuntime, RankSetup, become_rank, exit_rank, plan_setup
 from gpumagic.launch.rank_side.sync_points import SyncPoints, track_ddp_forwards
 from gpumagic.launch.shipping import dumps, pickler_class
 
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "monitored_barrier",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "scatter",
-    "scatter_object_list",
-    "send",
-    "recv",
-)
-
-POINT_TO_POINT = ("send", "recv")  # tracked, but no sync point: only some ranks make them
+DEBUG = -3  # the request number of a debugger's messages (group_members.DEBUG)
 _kept: dict[str, None] = {}  # names registered with gpumagic.keep, in registration order
 _this_rank: GroupRank | None = None
 
@@ -113,13 +93,13 @@ class GroupRank(RankRuntime):
         self.shipped: dict[str, int] = {}  # names the kernel sent: the id of the object each was sent as
         self.executing: str | None = None  # the cell being run
         self.executing_since = 0.0
-        self.collective: tuple[str, float] | None = None
-        self.collectives = 0  # collectives called so far: peers that differ are out of step
         self.group_sockets: dict[int, int] = {}  # fd -> inode of the process group's connections
         self.broken = False
         self.to_wrap: dict[str, dict[str, Any]] = {}  # kept DDP models a fresh rank got as modules
         self.sync = SyncPoints()  # where the rank is, for an interrupt that stops every rank at one point
         self.before: dict[str, Any] = {}  # the plain numbers of the namespace when the last cell started
+        self.failure: Any = None  # the traceback of the last cell, if it failed here: %ddp debug's frames
+        self.lines: queue.Queue[str | None] = queue.Queue()  # the notebook's answers to this rank's debugger
 
     # --- the loop --------------------------------------------------------------------------------------
 
@@ -155,6 +135,7 @@ class GroupRank(RankRuntime):
         cell = kind in ("exec", "call")
         if cell:
             self.sync.start_cell(ident)
+            self._forget_failure()  # its frames go: a new cell runs
         while True:
             try:
                 try:
@@ -165,10 +146,13 @@ class GroupRank(RankRuntime):
                     return ("interrupted", ident, name, self.collectives, self.sync.stopped_at)
                 except BaseException as err:  # noqa: BLE001 - every failure goes back to the kernel
                     self.executing = None
+                    if cell:
+                        self.failure = err.__traceback__
                     return ("failed", ident, {**failure_report("user code", err), "collectives": self.collectives})
                 finally:
                     self.executing = None  # before the reply: a late interrupt must not hit the loop
-                    self.collective = None
+                    if self.recorder is not None:
+                        self.recorder.current = None
                     if cell:
                         self.sync.end_cell()
                         if signal.getsignal(signal.SIGINT) != self._on_interrupt:  # a cell took it over
@@ -213,6 +197,10 @@ class GroupRank(RankRuntime):
                 self.send(("paused", message[1], where))
             elif message[0] == "stop_at":  # ("stop_at", request, cell, point)
                 self.sync.stop_at(message[2], message[3])
+            elif message[0] == "stdin":  # ("stdin", request, line): the notebook's answer to this rank's pdb
+                self.lines.put(message[2])
+            elif message[0] == "hang_after":  # ("hang_after", request, seconds): a cell's own --hang-after
+                self.watch_hangs(message[2])
             else:
                 self.jobs.put(message)
 
@@ -231,38 +219,83 @@ class GroupRank(RankRuntime):
         self.namespace.update(self.context())
         self.provided = set(self.namespace)
         signal.signal(signal.SIGINT, self._on_interrupt)
+        sys.breakpointhook = self._breakpoint
+
+    # --- debugging -------------------------------------------------------------------------------------
+
+    def console(self, unanswered: str) -> RemoteConsole:
+        """pdb's stream to the notebook: over this rank's pipe; ``unanswered``: the line taken when the
+        notebook cannot answer (no input box: a script, a non-interactive run)."""
+        while not self.lines.empty():  # answers left from an earlier session
+            self.lines.get_nowait()
+
+        def receive() -> str | None:
+            line = self.lines.get()
+            return unanswered if line is None else line
+
+        return RemoteConsole(lambda text, state: self.send(("debug_io", DEBUG, text, state)), receive)
+
+    def _forget_failure(self) -> None:
+        """Let the failed cell's frames go (and the memory their tensors hold)."""
+        if self.failure is not None:
+            self.failure = None
+            gc.collect()
+
+    def _at_prompt(self, at: bool) -> None:
+        if self.hang_watch is not None:
+            self.hang_watch.debugging = "at the pdb prompt" if at else None
+
+    def do_debug(self) -> None:
+        """``%ddp debug R``: pdb on the frame where this rank's last cell failed, until the user quits."""
+        if self.failure is None:
+            raise LookupError(f"rank {self.setup.rank} has no failed cell to debug")
+        post_mortem(self.console("q"), self.failure, self._at_prompt)
+
+    def _breakpoint(self, *args: Any, **kwargs: Any) -> None:
+        """``breakpoint()`` in a cell: pdb on this rank, its prompt in the notebook (c continues the cell)."""
+        if os.environ.get("PYTHONBREAKPOINT") == "0" or self.executing is None:
+            return
+        set_trace(self.console("c"), sys._getframe(1), self._at_prompt)
 
     def _on_interrupt(self, signum: int, frame: Any) -> None:
         if self.executing is not None:
             raise KeyboardInterrupt
 
     def _track_collectives(self) -> None:
-        """Note which collective the rank is in, and since when (for ``status`` and interrupts)."""
-        # lazy: torch, in rank processes only
-        import torch.distributed as dist
+        """Record which collective the rank is in, and since when (``status``, interrupts, hang reports); a call
+        of the default group is a point where an interrupt meant for every rank stops them together."""
+        if self.recorder is None:
+            self.recorder = CollectiveRecorder()
 
-        def wrap(original: Any) -> Any:
-            name = original.__name__
-            # every rank makes the default group's collectives alike; not so a send, a recv or a subgroup's
-            counted = name not in POINT_TO_POINT
+        def entered(name: str, default_group: bool) -> None:
+            if default_group:
+                self.sync.enter()
 
-            def collective(*args: Any, **kwargs: Any) -> Any:
-                outer = self.collective
-                if outer is None:
-                    if counted and kwargs.get("group") in (None, dist.GroupMember.WORLD):
-                        self.sync.enter()  # an interrupt meant for every rank at once stops here
-                    self.collective = (name, time.time())
-                    self.collectives += 1
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    if outer is None:
-                        self.collective = None
+        self.recorder.on_enter = entered
+        self.recorder.install()
 
-            return collective
+    @property
+    def collective(self) -> tuple[str, float] | None:
+        """The collective the rank is in (its name, since when), or ``None``."""
+        call = self.recorder.current if self.recorder is not None else None
+        return (call["op"], call["since"]) if call is not None else None
 
-        for name in COLLECTIVES:
-            replace_in_torch_distributed(name, wrap)
+    @property
+    def collectives(self) -> int:
+        """The default group's collectives made since it was formed: peers that differ are out of step."""
+        return self.recorder.count if self.recorder is not None else 0
+
+    def busy(self) -> bool:
+        return self.executing is not None
+
+    def watch_hangs(self, after_s: float) -> None:
+        """Set the hang watch's threshold (0: quiet); a group started without one gets one now, seeing its own
+        recorder's calls (torch's recorder is on only if the group started with a threshold)."""
+        if self.hang_watch is None and after_s > 0:
+            self.hang_watch = HangWatch(self.setup.files, self.setup.rank, after_s, self.recorder, self.busy)
+            self.hang_watch.start()
+        elif self.hang_watch is not None:
+            self.hang_watch.after_s = after_s
 
     # --- the process group -----------------------------------------------------------------------------
 
@@ -285,7 +318,10 @@ class GroupRank(RankRuntime):
             setup.backend, address, setup.rank, setup.world_size, setup.timeout_s, listener
         )
         self.broken = False
-        self.collectives = 0  # counted from this group's start, the same on every rank
+        if self.recorder is not None:
+            self.recorder.restart_count()  # counted from this group's start, the same on every rank
+        if self.hang_watch is not None:
+            self.hang_watch.new_group()
         return address
 
     def do_leave(self) -> None:
@@ -505,6 +541,7 @@ class GroupRank(RankRuntime):
 
         cuda = self.setup.use_cuda and torch.cuda.is_initialized()
         before = torch.cuda.memory_reserved() if cuda else 0
+        self._forget_failure()  # what a failed cell's frames held, kept for %ddp debug, is released too
         collected = gc.collect()
         if cuda:
             torch.cuda.empty_cache()

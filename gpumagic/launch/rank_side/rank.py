@@ -21,6 +21,7 @@ from typing import Any
 import cloudpickle
 
 from gpumagic.launch.plan import LaunchPlan
+from gpumagic.launch.rank_side.debugging import serve_post_mortem
 from gpumagic.launch.rank_side.failure_reports import report_failure
 from gpumagic.launch.rank_side.lifeline import die_with_parent
 from gpumagic.launch.rank_side.memory_cap import name_memory_limit
@@ -62,7 +63,9 @@ class Rank(RankRuntime):
         return 0
 
     def prepare(self) -> None:
-        """Load the shipped code (before the device: a failure to load it is setup's)."""
+        """Load the shipped code (before the device: a failure to load it is setup's); record the collectives."""
+        if self.recorder is not None:
+            self.recorder.install()
         path = self.setup.files.payload
         self.payload = cloudpickle.loads(read_sealed(path, f"the code sent to the ranks ({path})"))
         self.payload.prepare()
@@ -78,9 +81,16 @@ class Rank(RankRuntime):
             leave_process_group()
 
     def report_failure(self, err: BaseException) -> int:
-        """Write how the rank failed (``ranks/rank-R.error.A.json``); the exit code (0 for ``sys.exit(0)``)."""
+        """Write how the rank failed (``ranks/rank-R.error.A.json``); the exit code (0 for ``sys.exit(0)``).
+        With ``--pdb``, a failure of the user's code then waits for the notebook's post-mortem debugger."""
         setup = self.setup
-        return report_failure(setup.files.rank_error(setup.rank, setup.attempt), setup.rank, self.phase, err)
+        code = report_failure(setup.files.rank_error(setup.rank, setup.attempt), setup.rank, self.phase, err)
+        if setup.post_mortem and self.phase == "user code" and isinstance(err, Exception):
+            flush()
+            if self.hang_watch is not None:
+                self.hang_watch.debugging = "kept for the post-mortem debugger"
+            serve_post_mortem(setup.files.rank_debug_socket(setup.rank), err.__traceback__)
+        return code
 
 
 def run_local_rank(local_rank: int, plan: LaunchPlan, outputs: list[Any], listener: Any) -> None:
@@ -133,6 +143,7 @@ def run_rank(run_dir: Path) -> int:
             threads=int(spec.get("threads_per_rank") or 1),
             attempt=attempt,
             served_prefix=f"/worker/attempt_{attempt}" if served else None,
+            hang_after_s=float(spec.get("hang_after_s") or 0.0),
         )
         return Rank(setup).run()
 

@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 import cloudpickle
 
 from gpumagic.launch.plan import LaunchPlan
+from gpumagic.launch.rank_side.hang_watch import CollectiveRecorder, HangWatch, enable_flight_recorder
 from gpumagic.launch.rank_side.lifeline import die_with
 from gpumagic.launch.rank_side.memory_cap import cap_memory
 from gpumagic.launch.rank_side.output_routing import flush, route_output
@@ -57,6 +58,8 @@ class RankSetup:
     attempt: int = 0
     listener: Any = None  # rank 0 of a local launch: the socket the kernel bound for the store
     served_prefix: str | None = None  # an elastic agent serves the store; every rank is a client under this
+    hang_after_s: float = 0.0  # --hang-after: the hang watch's threshold (0: no watch, no recorder)
+    post_mortem: bool = False  # --pdb: on a failure in the user's code, serve a debugger before ending
 
 
 def plan_setup(plan: LaunchPlan, local_rank: int, listener: Any = None) -> RankSetup:
@@ -72,6 +75,8 @@ def plan_setup(plan: LaunchPlan, local_rank: int, listener: Any = None) -> RankS
         use_cuda=plan.use_cuda,
         threads=plan.threads_per_rank,
         listener=listener,
+        hang_after_s=plan.hang_after_s,
+        post_mortem=plan.post_mortem,
     )
 
 
@@ -104,6 +109,8 @@ class RankRuntime:
         self.device: Any = None
         self.main_module: Any = None
         self._fatal: Any = None  # faulthandler's file, open while the rank lives
+        self.recorder: CollectiveRecorder | None = None
+        self.hang_watch: HangWatch | None = None
 
     def set_up(self) -> None:
         """Everything before the user's code: a failure here is setup's (or rendezvous's)."""
@@ -116,6 +123,9 @@ class RankRuntime:
         fork_for_workers()
         keep_ended_process_groups()
         seed_from_environment()
+        if setup.hang_after_s > 0:  # before any process group: torch reads its size when one is made
+            enable_flight_recorder()
+            self.recorder = CollectiveRecorder(setup.files.rank_collective(setup.rank))
         if setup.backend is not None:  # before the code is loaded: it may hold torch's function already
             accept_the_users_own_set_up(setup.backend, setup.world_size, setup.rank, self.made_by)
         elif setup.store_address:
@@ -139,7 +149,16 @@ class RankRuntime:
                 setup.listener,
                 setup.served_prefix,
             )
+            if self.recorder is not None:
+                self.recorder.restart_count()  # the user's collectives are numbered from 1, on every rank alike
         self.main_module = notebook_main()
+        if setup.hang_after_s > 0:
+            self.hang_watch = HangWatch(setup.files, setup.rank, setup.hang_after_s, self.recorder, self.busy)
+            self.hang_watch.start()
+
+    def busy(self) -> bool:
+        """Whether the user's code runs now (a launch's rank: always, once set up)."""
+        return True
 
     def prepare(self) -> None:
         """What this kind of rank needs before its device is chosen (its code, its watches): nothing here."""

@@ -1,0 +1,83 @@
+"""``%%launch_ddp --pdb``, the kernel's side: a rank that failed in the user's code serves pdb on a Unix socket in
+the run's private launch directory (``rank_side.debugging.serve_post_mortem``); the launch's watch loop finds
+it, connects, and runs the session in the cell: the rank's output written, its prompts read with ``input()``
+(an input box in a notebook). The other ranks wait meanwhile; the group ends as usual once the rank exits.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import json
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from gpumagic.launch.rank_side.debugging import PROMPT, peer_uid
+from gpumagic.run_dirs.layout import RunFiles
+
+
+def read_user_line(prompt: str) -> str:
+    """A line from the user: ``input()`` as it is now (a kernel replaces it with its own while a cell runs)."""
+    return builtins.input(prompt)
+
+
+class PostMortems:
+    """Finds the debugger sockets of a launch's failed ranks (``poll``) and runs each session once."""
+
+    def __init__(
+        self,
+        files: RunFiles,
+        nprocs: int,
+        write: Callable[[str], None],
+        hangs: Any = None,
+        read_line: Callable[[str], str] | None = None,
+    ) -> None:
+        self.files = files
+        self.nprocs = nprocs
+        self.write = write
+        self.hangs = hangs  # the launch's hang follower: quiet once a rank is debugged (its peers wait for it)
+        self.read_line = read_line or read_user_line
+        self.done: set[int] = set()
+
+    def poll(self) -> None:
+        for rank in range(self.nprocs):
+            if rank in self.done:
+                continue
+            path = self.files.rank_debug_socket(rank)
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            self.done.add(rank)
+            if info.st_uid != os.getuid():  # not the rank's: nothing of another user's is talked to
+                continue
+            if self.hangs is not None:
+                self.hangs.quiet = True
+            self.session(rank, str(path))
+
+    def session(self, rank: int, path: str) -> None:
+        """One debugging session with ``rank``, until its debugger ends (``q``) or the rank goes."""
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.connect(path)
+            if peer_uid(connection) != os.getuid():
+                return
+            stream = connection.makefile("rw", encoding="utf-8", newline="\n")
+            self.write(f"[gpumagic] rank {rank} failed; --pdb: its debugger is here (q ends it and the launch)\n")
+            for raw in stream:
+                try:
+                    message = json.loads(raw)
+                except ValueError:
+                    return
+                text, state = str(message.get("text") or ""), message.get("state")
+                if state != PROMPT:
+                    if text:
+                        self.write(text)
+                    continue
+                try:
+                    line: str | None = self.read_line(text)
+                except (EOFError, KeyboardInterrupt, Exception):  # noqa: BLE001 - no input box: end the session
+                    line = None
+                stream.write(json.dumps({"line": "q" if line is None else line}) + "\n")
+                stream.flush()

@@ -1,0 +1,100 @@
+"""Hang triage outside a kernel: the option everywhere it is taken (one message each), a launch whose ranks are
+out of step (a file's frames named by file and line), and a background DDP job writing its report to its log.
+Real gloo ranks on the CPU (``gpus="none"``/``gpus=0``)."""
+
+import json
+import time
+
+import pytest
+
+import gpumagic
+from gpumagic.errors import InvalidArgument
+from gpumagic.jobs.api import JobRequest
+from gpumagic.launch.hang_reports import find_mismatches, frame_of
+from gpumagic.launch.kernel_side.ddp import launch_ddp
+from gpumagic.launch.options import LaunchOptions
+
+
+def test_hang_after_is_10s_by_default_and_checked_alike_everywhere():
+    assert LaunchOptions(2, gpus="none").hang_after_s == 10.0
+    assert LaunchOptions.for_group(2).hang_after_s == 10.0 and JobRequest.of(ddp=2).launch.hang_after_s == 10.0
+    assert LaunchOptions(hang_after=0).hang_after_s == 0.0 and LaunchOptions(hang_after="1m").hang_after_s == 60.0
+    for make in (
+        lambda: LaunchOptions(hang_after="soon"),
+        lambda: LaunchOptions.for_group(2, hang_after="soon"),
+        lambda: JobRequest.of(ddp=2, hang_after="soon"),
+        lambda: launch_ddp(len, 2, gpus="none", hang_after="soon"),
+    ):
+        with pytest.raises(InvalidArgument, match=r"^'soon' is not a duration: write it like 30s"):
+            make()
+    with pytest.raises(InvalidArgument, match=r"too long for --hang-after: at most 7d"):
+        LaunchOptions(hang_after="8d")
+
+
+def test_pdb_is_refused_where_no_prompt_can_be_read():
+    with pytest.raises(InvalidArgument, match="--pdb keeps a failed rank of this machine"):
+        LaunchOptions(2, pdb=True, nnodes=2, rdzv_endpoint="127.0.0.1:0")
+    with pytest.raises(InvalidArgument, match="pdb is True or False, got 'yes'"):
+        LaunchOptions(2, pdb="yes")
+    with pytest.raises(InvalidArgument, match="pdb=True needs join=True"):
+        gpumagic.spawn(print, nprocs=2, join=False, gpus="none", pdb=True)
+
+
+def test_frames_are_named_as_the_user_knows_them():
+    assert frame_of("<%%ddp cell In[12]>", 3, "<module>", "  x = 1 ") == {
+        "where": "cell In[12] line 3",
+        "code": "x = 1",
+    }
+    assert frame_of("/home/u/train.py", 40, "step", "loss.backward()")["where"] == "train.py:40 in step"
+    calls = {
+        0: {"call": {"op": "all_reduce", "seq": 2, "tensor": "float32[4]"}},
+        1: {"call": {"op": "barrier", "seq": 1}},
+    }
+    assert find_mismatches(calls) == [
+        "the ranks are at different collectives: rank 0 all_reduce #2 of float32[4], rank 1 barrier #1"
+    ]
+
+
+def one_more_all_reduce():
+    """Rank 1 makes a second all_reduce before rank 0 does: rank 1 waits, rank 0 sleeps elsewhere."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    dist.all_reduce(torch.ones(2))
+    if rank == 1:
+        dist.all_reduce(torch.ones(2))
+    else:
+        time.sleep(4)
+        dist.all_reduce(torch.ones(2))
+    return rank
+
+
+def test_a_launch_reports_which_rank_waits_and_where_the_other_is():
+    shown = []
+    assert launch_ddp(one_more_all_reduce, 2, gpus="none", hang_after="1s", write=shown.append) == {0: 0, 1: 1}
+    text = "".join(shown)
+    assert "rank 1 waited" in text and "in all_reduce #2 of float32[2] (--hang-after 1s)" in text, text
+    assert "rank 0: not in a collective (it made 1 so far, the last all_reduce #1 of float32[2])" in text
+    assert "test_hang_triage.py:" in text and "in one_more_all_reduce: time.sleep(4)" in text
+
+
+def stuck_in_a_job():
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank == 1:
+        time.sleep(4)
+    dist.all_reduce(torch.ones(3))
+    return rank
+
+
+@pytest.mark.usefixtures("no_job_left_running")
+def test_a_ddp_jobs_log_has_the_report_and_its_record_keeps_it():
+    job = gpumagic.submit(stuck_in_a_job, gpus=0, ddp=2, hang_after="1s", name="stuck")
+    assert job.result(timeout=120) == {0: 0, 1: 1}
+    log = job.logs()
+    assert "rank 0 waited" in log and "rank 1: not in a collective" in log and "time.sleep(4)" in log, log
+    record = json.loads((job.path / "run.json").read_text())
+    assert record["hang"]["waiting"] == [0] and "all_reduce #1" in record["hang"]["ranks"]["0"]

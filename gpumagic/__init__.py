@@ -244,7 +244,9 @@ def ranks(nprocs: int | None = None, **options: Any) -> RankGroup:
     ``group.status()``, ``group.free()``, ``group.close()``; a context manager. Options: ``gpus`` (a spec,
     ``"auto"`` or ``"none"``), ``gpus_per_rank``, ``backend``, ``timeout`` (the process group's), ``grace``
     (how long an interrupted rank may stay busy before its collective is broken, default 5 s), ``output``
-    (``rank0``, ``all``, ``none``). See docs/launch.md.
+    (``rank0``, ``all``, ``none``), ``hang_after`` (a collective waiting this long is reported with where every
+    rank is: ``"10s"``; 0: off; ``group.hang_reports`` keeps them). ``group.debug(rank)`` opens pdb on a rank
+    whose last call failed. See docs/launch.md.
     """
     # lazy: import gpumagic stays a few milliseconds
     from gpumagic.launch.kernel_side.group import RankGroup

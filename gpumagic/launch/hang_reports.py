@@ -112,6 +112,9 @@ def compose(
         head = f"gpumagic: {who} waited {_waiting_text(first, now)} (--hang-after {format_duration(after_s)}); "
         head += "where every rank is:"
     lines = [head]
+    hosts = {r: str(a.get("host") or "?") for r, a in answers.items()}
+    if len(set(hosts.values())) > 1:  # ranks on several machines: say which
+        ranks = {r: (f"(on {hosts[r]}) " if r in hosts else "") + text for r, text in ranks.items()}
     width = len(str(max(0, world_size - 1)))
     for rank, text in ranks.items():
         first_line, *rest = text.split("\n")

@@ -210,6 +210,25 @@ def test_ddp_across_the_allocation_from_a_kernel_on_a_login_node(allocation, sta
     )
 
 
+def test_a_hang_across_nodes_is_reported_with_each_nodes_rank_and_line(allocation, start_kernel):
+    kernel = start_kernel(**allocation)
+    kernel.ok("%load_ext gpumagic")
+    cell = (
+        "%%launch_ddp -n 1 --nnodes 2 --gpus none --hang-after 3s\nimport socket, time, torch\n"
+        "if rank == 0:\n    print('entering on', socket.gethostname(), flush=True)\nelse:\n    time.sleep(9)\n"
+        "dist.all_reduce(torch.ones(5))"
+    )
+    pieces, reply = run_streaming(kernel, cell)
+    said = "".join(text for _, text in pieces)
+    assert reply["status"] == "ok", said
+    delay = first_line_at(pieces, "where every rank is") - first_line_at(pieces, "entering on gmn1")
+    print(f"two nodes: the report {delay:.1f}s after rank 0 (gmn1) entered all_reduce (threshold 3s)")
+    assert delay <= 3 + 2
+    assert "rank 0: (on gmn1) waits in all_reduce #1 of float32[5]" in said, said
+    assert "rank 1: (on gmn2) not in a collective" in said and "line 5: time.sleep(9)" in said, said
+    assert "line 6: dist.all_reduce(torch.ones(5))" in said, said
+
+
 def test_the_dashboard_draws_the_resources_of_every_nodes_ranks(allocation, start_kernel):
     """No rank runs on the kernel's machine here: each node's agent samples its ranks into the run directory."""
     kernel = start_kernel(**allocation)

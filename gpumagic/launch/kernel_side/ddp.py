@@ -49,7 +49,9 @@ def launch_ddp(
     ``fn`` may be defined in the notebook: it is shipped by value. Options (``LaunchOptions``): ``gpus`` (a device
     spec or ``"auto"``), ``gpus_per_rank``, ``backend`` (default nccl with GPUs, gloo without), ``port``,
     ``timeout`` (of the process group, default ``"30m"``), ``start_method`` (``forkserver``/``spawn``),
-    ``output`` (``all``/``rank0``/``none``); and ``write``, where rank output goes (default stdout).
+    ``output`` (``all``/``rank0``/``none``), ``hang_after`` (a collective waiting this long is reported with
+    where every rank is, default ``"10s"``, 0: off), ``pdb`` (a rank that raises waits for a post-mortem
+    debugger read with ``input()``); and ``write``, where rank output goes (default stdout).
 
     Multi-node and elastic (torch.distributed.elastic, ``docs/multi-node.md``): ``nnodes`` with
     ``rdzv_endpoint`` (``"HOST:PORT"``, an address of this machine; the other nodes' agent command is printed),

@@ -3,6 +3,7 @@ out of step (a file's frames named by file and line), and a background DDP job w
 Real gloo ranks on the CPU (``gpus="none"``/``gpus=0``)."""
 
 import json
+import re
 import time
 
 import pytest
@@ -98,3 +99,26 @@ def test_a_ddp_jobs_log_has_the_report_and_its_record_keeps_it():
     assert "rank 0 waited" in log and "rank 1: not in a collective" in log and "time.sleep(4)" in log, log
     record = json.loads((job.path / "run.json").read_text())
     assert record["hang"]["waiting"] == [0] and "all_reduce #1" in record["hang"]["ranks"]["0"]
+
+
+@pytest.mark.parametrize(
+    ("magic", "line", "cell", "says"),
+    [
+        ("launch_ddp", "-n 2 --gpus none --hang-after soon", "1", "'soon' is not a duration: write it like 30s"),
+        ("launch_ddp", "-n 2 --gpus none --hang-after=-1s", "1", "'-1s' is not a duration"),
+        ("launch_ddp", "-n 2 --gpus none --pdb --no-wait", "1", "--pdb reads the debugger's lines while the cell"),
+        ("launch_ddp", "-n 1 --nnodes 2 --rdzv-endpoint 127.0.0.1:0 --pdb", "1", "--pdb keeps a failed rank"),
+        ("launch_bg", "--ddp 2 --gpus 0 --hang-after soon", "1", "%%launch_bg: 'soon' is not a duration"),
+        ("ddp", "start -n 2 --gpus none --hang-after 9d", None, "%ddp start: '9d' is too long for --hang-after"),
+        ("ddp", "debug", None, "the following arguments are required: RANK"),
+        ("ddp", "debug 1", None, "no group is running; %ddp start"),
+    ],
+)
+def test_bad_hang_and_debug_input_is_a_one_line_usage_error(shell, magic, line, cell, says):
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match=re.escape(says)):
+        if cell is None:
+            shell.run_line_magic(magic, line)
+        else:
+            shell.run_cell_magic(magic, line, cell)

@@ -222,3 +222,13 @@ dist.all_reduce(torch.ones(1))
         "dist.all_reduce(t)\nt.item()"
     )
     assert after.status == "ok" and kernel.ok("print(r)").stdout.strip() == "{0: 2.0, 1: 2.0}"
+
+
+def test_the_stop_button_at_a_ranks_pdb_prompt_interrupts_the_cell_and_the_group_goes_on(group):
+    group.client.execute("%%ddp\nif rank == 1:\n    breakpoint()\ndist.barrier()", allow_stdin=True)
+    prompt = group.client.get_stdin_msg(timeout=30)
+    assert prompt["content"]["prompt"] == "(Pdb) "
+    reply, took = group.interrupt()
+    print(f"interrupted at rank 1's pdb prompt: the cell ended {took:.2f}s later")
+    assert reply["status"] == "error" and reply["ename"] == "CellInterrupted", reply
+    group_works(group)

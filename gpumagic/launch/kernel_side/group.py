@@ -370,7 +370,10 @@ class RankGroup:
             self.hangs.quiet = True  # the peers wait for the rank in the debugger: no hang to report
             try:
                 line: str | None = self.read_line(text)
-            except (EOFError, KeyboardInterrupt, Exception):  # noqa: BLE001 - no input box here
+            except KeyboardInterrupt:  # the stop button: the debugger lets go, and the cell is interrupted
+                member.send(("stdin", 0, None))
+                raise
+            except (EOFError, Exception):  # noqa: BLE001 - no input box here
                 line = None
                 self.on_note(f"rank {member.rank}'s debugger cannot read a line here (no input); it goes on")
             member.send(("stdin", 0, line))

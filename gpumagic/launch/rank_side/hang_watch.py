@@ -1,14 +1,16 @@
 """Hang triage, the rank's side: what collective this rank is in, and a thread that says so when it waits too
 long, and answers where the rank is when the launcher asks.
 
-Two recorders, both cheap:
+Two recorders:
 
-- torch's flight recorder (``TORCH_FR_BUFFER_SIZE``; torch 2.13 records gloo as well as NCCL): every collective,
-  DDP's own bucket all-reduces and asynchronous ones included, with its process group, sequence number, sizes
-  and whether it finished. Read only by the watch thread (``onlyActive``: ~0.05 ms a read), twice a second.
+- torch's flight recorder (on by default in torch 2.13, 2,000 entries; ``TORCH_FR_BUFFER_SIZE``): every
+  collective, gloo's and NCCL's, DDP's own bucket all-reduces and asynchronous ones included, with its process
+  group, sequence number, sizes and whether it finished. Reading it costs 20-50 ms once it is full, so the
+  watch reads it only when the default group's sequence number (~0.2 us to read) has stood still past the
+  threshold, and to answer the launcher.
 - ``CollectiveRecorder``: the Python call this rank is in (op, its number among the default group's
-  collectives, the first tensor's shape, the caller's line), kept in the rank and, in a small file mapped into
-  memory, on disk: a rank that gloo aborts for a size mismatch leaves it behind. ~3 us a call.
+  collectives, the first tensor, since when), and, in a small file mapped into memory, on disk: a rank that
+  gloo aborts for a size mismatch leaves it behind. ~2 us a call (0.5 us without the file).
 
 ``HangWatch`` compares the oldest collective in flight with ``--hang-after``: past it, the rank writes
 ``ranks/rank-R.waiting.json``; the launcher (``launch.hang_reports.HangFollower``) then writes
@@ -74,13 +76,14 @@ def enable_flight_recorder() -> None:
 
 
 class CollectiveRecorder:
-    """Wraps ``torch.distributed``'s collectives: ``current`` is the call this rank is in (a dict, ``None``
-    between calls), ``last`` the last one it finished, ``count`` the default group's collectives made.
-    ``on_enter(name, default_group)`` runs as a call starts (a persistent group's sync points)."""
+    """Wraps ``torch.distributed``'s collectives: ``current`` is the call this rank is in (``None`` between
+    calls), ``last`` the last one it finished, ``count`` the default group's collectives made; ``describe``
+    turns one into its fields. ``on_enter(name, default_group)`` runs as a call starts (a persistent group's
+    sync points). With ``path``, each call is also written to that file, mapped into memory."""
 
     def __init__(self, path: Path | None = None, on_enter: Callable[[str, bool], None] | None = None) -> None:
-        self.current: dict[str, Any] | None = None
-        self.last: dict[str, Any] | None = None
+        self.current: tuple | None = None  # (op, seq, default group?, first argument, since)
+        self.last: tuple | None = None  # the same, without the argument
         self.count = 0
         self.on_enter = on_enter
         self._map: mmap.mmap | None = None
@@ -97,48 +100,60 @@ class CollectiveRecorder:
         self.count = 0
         self.current = self.last = None
 
+    @staticmethod
+    def describe(call: tuple | None) -> dict[str, Any] | None:
+        """A recorded call as the hang report reads it: op, seq, group, tensor, since."""
+        if call is None:
+            return None
+        op, seq, default_group, first, since = call
+        return {
+            "op": op,
+            "seq": seq,
+            "group": "default" if default_group else "subgroup",
+            "tensor": describe_tensor((first,), {}),
+            "since": since,
+        }
+
     def _wrap(self, original: Any) -> Any:
         # lazy: torch, in rank processes only
         import torch.distributed as dist
 
         name = original.__name__
         numbered = name not in POINT_TO_POINT
-        world = dist.GroupMember
+        members = dist.GroupMember
 
         def collective(*args: Any, **kwargs: Any) -> Any:
             if self.current is not None:  # a collective made by another (all_gather_object's own)
                 return original(*args, **kwargs)
-            default_group = kwargs.get("group") in (None, world.WORLD)
+            group = kwargs.get("group")
+            default_group = group is None or group is members.WORLD
             if self.on_enter is not None:
                 self.on_enter(name, numbered and default_group)
+            seq = None
             if numbered and default_group:
-                self.count += 1
-            caller = sys._getframe(1)
-            call = {
-                "op": name,
-                "seq": self.count if numbered and default_group else None,
-                "group": "default" if default_group else "subgroup",
-                "tensor": describe_tensor(args, kwargs),
-                "file": caller.f_code.co_filename,
-                "line": caller.f_lineno,
-                "since": time.time(),
-            }
-            self.current = call
-            self._save("in", call)
+                self.count = seq = self.count + 1
+            first = args[0] if args else kwargs.get("tensor", kwargs.get("tensor_list", kwargs.get("object_list")))
+            self.current = call = (name, seq, default_group, first, time.time())
+            if self._map is not None:
+                self._save(call)
             try:
                 return original(*args, **kwargs)
             finally:
                 self.current = None
-                self.last = call
-                self._save("done", call)
+                self.last = (name, seq, default_group, None, call[4])
+                if self._map is not None:
+                    self._map[0:1] = b"D"
 
         return collective
 
-    def _save(self, state: str, call: dict[str, Any]) -> None:
-        if self._map is None:
-            return
-        data = json.dumps({"state": state, "count": self.count, **call}).encode()[: RECORD_BYTES - 1]
-        self._map[: len(data) + 1] = data + b"\0"
+    def _save(self, call: tuple) -> None:
+        """The call in the mapped file, its fields tab-separated after a state byte (``I``: in it; ``D``, set
+        alone when it returns: done). Read by ``hang_reports.read_record``, also after the rank died."""
+        op, seq, default_group, first, _ = call
+        tensor = describe_tensor((first,), {})
+        data = f"I{op}\t{seq}\t{'default' if default_group else 'subgroup'}\t{tensor}".encode()
+        data = data[: RECORD_BYTES - 1]
+        self._map[: len(data) + 1] = data + b"\0"  # type: ignore[index]
 
 
 def _mapped(path: Path) -> mmap.mmap:
@@ -166,6 +181,19 @@ def last_finished(since_ns: int = 0) -> dict[str, Any] | None:
         if e.get("retired") and (e.get("time_created_ns") or 0) >= since_ns
     ]
     return _summary(max(done, key=lambda e: e.get("record_id", 0))) if done else None
+
+
+def _sequence_number() -> int | None:
+    """How many collectives the default process group has made (every kind, DDP's too; ~0.2 us), or ``None``."""
+    # lazy: torch, in rank processes only
+    import torch.distributed as dist
+
+    try:
+        if not dist.is_initialized():
+            return None
+        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+    except Exception:  # noqa: BLE001 - a backend without one: only the Python calls are watched
+        return None
 
 
 def _flight_recorder(only_active: bool) -> list[dict[str, Any]]:
@@ -240,6 +268,9 @@ class HangWatch:
         self.debugging: str | None = None
         self._main = threading.main_thread().ident
         self._told: set[tuple] = set()
+        self._sequence: int | None = None  # the default group's sequence number at the last look
+        self._still_since = 0.0  # since when it has not moved
+        self._flight_read = False  # torch's recorder was read in this still stretch
         self._request_seen: int | None = None
         self._answered: str | None = None
 
@@ -264,7 +295,9 @@ class HangWatch:
 
     def look(self) -> None:
         """One look: tell the launcher of a collective waiting too long; answer its request."""
-        if self.after_s > 0 and self.debugging is None and self.busy():
+        if not self.busy():
+            self._sequence = None  # a stretch without collectives between cells is no wait
+        elif self.after_s > 0 and self.debugging is None:
             waiting = self.waiting()
             new = [w for w in waiting if _key(w) not in self._told]
             if new:
@@ -274,13 +307,25 @@ class HangWatch:
         self._answer()
 
     def waiting(self) -> list[dict[str, Any]]:
-        """The collectives this rank has waited in longer than ``after_s`` (oldest first)."""
+        """The collectives this rank has waited in longer than ``after_s`` (oldest first).
+
+        A Python call of a collective: the recorder says since when (free). One made in C++ (DDP's bucket
+        all-reduces) or left in flight (asynchronous, NCCL): only torch's recorder knows, and reading it grows
+        with its entries (20-50 ms when its 2,000 are full). It is read only once the default group's sequence
+        number has stood still longer than the threshold (a rank that makes collectives is not stuck in one),
+        once per such stretch."""
         now = time.time()
-        late = [e for e in in_flight(self.since_ns) if now - e["created_ns"] / 1e9 > self.after_s]
         call = self.recorder.current if self.recorder is not None else None
-        if call is not None and now - call["since"] > self.after_s:
-            late.insert(0, {"call": call})
-        return late
+        if call is not None:
+            return [{"call": self.recorder.describe(call)}] if now - call[4] > self.after_s else []
+        sequence = _sequence_number()
+        if sequence is None or sequence != self._sequence:
+            self._sequence, self._still_since, self._flight_read = sequence, now, False
+            return []
+        if self._flight_read or now - self._still_since <= self.after_s:
+            return []
+        self._flight_read = True
+        return [e for e in in_flight(self.since_ns) if now - e["created_ns"] / 1e9 > self.after_s]
 
     def _answer(self) -> None:
         try:
@@ -314,8 +359,8 @@ class HangWatch:
             "debugging": self.debugging,
             "in_flight": in_flight(self.since_ns),
             "last": last_finished(self.since_ns),
-            "call": recorder.current if recorder is not None else None,
-            "last_call": recorder.last if recorder is not None else None,
+            "call": recorder.describe(recorder.current) if recorder is not None else None,
+            "last_call": recorder.describe(recorder.last) if recorder is not None else None,
             "count": recorder.count if recorder is not None else None,
             "stack": user_stack(frame),
         }

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpumagic.run_dirs import store
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.private import write_private
 from gpumagic.units import format_duration as _long_duration
@@ -28,6 +29,7 @@ DEFAULT_HANG_AFTER = "10s"
 ANSWER_WAIT_S = 1.5  # how long the report waits for every rank's answer
 LOOK_EVERY_S = 0.1  # the follower looks at most this often, however often its loop calls it
 _CELL = re.compile(r"^<.*?cell (.+)>$")
+_DURATION = re.compile(r"\b\d+(\.\d+)?s\b")
 
 
 def format_duration(seconds: float) -> str:
@@ -40,12 +42,8 @@ _DTYPE_NAMES: dict[Any, str] = {}
 
 def describe_tensor(args: tuple, kwargs: dict[str, Any]) -> str | None:
     """The first tensor a collective was given (a list's first, with its length), as ``float32[1000]``."""
-    first = args[0] if args else None
-    shape = getattr(first, "shape", None)
-    if shape is not None:  # the common case, first (~0.4 us)
-        dtype = first.dtype
-        name = _DTYPE_NAMES.get(dtype) or _DTYPE_NAMES.setdefault(dtype, str(dtype).removeprefix("torch."))
-        return f"{name}{list(shape)}"
+    if args and getattr(args[0], "shape", None) is not None:  # the common case, first (~0.4 us)
+        return _tensor_text(args[0])
     for value in (*args[:2], kwargs.get("tensor"), kwargs.get("tensor_list"), kwargs.get("object_list")):
         if isinstance(value, (list, tuple)):
             if not value:
@@ -63,7 +61,8 @@ def _tensor_text(value: Any) -> str | None:
     dtype = getattr(value, "dtype", None)
     if shape is None or dtype is None:
         return None
-    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
+    name = _DTYPE_NAMES.get(dtype) or _DTYPE_NAMES.setdefault(dtype, str(dtype).removeprefix("torch."))
+    return f"{name}{list(shape)}"
 
 
 def frame_of(filename: str, line: int, function: str, code: str) -> dict[str, Any]:
@@ -125,11 +124,15 @@ def compose(
     hosts = {r: str(a.get("host") or "?") for r, a in answers.items()}
     if len(set(hosts.values())) > 1:  # ranks on several machines: say which
         ranks = {r: (f"(on {hosts[r]}) " if r in hosts else "") + text for r, text in ranks.items()}
-    width = len(str(max(0, world_size - 1)))
+    alike: dict[str, list[int]] = {}  # many ranks in one state (63 of 64 waiting) make one entry
     for rank, text in ranks.items():
-        first_line, *rest = text.split("\n")
-        lines.append(f"  rank {rank:>{width}}: {first_line}")
-        lines.extend(f"  {'':>{width + 5}}  {line}" for line in rest)
+        alike.setdefault(_DURATION.sub("", text), []).append(rank)
+    labels = {members[0]: _ranks_label(members) for members in alike.values()}
+    width = max(len(label) for label in labels.values())
+    for first_rank, label in labels.items():
+        first_line, *rest = ranks[first_rank].split("\n")
+        lines.append(f"  {label:>{width}}: {first_line}")
+        lines.extend(f"  {'':>{width}}  {line}" for line in rest)
     lines.extend(f"  mismatch: {m}" for m in mismatches)
     lines.append("  (interrupt the cell to stop it; --hang-after D sets when this shows, 0 turns it off)")
     return {
@@ -141,6 +144,19 @@ def compose(
         "mismatches": mismatches,
         "text": "\n".join(lines),
     }
+
+
+def _ranks_label(ranks: list[int]) -> str:
+    """``rank 3``; ``ranks 0-2, 5`` (runs of consecutive ranks joined)."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return "ranks " + ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
 
 
 def _waiting_text(waiting: dict[str, Any], now: float) -> str:
@@ -260,6 +276,14 @@ class HangFollower:
         self._next_look = 0.0
         self._notices: dict[int, float] = {}  # rank -> the time of its last notice seen
         self._pending: tuple[str, float, dict[int, dict[str, Any]]] | None = None
+
+    @classmethod
+    def of_run(cls, run_dir: str | Path, world_size: int, after_s: float, show: Callable[[str], None]) -> HangFollower:
+        """The follower of a launch's or a group's run: each report shown (``show(text)``, a line) and kept in
+        the run's ``run.json`` (``hang``)."""
+        return cls(
+            run_dir, world_size, after_s, show, record=lambda report: store.update_run(Path(run_dir), hang=report)
+        )
 
     def poll(self) -> dict[str, Any] | None:
         """One look (cheap while nothing waits); the report made now, if any. Never raises: a report that

@@ -11,7 +11,7 @@ import pytest
 import gpumagic
 from gpumagic.errors import InvalidArgument
 from gpumagic.jobs.api import JobRequest
-from gpumagic.launch.hang_reports import find_mismatches, frame_of
+from gpumagic.launch.hang_reports import compose, find_mismatches, frame_of
 from gpumagic.launch.kernel_side.ddp import launch_ddp
 from gpumagic.launch.options import LaunchOptions
 
@@ -122,3 +122,18 @@ def test_bad_hang_and_debug_input_is_a_one_line_usage_error(shell, magic, line, 
             shell.run_line_magic(magic, line)
         else:
             shell.run_cell_magic(magic, line, cell)
+
+
+def test_many_ranks_in_one_state_make_one_entry():
+    now = time.time()
+
+    def waits(rank):
+        call = {"op": "all_reduce", "seq": 5, "tensor": "float32[4]", "group": "default", "since": now - 10 - rank / 10}
+        return {"host": "h", "call": call, "stack": [{"where": "cell In[3] line 2", "code": "dist.all_reduce(t)"}]}
+
+    answers = {rank: waits(rank) for rank in range(64) if rank != 5}
+    answers[5] = {"host": "h", "call": None, "count": 4, "stack": [{"where": "cell In[3] line 4", "code": "f()"}]}
+    report = compose({0: {"waiting": [{"call": answers[0]["call"]}]}}, answers, 64, 10.0)
+    lines = report["text"].splitlines()
+    assert lines[1].strip().startswith("ranks 0-4, 6-63: waits in all_reduce #5 of float32[4] for 1")
+    assert lines[3].strip() == "rank 5: not in a collective (it made 4 so far)" and len(lines) == 6

@@ -207,17 +207,6 @@ def launch_packed(
     return _run_here(plan, packed, launch, listener, write, dashboard)
 
 
-def launch_follower(run_dir: Path, world_size: int, after_s: float, write: Callable[[str], None]) -> HangFollower:
-    """The hang follower of a launch: its report written with the ranks' output, and kept in the run's record."""
-    return HangFollower(
-        run_dir,
-        world_size,
-        after_s,
-        show=lambda text: write(text + "\n"),
-        record=lambda report: store.update_run(run_dir, hang=report),
-    )
-
-
 def _run_here(
     plan: LaunchPlan,
     packed: bytes,
@@ -232,8 +221,9 @@ def _run_here(
     store.update_run(run_dir, ranks=plan.nprocs, backend=plan.backend, gpus=[list(g) for g in plan.rank_gpus])
     bars = progress_lines() if write is None else None  # one updating line per rank, in a notebook's output
     sink = RankOutput(write or stdout_writer(), launch.output, plan.nprocs, bars)
-    hangs = launch_follower(run_dir, plan.world_size, plan.hang_after_s, write or stdout_writer())
-    debuggers = PostMortems(files, plan.nprocs, write or stdout_writer(), hangs) if plan.post_mortem else None
+    writer = write or stdout_writer()
+    hangs = HangFollower.of_run(run_dir, plan.world_size, plan.hang_after_s, lambda text: writer(text + "\n"))
+    debuggers = PostMortems(files, plan.nprocs, writer, hangs) if plan.post_mortem else None
 
     def look() -> None:
         hangs.poll()

@@ -130,13 +130,7 @@ def launch_elastic(
     agents = start_agents(run_dir, endpoint, listener, launch.node_rank, gpu_uuids, launch.allocation, launch.nnodes)
     sink = RankOutput(write, launch.output, world_size, progress_lines())
     follower = _Follower(run_dir, world_size, launch.max_restarts, sink, write)
-    hangs = HangFollower(
-        run_dir,
-        world_size,
-        launch.hang_after_s,
-        show=lambda text: write(text + "\n"),
-        record=lambda report: store.update_run(run_dir, hang=report),
-    )
+    hangs = HangFollower.of_run(run_dir, world_size, launch.hang_after_s, lambda text: write(text + "\n"))
     status = "failed"
     try:
         _follow(agents, follower, dashboard, run_dir, spec, poll_s, hangs.poll)

@@ -153,13 +153,7 @@ class RankGroup:
             timeout_s=self.timeout_s,
             hang_after_s=self.launch.hang_after_s,
         )
-        self.hangs = HangFollower(
-            self.run_dir,
-            nprocs,
-            self.launch.hang_after_s,
-            show=self.on_note,
-            record=lambda report: store.update_run(self.run_dir, hang=report),
-        )
+        self.hangs = HangFollower.of_run(self.run_dir, nprocs, self.launch.hang_after_s, self.on_note)
         self.members.on_round = self.hangs.poll
         self.closed = False
         _open_groups.add(self)

@@ -112,6 +112,7 @@ while time.monotonic() < deadline and not os.path.exists(stop):
     time.sleep(0.002)
 time.sleep(3)
 print(json.dumps(report), flush=True)
+os._exit(0)  # a thread still inside torch's TCPStore constructor would abort the interpreter's teardown
 """
 
 ALICE = r"""
@@ -189,7 +190,7 @@ def _report(attacker: subprocess.Popen) -> dict:
     except subprocess.TimeoutExpired:
         attacker.kill()
         output, _ = attacker.communicate()
-    lines = output.decode().strip().splitlines()
-    if not lines or not lines[-1].startswith("{"):
+    reports = [line for line in output.decode().strip().splitlines() if line.startswith("{")]
+    if not reports:
         pytest.fail(f"the attacker reported nothing: {output.decode()[-2000:]}")
-    return json.loads(lines[-1])
+    return json.loads(reports[-1])

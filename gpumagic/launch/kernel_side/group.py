@@ -121,6 +121,7 @@ class RankGroup:
         self.recovery = GroupRecovery(self.members, self._shipper, self.grace_s)
         self.divergence = Divergence()  # what differed between the replicas when last compared
         self.failed_last: dict[int, str] = {}  # rank -> "failed" (its frames kept) or "died", in the last cell
+        self._stopping = False  # an interrupted or timed-out cell is being stopped
         self.read_line: Callable[[str], str] = read_user_line  # the user's answer to a rank's pdb prompt
         self.members.on_debug = self._debug_io
         self._stack = contextlib.ExitStack()
@@ -362,6 +363,9 @@ class RankGroup:
         """A rank's debugger said something: show it; at its prompt, read the user's line and send it."""
         if state == PROMPT:
             self.hangs.quiet = True  # the peers wait for the rank in the debugger: no hang to report
+            if self._stopping:  # an interrupted cell is being stopped: no prompt may hold it
+                member.send(("stdin", 0, None))
+                return
             try:
                 line: str | None = self.read_line(text)
             except KeyboardInterrupt:  # the stop button: the debugger lets go, and the cell is interrupted
@@ -503,8 +507,12 @@ class RankGroup:
                 except (KeyboardInterrupt, ReplyTimeout) as stopped:
                     why = "interrupted" if isinstance(stopped, KeyboardInterrupt) else "timed out"
                     replies = dict(members.partial)
-                    point = recovery.stop_together(ident, targets, replies)
-                    replies = recovery.recover(ident, targets, why, notes, replies)
+                    self._stopping = True
+                    try:
+                        point = recovery.stop_together(ident, targets, replies)
+                        replies = recovery.recover(ident, targets, why, notes, replies)
+                    finally:
+                        self._stopping = False
                 except (RankDied, RankFailed):
                     # read before a dead rank's replacement starts its recorder afresh
                     mismatches = mismatch_after_failure(RunFiles(self.run_dir), [m.rank for m in targets])

@@ -65,6 +65,15 @@ class RemotePdb(pdb.Pdb):
         self.on_prompt = on_prompt
         self.prompt = "(Pdb) "
 
+    def _cmdloop(self) -> None:
+        """pdb's prompt loop, but the kernel's interrupt ends it (pdb's own catches it and asks again: the stop
+        button would bring back the prompt it meant to leave, on a rank gpumagic is stopping)."""
+        self.allow_kbdint = True
+        try:
+            self.cmdloop()
+        finally:
+            self.allow_kbdint = False
+
     def preloop(self) -> None:
         self.on_prompt(True)
 

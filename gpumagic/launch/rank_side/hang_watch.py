@@ -167,14 +167,14 @@ def _mapped(path: Path) -> mmap.mmap:
 
 def in_flight(since_ns: int = 0) -> list[dict[str, Any]]:
     """The collectives torch's flight recorder holds as not finished, made after ``since_ns`` (an ended group's
-    are not waited for), oldest first, summarised (``hang_reports.summarize``'s fields)."""
+    are not waited for), oldest first, summarised (``_summary``: op, backend, seq, group, tensor, since)."""
     entries = _flight_recorder(only_active=True)
     found = [_summary(e) for e in entries if not e.get("retired") and (e.get("time_created_ns") or 0) >= since_ns]
     return sorted(found, key=lambda e: e["created_ns"])
 
 
 def last_finished(since_ns: int = 0) -> dict[str, Any] | None:
-    """The last collective the flight recorder saw finish (of the default group), or ``None``."""
+    """The last collective the flight recorder saw finish (of any group), or ``None``."""
     done = [
         e
         for e in _flight_recorder(only_active=False)

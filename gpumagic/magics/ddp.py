@@ -95,6 +95,7 @@ _CELL_PARSER = _cell_parser()
 _OVERVIEW = (
     "%ddp SUBCOMMAND — a DDP group that lives across cells.\n\n"
     "  %ddp start [-n N] [--gpus SPEC|auto] [--gpus-per-rank K] [--backend B] [--timeout D] [--grace D]\n"
+    "             [--hang-after D]     a collective waiting D (10s) shows who is stuck where; 0: off\n"
     "  %%ddp [--ranks 0] [-o VAR] [--timeout D] [--hang-after D]   run the cell on every rank (or some)\n"
     "  %ddp check                          are the replicas alike (models, optimizers, step counters)?\n"
     "  %ddp sync [--from R] [NAME ...]     make them alike again, from rank R (0)\n"

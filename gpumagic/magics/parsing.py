@@ -57,7 +57,7 @@ def subcommand(line: str, magic: str, default: str, parsers: Mapping[str, Parser
     words = line.strip().split(None, 1)
     name = words[0] if words else default
     rest = words[1] if len(words) > 1 else ""
-    if name in ("-h", "--help"):
+    if name in ("-h", "--help") or (name == "help" and "help" not in parsers):  # the error below points to it
         return None, rest
     if name not in parsers:
         raise UsageError(f"{magic} has no subcommand {name!r}; use one of: {', '.join(parsers)} (see {magic} help)")

@@ -137,3 +137,12 @@ def test_many_ranks_in_one_state_make_one_entry():
     lines = report["text"].splitlines()
     assert lines[1].strip().startswith("ranks 0-4, 6-63: waits in all_reduce #5 of float32[4] for 1")
     assert lines[3].strip() == "rank 5: not in a collective (it made 4 so far)" and len(lines) == 6
+
+
+def test_ddp_help_is_there_where_the_error_points_and_lists_debug(shell):
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match=r"see %ddp help"):
+        shell.run_line_magic("ddp", "frobnicate")
+    overview = str(shell.run_line_magic("ddp", "help"))
+    assert "%ddp debug R" in overview and "[--hang-after D]" in overview

@@ -22,6 +22,7 @@ from typing import Any
 
 from gpumagic.run_dirs import store
 from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.run_dirs.outcomes import read_json
 from gpumagic.run_dirs.private import write_private
 from gpumagic.units import format_duration as _long_duration
 
@@ -331,22 +332,12 @@ class HangFollower:
         self._stamp = stamp
         found = {}
         for rank in range(self.world_size):
-            try:
-                notice = json.loads(self.files.rank_waiting(rank).read_text())
-            except (OSError, ValueError):
-                continue
-            if notice.get("time", 0) > self._notices.get(rank, 0):
+            notice = read_json(self.files.rank_waiting(rank))
+            if notice is not None and notice.get("time", 0) > self._notices.get(rank, 0):
                 self._notices[rank] = notice["time"]
                 found[rank] = notice
         return found
 
     def _answers(self, request: str) -> dict[int, dict[str, Any]]:
-        answers = {}
-        for rank in range(self.world_size):
-            try:
-                answer = json.loads(self.files.rank_where(rank).read_text())
-            except (OSError, ValueError):
-                continue
-            if answer.get("id") == request:
-                answers[rank] = answer
-        return answers
+        answers = {rank: read_json(self.files.rank_where(rank)) for rank in range(self.world_size)}
+        return {rank: answer for rank, answer in answers.items() if answer is not None and answer.get("id") == request}

@@ -93,7 +93,7 @@ def read_outcome(files: RunFiles, rank: int, attempt: int = 0, end: ProcessEnd |
     """How ``rank`` ended in ``attempt``: its own report; else the Python stack a fatal signal left (timed by when
     the signal came, not when a launcher noticed); else how its process ended (``end``); else, with a result,
     finished; else stopped by its launcher (an agent or Slurm ended it because another rank failed)."""
-    report = _read_json(files.rank_error(rank, attempt))
+    report = read_json(files.rank_error(rank, attempt))
     if report is not None:
         return RankOutcome(
             rank,
@@ -141,7 +141,7 @@ def rank_outcomes(
 
 def read_rank_start(files: RunFiles, rank: int) -> dict[str, Any]:
     """Rank ``rank``'s latest start (``ranks/rank-R.json``: attempt, pid, host, time); empty before it started."""
-    return _read_json(files.rank_start(rank)) or {}
+    return read_json(files.rank_start(rank)) or {}
 
 
 def read_result(files: RunFiles, rank: int) -> Any:
@@ -150,7 +150,8 @@ def read_result(files: RunFiles, rank: int) -> Any:
     return cloudpickle.loads(read_sealed(path, f"rank {rank}'s result ({path})")) if path.exists() else None
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON file a rank wrote whole (``write_private``), or ``None`` if it is missing or not JSON."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):

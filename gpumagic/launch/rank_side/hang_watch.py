@@ -38,6 +38,7 @@ from typing import Any
 from gpumagic.launch.hang_reports import describe_tensor, frame_of
 from gpumagic.launch.rank_side.process_group import replace_in_torch_distributed
 from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.run_dirs.outcomes import read_json
 from gpumagic.run_dirs.private import write_private
 
 RECORDER_ENTRIES = "2000"  # torch's flight recorder: the last collectives kept (a few hundred bytes each)
@@ -165,19 +166,21 @@ def _mapped(path: Path) -> mmap.mmap:
         os.close(fd)
 
 
-def in_flight(since_ns: int = 0) -> list[dict[str, Any]]:
+def in_flight(since_ns: int = 0, entries: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The collectives torch's flight recorder holds as not finished, made after ``since_ns`` (an ended group's
-    are not waited for), oldest first, summarised (``_summary``: op, backend, seq, group, tensor, since)."""
-    entries = _flight_recorder(only_active=True)
+    are not waited for), oldest first, summarised (``_summary``: op, backend, seq, group, tensor, since).
+    ``entries``: the recorder's entries read already (else it is read now)."""
+    if entries is None:
+        entries = _flight_recorder(only_active=True)
     found = [_summary(e) for e in entries if not e.get("retired") and (e.get("time_created_ns") or 0) >= since_ns]
     return sorted(found, key=lambda e: e["created_ns"])
 
 
-def last_finished(since_ns: int = 0) -> dict[str, Any] | None:
-    """The last collective the flight recorder saw finish (of any group), or ``None``."""
+def last_finished(since_ns: int = 0, entries: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
+    """The last collective the flight recorder saw finish (of any group), or ``None``; ``entries`` as above."""
     done = [
         e
-        for e in _flight_recorder(only_active=False)
+        for e in (_flight_recorder(only_active=False) if entries is None else entries)
         if e.get("retired") and (e.get("time_created_ns") or 0) >= since_ns
     ]
     return _summary(max(done, key=lambda e: e.get("record_id", 0))) if done else None
@@ -335,11 +338,8 @@ class HangWatch:
         if stamp == self._request_seen:
             return
         self._request_seen = stamp
-        try:
-            request = json.loads(self.files.hang_request.read_text())
-        except (OSError, ValueError):
-            return
-        if request.get("id") == self._answered:
+        request = read_json(self.files.hang_request)
+        if request is None or request.get("id") == self._answered:
             return
         self._answered = request.get("id")
         write_private(self.files.rank_where(self.rank), json.dumps(self.where(request.get("id"))).encode())
@@ -349,6 +349,7 @@ class HangWatch:
         its main thread's stack cut to the user's lines."""
         recorder = self.recorder
         frame = sys._current_frames().get(self._main)
+        entries = _flight_recorder(only_active=False)  # read once (20-50 ms when full) for both fields below
         return {
             "id": request,
             "rank": self.rank,
@@ -357,8 +358,8 @@ class HangWatch:
             "time": time.time(),
             "busy": self.busy(),
             "debugging": self.debugging,
-            "in_flight": in_flight(self.since_ns),
-            "last": last_finished(self.since_ns),
+            "in_flight": in_flight(self.since_ns, entries),
+            "last": last_finished(self.since_ns, entries),
             "call": recorder.describe(recorder.current) if recorder is not None else None,
             "last_call": recorder.describe(recorder.last) if recorder is not None else None,
             "count": recorder.count if recorder is not None else None,

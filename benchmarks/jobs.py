@@ -207,7 +207,16 @@ def _run_script(code: str, env: dict[str, str], *args: str) -> dict:
 
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
         script.write(code)
-    out = subprocess.run([sys.executable, script.name, *args], env=env, capture_output=True, text=True, timeout=600)
+    # run from the script's directory: a forkserver puts its working directory first on its path, and from the
+    # checkout that would import this checkout's gpumagic into a baseline's ranks
+    out = subprocess.run(
+        [sys.executable, script.name, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=os.path.dirname(script.name),
+    )
     if out.returncode:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])

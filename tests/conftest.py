@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.two_users import shared_tmp, two_users  # noqa: F401 - fixtures of the shared-server tests
+from tests.two_users import shared_tmp, two_users, victim_and_attacker  # noqa: F401 - fixtures of the shared-server tests
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKES = ROOT / "tests" / "fakes"

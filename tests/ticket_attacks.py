@@ -12,6 +12,8 @@ Each attack starts in Bob's process, prints ``ready`` once its tickets are in pl
 - ``fake-runner``: a job's ticket held by a process that passes for that job's gpumagic runner (``python -m
   gpumagic.jobs.runner RUN_DIR``, his own module), asking for every GPU with all but 512 MiB of their memory
   free (Bob's own processes use more): it cannot start, and waits past the backfill bound (1 s for Alice here).
+  The runner check is a filter, not a proof: a module of that name on Bob's own path passes it (issue #37).
+- ``pick-lock``: Bob's process holds its own pick lock (exclusive) for as long as it likes (issue #37).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import json
 import time
 from pathlib import Path
 
-ATTACKS = ("rotate", "held", "old-ticket", "fake-runner")
+ATTACKS = ("rotate", "held", "old-ticket", "fake-runner", "pick-lock")
 BOUND = "1s"  # Alice's backfill bound: the fake runner's ticket is past it at once
 
 _TICKET = """
@@ -95,19 +97,33 @@ time.sleep(600)
 """
 )
 
+PICK_LOCK = """
+import fcntl, os, time
+d = os.environ["GPUMAGIC_LEASE_DIR"]
+own = os.open(f"{d}/pick.{os.getuid()}.{os.getpid()}.abc.lock", os.O_RDONLY | os.O_CREAT, 0o644)
+fcntl.flock(own, fcntl.LOCK_EX)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
 WAITING_PICK = """
 import gpumagic, json, os, time
 messages = []
 started = time.monotonic()
 try:
     got = list(gpumagic.pick(1, wait=os.environ["WAIT"], on_wait=messages.append).indices)
-except gpumagic.NotEnoughGpusError as err:
+except Exception as err:  # NotEnoughGpusError, or (before issue #37, under a held pick lock) LeaseBusy
     got = None
+    messages.append(f"{type(err).__name__}: {err}")
 seconds = time.monotonic() - started
-status = gpumagic.status().status
-why = repr(gpumagic.why(1)) if hasattr(gpumagic, "why") else ""  # (a baseline's gpumagic, in the benchmark)
-print(json.dumps({"seconds": seconds, "got": got, "messages": sorted(set(messages)), "ignored": status.ignored,
-                  "passed_over": list(getattr(status, "passed_over", ())), "why": why}))
+try:
+    status = gpumagic.status().status
+    ignored, passed_over = status.ignored, list(getattr(status, "passed_over", ()))
+    why = repr(gpumagic.why(1)) if hasattr(gpumagic, "why") else ""  # (a baseline's gpumagic, in the benchmark)
+except Exception as err:  # before issue #37, a held pick lock: LeaseBusy
+    ignored, passed_over, why = {}, [], f"{type(err).__name__}: {err}"
+print(json.dumps({"seconds": seconds, "got": got, "messages": sorted(set(messages)), "ignored": ignored,
+                  "passed_over": passed_over, "why": why}))
 """
 
 
@@ -131,7 +147,8 @@ def run(attack: str, alice, bob, wait: str = "30s") -> dict:
         argv = [bob.python, "-m", "gpumagic.jobs.runner", str(bob.home / "runs" / "run-b")]  # as a runner's
         env = {"PYTHONPATH": f"{bob.home / 'fake'}:{bob.base_env['PYTHONPATH']}", "TOTAL": str(80 << 30)}
     else:
-        argv = [bob.python, "-c", {"rotate": ROTATE, "held": HELD, "old-ticket": OLD_TICKET}[attack]]
+        scripts = {"rotate": ROTATE, "held": HELD, "old-ticket": OLD_TICKET, "pick-lock": PICK_LOCK}
+        argv = [bob.python, "-c", scripts[attack]]
         env = {}
     attacker = bob.popen(argv, **env)
     try:

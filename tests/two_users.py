@@ -219,16 +219,16 @@ def _remove(user: UnixUser) -> None:
 
 
 @contextlib.contextmanager
-def created_users(package_path: list[str] | None = None):
+def created_users(package_path: list[str] | None = None, prefixes: tuple[str, str] = ("gma", "gmb")):
     """(alice, bob): two real users running Python with ``package_path`` (this checkout, the fakes and the
-    test environment's packages by default), removed on exit. Raises ``Unavailable`` with the reason where
-    that cannot be done here."""
+    test environment's packages by default), named ``prefixes`` and a random tail, removed on exit. Raises
+    ``Unavailable`` with the reason where that cannot be done here."""
     why = _why_not()
     if why:
         raise Unavailable(why)
     users = []
     try:
-        for prefix in ("gma", "gmb"):
+        for prefix in prefixes:
             users.append(_create(prefix))
         env = {
             "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -251,6 +251,19 @@ def created_users(package_path: list[str] | None = None):
             _remove(user)
 
 
+def last_report(process: subprocess.Popen, timeout: float = 30) -> dict:
+    """The last JSON line an attacker's process printed, once it ended (killed after ``timeout``)."""
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+    reports = [line for line in output.decode().strip().splitlines() if line.startswith("{")]
+    if not reports:
+        pytest.fail(f"the attacker reported nothing (exit {process.returncode}): {output.decode()[-2000:]}")
+    return json.loads(reports[-1])
+
+
 class Unavailable(Exception):
     """Two real users cannot be made here; the message says why."""
 
@@ -260,6 +273,16 @@ def two_users(tmp_path):
     """(alice, bob): two real users, removed after the test. ``alice.base_env`` holds the shared settings."""
     try:
         with created_users() as users:
+            yield users
+    except Unavailable as why:
+        pytest.skip(str(why))
+
+
+@pytest.fixture
+def victim_and_attacker(tmp_path):
+    """(victim, attacker): two real users named unlike the other tests' (``gmv…``, ``gmx…``), removed after."""
+    try:
+        with created_users(prefixes=("gmv", "gmx")) as users:
             yield users
     except Unavailable as why:
         pytest.skip(str(why))

@@ -4,6 +4,11 @@ It needs no shared file: a process locks its own ``pick`` file in the lease dire
 other process's ``pick`` file is locked in a conflicting mode; if one is, it lets go and tries again after a
 random pause. Two processes can never both pass (each locks before it looks), so at most one takes leases at
 a time.
+
+A pick holds the lock for milliseconds. Another user's process that keeps its pick file locked for longer than
+``STRANGER_HOLD_S`` is stuck or hostile: it is passed over (and named in ``%gpu status`` and ``%gpu why``), so
+it delays this user's picks by at most that long, never for as long as it likes (issue #37). Should it take a
+lease meanwhile, the lease's own check (``leases``: a second holder of a GPU loses) keeps GPUs unshared.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from gpumagic.devices.shared_files import Untrusted
 from gpumagic.errors import LeaseDirectoryError
 
 PICK_LOCK_WAIT_S = 3.0  # how long a pick or a status waits for a busy lease directory before saying so
+STRANGER_HOLD_S = 10.0  # another user's pick lock held this long (as seen here) is passed over
 
 
 class LeaseBusy(LeaseDirectoryError):
@@ -104,7 +110,7 @@ class _PickLock:
                 fcntl.flock(fd, fcntl.LOCK_UN)
 
     def _acquire(self, directory: Path, fd: int, path: Path, exclusive: bool, wait_s: float) -> None:
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + wait_s  # for this user's own processes: another's are passed over in time
         pause = 0.001
         while True:
             conflict = None
@@ -123,7 +129,7 @@ class _PickLock:
                 if conflict is None:
                     return
                 fcntl.flock(fd, fcntl.LOCK_UN)
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline and not _strangers.waiting_on(conflict):
                 who = _who_holds(conflict)
                 raise LeaseBusy(
                     f"the GPU lease directory is busy: {who} has kept its pick lock for the {wait_s:g}s this "
@@ -148,8 +154,11 @@ def _conflicting_pick_file(directory: Path, own: str, exclusive: bool) -> Path |
                 try:
                     fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
                 except BlockingIOError:
+                    if uid != os.getuid() and _strangers.held_too_long(path, os.fstat(fd).st_ino):
+                        continue  # named as ignored by held_too_long
                     return path
                 fcntl.flock(fd, fcntl.LOCK_UN)
+                _strangers.seen_free(name)
                 if uid == os.getuid() and pid != os.getpid() and process_start_time(pid) is None:
                     with contextlib.suppress(OSError):  # a dead process's file: removed only while unlocked
                         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -161,6 +170,38 @@ def _conflicting_pick_file(directory: Path, own: str, exclusive: bool) -> Path |
             continue
         shared_files.trusted(name)
     return None
+
+
+class _StrangerHolds:
+    """Other users' pick files this process found locked, and since when (the file's name and inode)."""
+
+    def __init__(self) -> None:
+        self._since: dict[tuple[str, int], float] = {}
+        self._lock = threading.Lock()
+
+    def held_too_long(self, path: Path, inode: int) -> bool:
+        """Note ``path`` seen locked now; True once it has been so, at every look, for ``STRANGER_HOLD_S``."""
+        with self._lock:
+            first = self._since.setdefault((path.name, inode), time.monotonic())
+        held = time.monotonic() - first
+        if held < STRANGER_HOLD_S:
+            return False
+        why = f"{_who_holds(path)} kept its pick lock for {held:.0f}s (a pick takes milliseconds): passed over"
+        shared_files.note_ignored(path.name, why)
+        return True
+
+    def waiting_on(self, path: Path) -> bool:
+        """True while ``path`` is another user's pick file that is not yet passed over: keep waiting for it."""
+        with self._lock:
+            return any(name == path.name for name, _ in self._since)
+
+    def seen_free(self, name: str) -> None:
+        with self._lock:
+            for key in [k for k in self._since if k[0] == name]:
+                del self._since[key]
+
+
+_strangers = _StrangerHolds()
 
 
 def _who_holds(path: Path) -> str:

@@ -9,10 +9,13 @@ in it is a claim. What gpumagic can verify, it does:
   than its arrival, and for a job only what jobs ask (GPUs, UUIDs, memory: no utilization or percentage);
 - its holder: the process holding its ``flock`` (from ``/proc/locks``, which nobody can forge) runs as that
   user and is what the ticket says (``TicketHolders``): for a kernel in ``%gpu pick --wait``, the very process
-  it names (pid and start time), started before the ticket was made; for a job, a gpumagic job runner of that
-  job (``python -m gpumagic.jobs.runner <run directory named as the ticket>``) that started within the
+  it names (pid and start time), started before the ticket was made; for a job, a process that runs as that
+  job's runner (``python -m gpumagic.jobs.runner <run directory named as the ticket>``) and started within the
   ticket's provisional window of its making (30 s: a sweep's runners start one after another), so an old
-  ticket nobody held then cannot be revived by locking it later;
+  ticket nobody held then cannot be revived by locking it later. The runner's command line is a filter, not a
+  proof: another user's ``/proc/PID/exe`` and environment cannot be read, so a module of that name on the
+  ticket owner's own path passes it (issue #37). A runner that passes and never starts is bounded as a real
+  one is: by the hold-up budget and the backfill bound (``devices.hold_ups``);
 - its round: within the range the queue uses (``devices.placement.queue_order``).
 
 A ticket that fails is ignored and named (``shared_files.note_ignored``), in ``%gpu status``, ``%gpu why`` and
@@ -88,8 +91,9 @@ def checked_ticket(data: dict, made_ns: int | None = None) -> dict:
 
 
 def runs_runner_of(argv: list[str], key: str) -> bool:
-    """True if ``argv`` is a gpumagic job runner's for the job ``key`` (its run directory's name), as
-    ``jobs.local`` starts it: ``python -m gpumagic.jobs.runner RUN_DIRECTORY``."""
+    """True if ``argv`` reads as a gpumagic job runner's for the job ``key`` (its run directory's name), as
+    ``jobs.local`` starts it: ``python -m gpumagic.jobs.runner RUN_DIRECTORY``. Anyone can run a module of that
+    name: this tells a runner from other processes of the same user, nothing more."""
     return argv[1:3] == ["-m", RUNNER] and len(argv) > 3 and Path(argv[3]).name == key
 
 

@@ -4,8 +4,8 @@
 gpumagic does not schedule anything here: it writes the job's directory as for a local job (sealed payload,
 ``run.json``), hands submitit a small task that names that directory, and reads the directory back. Every
 Slurm task becomes one rank with the environment torchrun gives (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR`` = the first node, ``MASTER_PORT`` derived from the job id) and runs the shipped code
-(``launch.rank_side.rank``); with more than one task the ranks form one DDP group across the allocation. Output,
+``MASTER_ADDR`` = the first node) and runs the shipped code (``jobs.slurm_task``); with more than one task the
+ranks form one DDP group across the allocation, on a store rank 0 serves at a port it chose and published. Output,
 metrics and results come back through the job directory, so it must be on a filesystem the nodes share.
 
 ``GPUMAGIC_SLURM=local`` puts submitit's local executor in Slurm's place (one node, tasks as processes): the
@@ -18,17 +18,13 @@ import contextlib
 import importlib.util
 import io
 import os
-import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
-
-import cloudpickle
 
 from gpumagic.devices.processes import is_same_process, process_start_time
 from gpumagic.devices.shared_files import one_line
@@ -38,17 +34,12 @@ from gpumagic.jobs.executors import Entry, Submission
 from gpumagic.jobs.local import stop_process_tree
 from gpumagic.jobs.queue import Request
 from gpumagic.jobs.slurm_state import SlurmState
-from gpumagic.launch.failures import LaunchError
-from gpumagic.launch.plan import torchrun_variables
-from gpumagic.launch.rank_side.rank import run_rank
+from gpumagic.jobs.slurm_task import Task  # also gpumagic.jobs.slurm.Task, as jobs submitted before pickled it
 from gpumagic.run_dirs import records
 from gpumagic.run_dirs.launch_files import write_spec
 from gpumagic.run_dirs.layout import RunFiles
-from gpumagic.run_dirs.outcomes import rank_outcomes, root_cause
-from gpumagic.run_dirs.private import write_private
+from gpumagic.run_dirs.private import private_umask
 from gpumagic.run_dirs.run_end import RunEnd, run_end
-from gpumagic.run_dirs.signing import read_sealed, write_sealed
-from gpumagic.run_dirs.store import record_end
 from gpumagic.units import parse_duration, parse_size
 
 LOCAL_VARIABLE = "GPUMAGIC_SLURM"
@@ -281,118 +272,14 @@ def _submit_directory(path: Path, params: dict[str, Any], where: str) -> dict[st
 
     # submitit copies sbatch's own output to sys.stdout/stderr (the cell); its refusal reaches the user as one
     # line (_refusal) and its "Submitted batch job N" as the job's record instead
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    # umask 077: submitit's pickles and sbatch script, and (Slurm passes the umask on) the job's logs, are 0600
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), private_umask():
         job = chosen.submit(Task(str(path)))
     fields: dict[str, Any] = {"slurm_job_id": str(job.job_id), "slurm_folder": str(folder), "slurm_cluster": where}
     if where == "local":  # the local "job" is a controller process of this machine: follow it by pid
         pid = int(job.job_id)
         fields.update(runner_pid=pid, runner_start=process_start_time(pid))
     return fields
-
-
-class Task:
-    """What submitit runs in every Slurm task: one rank of the job in ``run_dir``. Holds only the path, so
-    the code itself travels sealed in the job directory, not in submitit's pickle."""
-
-    def __init__(self, run_dir: str) -> None:
-        self.run_dir = run_dir
-
-    def __call__(self) -> int:
-        # lazy: submitit, only for Slurm
-        import submitit
-
-        run_dir = Path(self.run_dir)
-        env = submitit.JobEnvironment()
-        # submitit lets the code run on through SIGTERM (for checkpoints); Slurm's SIGTERM here is scancel's or a
-        # requeue's, and then the rank ends at once rather than at SIGKILL, KillWait later (30 s on many clusters)
-        signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
-        rank, world_size = env.global_rank, env.num_tasks
-        master = "127.0.0.1" if cluster_of(run_dir) == "local" else env.hostnames[0]
-        os.environ.update(
-            torchrun_environment(env.job_id, rank, env.local_rank, world_size, env.num_nodes, env.node, master)
-        )
-        restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-        if restarts:  # Slurm requeued the job (preemption, node failure, scontrol requeue): this is attempt N + 1
-            keep_earlier_attempt(run_dir, rank, restarts)
-        if rank == 0:
-            fields: dict[str, Any] = {"slurm_restarts": restarts} if restarts else {}
-            if restarts:  # an end the earlier attempt recorded is not this one's
-                fields.update(slurm_attempts_kept=str(RunFiles(run_dir).root / "attempts"), exit="", ended=None)
-            records.update(
-                run_dir, status="running", reason="", started=time.time(), slurm_nodes=list(env.hostnames), **fields
-            )
-        code = run_rank(run_dir)
-        if rank == 0:
-            record_outcome(run_dir, world_size)
-        if code:
-            raise RuntimeError(f"rank {rank} failed (exit code {code}); see {RunFiles(run_dir).error}")
-        return code
-
-
-def keep_earlier_attempt(run_dir: Path, rank: int, restarts: int) -> None:
-    """Move what ``rank`` left of the attempt before this one (its log, start, result, errors, metrics; rank 0 also
-    the job's result and error) into ``attempts/<restarts - 1>/``, so a requeued job never overwrites it. Each rank
-    moves its own files: the ranks of the new attempt start at once."""
-    files = RunFiles(run_dir)
-    kept = RunFiles(files.root / "attempts" / str(restarts - 1))
-    mine = [files.rank_log(rank), files.rank_start(rank), files.rank_result(rank), *files.rank_errors(rank)]
-    mine += [*files.ranks.glob(f"rank-{rank}.fatal.*.txt"), files.metric_names(rank), files.metric_points(rank)]
-    if rank == 0:
-        mine += [files.result, files.error]
-    for path in mine:
-        if path.exists():
-            target = kept.root / path.relative_to(files.root)
-            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.replace(path, target)
-
-
-def cluster_of(run_dir: Path) -> str:
-    return str(records.read(run_dir).get("slurm_cluster", "slurm"))
-
-
-def torchrun_environment(
-    job_id: str, rank: int, local_rank: int, world_size: int, nodes: int, node: int, master: str
-) -> dict[str, str]:
-    """The variables torchrun would set for a Slurm task (the port is the job id's, as submitit's helper)."""
-    return torchrun_variables(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        local_world_size=world_size // max(1, nodes),
-        node_rank=node,
-        master=(master, random.Random(str(job_id)).randint(20000, 60000)),
-        run_id=str(job_id),
-    )
-
-
-def record_outcome(run_dir: Path, world_size: int, wait_s: float = 60.0) -> None:
-    """Rank 0, once its own code ended: wait for every rank's result or failure, then record the job's end
-    (``result.pkl``: rank 0's value, or ``{rank: value}`` with several ranks; ``error.txt``; the status)."""
-
-    files = RunFiles(run_dir)
-
-    def ended(rank: int) -> bool:
-        fatal = files.rank_fatal(rank)
-        crashed = fatal.exists() and fatal.stat().st_size > 0  # a fatal signal: it writes no report
-        return files.rank_result(rank).exists() or bool(files.rank_errors(rank)) or crashed
-
-    deadline = time.monotonic() + wait_s
-    while not all(ended(rank) for rank in range(world_size)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    outcomes = rank_outcomes(files, world_size)
-    failure = root_cause(outcomes)
-    if failure is not None:
-        error = LaunchError(outcomes, failure)
-
-        write_private(files.error, (error.report() + "\n").encode())
-        record_end(run_dir, "failed", error.headline())
-        return
-    values = {
-        rank: cloudpickle.loads(read_sealed(files.rank_result(rank), f"rank {rank}'s result"))
-        for rank in range(world_size)
-    }
-    write_sealed(files.result, cloudpickle.dumps(values if world_size > 1 else values[0]))
-    record_end(run_dir, "finished", "finished", exitcode=0)
 
 
 _states: dict[str, tuple[float, SlurmState]] = {}

@@ -1,19 +1,24 @@
-"""The rendezvous store of every group gpumagic forms: a ``torch.distributed`` store that only its owner can use.
+"""The rendezvous store of every group gpumagic forms: a ``torch.distributed`` store that opens for one run only.
 
 torch's ``TCPStore`` answers anyone who can reach its port, and what it holds decides who joins a group (and
 carries pickles, through ``all_gather_object``): on a shared server any local user could join a notebook's
 group, change its results or run code in its ranks (issue #24). This store is served by rank 0 (or by the
-node that hosts an elastic rendezvous) and used by every rank through the same ``torch.distributed.Store``
-interface, so gloo, NCCL and torch elastic's c10d rendezvous run on it unchanged. Two locks keep strangers out:
+node that hosts an elastic rendezvous, ``store_server``) and used by every rank through the same
+``torch.distributed.Store`` interface, so gloo, NCCL and torch elastic's c10d rendezvous run on it unchanged.
 
 - Where: on one machine it listens on a Unix socket inside the run's private directory (0700), which no other
-  user can even connect to; across machines on a TCP address (``--rdzv-endpoint``, Slurm's first node).
-- Who: every connection first proves, both ways, that it holds the user's key (HMAC-SHA256 over fresh nonces,
-  the key of ``signing``). A connection that does not is closed without a byte of the store's state, and the
-  group never notices: no join, no key read or written, no error printed in the cell.
+  user can even connect to; across machines on a TCP address that its server bound itself (port 0) and then
+  published (issue #37): nobody can predict it or take it first.
+- Who: every connection first proves, both ways, that it holds the key of *this* store (HMAC-SHA256 over both
+  sides' fresh nonces). A key is the run's (``run_dirs.launch_files.store_key``: the user's key bound to a
+  secret of the run), and a proof also names the store's role and published address (``StoreIdentity``), so a
+  proof relayed from one store opens no other: not another run's, not the rendezvous for a group, not a store
+  at another address.
+- After the handshake every frame carries a tag under a session key made from both nonces, numbered per
+  direction: a relayed, spliced, replayed or altered frame is refused and the connection dropped.
 
-The traffic after the handshake is not encrypted: keys and values of a rendezvous are addresses and counters.
-Addresses: ``unix:PATH`` or ``tcp:HOST:PORT`` (``store_address``).
+The traffic is not encrypted: keys and values of a rendezvous are addresses and counters.
+Addresses: ``unix:PATH`` or ``tcp:HOST:PORT`` (``tcp_address``).
 """
 
 from __future__ import annotations
@@ -28,30 +33,41 @@ import struct
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from gpumagic.run_dirs.signing import derived_key
-
-MAGIC = b"GPUMAGIC-STORE/1"
+MAGIC = b"GPUMAGIC-STORE/2"
+OLD_MAGIC = b"GPUMAGIC-STORE/1"  # gpumagic before issue #37: its proofs opened every store of a user
 NONCE = 32
-HANDSHAKE_TIMEOUT_S = 2.0  # a stranger's connection is dropped after this, whatever it sends
-MAX_PENDING = 64  # connections not yet proven at once; more are closed at once (a flood cannot exhaust threads)
+PROOF = 32
+TAG = 16  # a frame's tag (keyed BLAKE2b)
+CHALLENGE = len(MAGIC) + NONCE  # what a server sends first
+HELLO = len(MAGIC) + NONCE + PROOF  # a client's answer: its nonce and proof
+HANDSHAKE_TIMEOUT_S = 2.0  # an unproven connection's whole life, from its accept, whatever it sends
 MAX_FRAME = 1 << 30  # a proven client's message; a store holds addresses and counters, pickles at most
+CONNECT_ATTEMPT_S = 0.25  # one TCP connect; a SYN lost to a full backlog is sent again sooner than the kernel would
 CONNECT_RETRY_S = 0.02
 VARIABLE = "GPUMAGIC_STORE"  # a rank's store address, for code that makes its own group (spawn)
+BACKLOG = 4096  # connections the kernel queues before they are accepted (capped by net.core.somaxconn)
+
+RENDEZVOUS = "rendezvous"  # a multi-node launch's rendezvous store (agents; a static rendezvous's ranks)
+GROUP = "group"  # a process group's store (its ranks)
 
 SET, GET, ADD, CHECK, COMPARE_SET, DELETE, NUM_KEYS, WAIT, MULTI_GET, MULTI_SET, APPEND, LIST_KEYS = range(12)
 OK, FAILED, TIMED_OUT = range(3)
+REQUEST_NAMES = ("set", "get", "add", "check", "compare_set", "delete_key", "num_keys", "wait", "multi_get")
+REQUEST_NAMES += ("multi_set", "append", "list_keys")
 
 
 class StoreRefused(ConnectionError):
-    """The other end of a store connection did not prove it holds this user's key."""
+    """The other end of a store connection did not prove it holds this store's key."""
 
 
-def store_key() -> bytes:
-    """The key that opens this user's stores: derived from gpumagic's payload key (``signing``), never sent."""
+class StoreTampered(ConnectionError):
+    """A message on a proven connection did not carry the session's tag: someone else wrote it."""
 
-    return derived_key(b"gpumagic rendezvous store")
+
+# --- addresses -------------------------------------------------------------------------------------------
 
 
 def parse_address(address: str) -> tuple[int, Any]:
@@ -78,7 +94,8 @@ def tcp_address(host: str, port: int | str) -> str:
 
 
 def listen(address: str) -> socket.socket:
-    """A listening socket at ``address`` (a Unix socket's path is replaced if a dead one lies there)."""
+    """A listening socket at ``address`` (a Unix socket's path is replaced if a dead one lies there). A TCP
+    address with port 0 takes a free port, which nobody else can then take: publish ``listener_address``."""
     family, where = parse_address(address)
     if family == socket.AF_UNIX:
         with contextlib.suppress(FileNotFoundError):
@@ -88,17 +105,17 @@ def listen(address: str) -> socket.socket:
             listener.bind(path)
         os.chmod(where, 0o600)
     else:
-        listener = socket.create_server(where, family=family, backlog=256)
-    listener.listen(256)
+        listener = socket.create_server(where, family=family, backlog=BACKLOG)
+    listener.listen(BACKLOG)
     return listener
 
 
-def listener_address(listener: socket.socket) -> str:
-    """The address clients reach a listening socket by."""
+def listener_address(listener: socket.socket, host: str | None = None) -> str:
+    """The address clients reach a listening socket by (``host``: the name it was bound under, if not its IP)."""
     where = listener.getsockname()
     if listener.family == socket.AF_UNIX:
         return f"unix:{where}"
-    return tcp_address(*where[:2])
+    return tcp_address(host or where[0], where[1])
 
 
 @contextlib.contextmanager
@@ -114,7 +131,67 @@ def _short_path(path: str) -> Any:
         os.close(directory)
 
 
-# --- framing ---------------------------------------------------------------------------------------------
+# --- who: proofs and sessions ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoreIdentity:
+    """What a store's proofs are bound to: the run's key, the store's role (``RENDEZVOUS``, ``GROUP``) and its
+    address as published (``name``). A proof made for one identity opens no other store."""
+
+    key: bytes
+    role: str
+    name: str
+
+    def _bound(self, what: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+        label = b"%s\0%s\0%s\0" % (what, self.role.encode(), self.name.encode())
+        return hmac.new(self.key, label + server_nonce + client_nonce, hashlib.sha256).digest()
+
+    def proof(self, side: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+        """``side`` (b"client" or b"server") proves it holds the key, for this store and these two nonces."""
+        return self._bound(side, server_nonce, client_nonce)
+
+    def session(self, server_nonce: bytes, client_nonce: bytes, server: bool) -> Session:
+        """The session of a connection both sides proved: its key comes from both nonces."""
+        key = self._bound(b"session", server_nonce, client_nonce)
+        return Session(key, b"S" if server else b"C", b"C" if server else b"S")
+
+
+class Session:
+    """The frames of one proven connection. Each carries a tag (keyed BLAKE2b over its direction, its number in
+    that direction and its bytes) under the session's key: a frame from anyone else, replayed, reordered,
+    reflected back or changed raises ``StoreTampered``."""
+
+    def __init__(self, key: bytes, sending: bytes, receiving: bytes) -> None:
+        self._key = key
+        self._sending, self._receiving = sending, receiving
+        self._sent = self._received = 0
+
+    def _tag(self, direction: bytes, number: int, *parts: bytes) -> bytes:
+        tag = hashlib.blake2b(direction + number.to_bytes(8, "big"), key=self._key, digest_size=TAG)
+        for part in parts:
+            tag.update(part)
+        return tag.digest()
+
+    def send(self, connection: socket.socket, code: int, fields: Iterable[bytes]) -> None:
+        fields = list(fields)
+        body = b"".join(struct.pack("!I", len(f)) + f for f in fields)
+        header = struct.pack("!IBI", len(body) + 5, code, len(fields))
+        tag = self._tag(self._sending, self._sent, header, body)
+        self._sent += 1
+        connection.sendall(header + body + tag)
+
+    def receive(self, connection: socket.socket) -> tuple[int, list[bytes]]:
+        head = _receive_exactly(connection, 4)
+        (size,) = struct.unpack("!I", head)
+        if not 5 <= size <= MAX_FRAME:
+            raise StoreTampered(f"a store message of {size} bytes")
+        rest = _receive_exactly(connection, size)
+        tag = _receive_exactly(connection, TAG)
+        if not hmac.compare_digest(tag, self._tag(self._receiving, self._received, head, rest)):
+            raise StoreTampered("a store message without the session's tag")
+        self._received += 1
+        return _fields(rest, size)
 
 
 def _receive_exactly(connection: socket.socket, size: int) -> bytes:
@@ -127,184 +204,18 @@ def _receive_exactly(connection: socket.socket, size: int) -> bytes:
     return bytes(data)
 
 
-def _send_frame(connection: socket.socket, code: int, fields: Iterable[bytes]) -> None:
-    fields = list(fields)
-    body = b"".join(struct.pack("!I", len(f)) + f for f in fields)
-    connection.sendall(struct.pack("!IBI", len(body) + 5, code, len(fields)) + body)
-
-
-def _receive_frame(connection: socket.socket) -> tuple[int, list[bytes]]:
-    (size,) = struct.unpack("!I", _receive_exactly(connection, 4))
-    if not 5 <= size <= MAX_FRAME:
-        raise ConnectionError(f"a store message of {size} bytes")
-    body = _receive_exactly(connection, size)
-    code, count = struct.unpack_from("!BI", body)
+def _fields(frame: bytes, size: int) -> tuple[int, list[bytes]]:
+    code, count = struct.unpack_from("!BI", frame)
     fields, at = [], 5
     for _ in range(count):
         if at + 4 > size:
-            raise ConnectionError("a store message cut short")
-        (length,) = struct.unpack_from("!I", body, at)
-        fields.append(body[at + 4 : at + 4 + length])
+            raise StoreTampered("a store message cut short")
+        (length,) = struct.unpack_from("!I", frame, at)
+        fields.append(frame[at + 4 : at + 4 + length])
         at += 4 + length
     if at != size:
-        raise ConnectionError("a store message of the wrong length")
+        raise StoreTampered("a store message of the wrong length")
     return code, fields
-
-
-def _proof(key: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
-    return hmac.new(key, role + first + second, hashlib.sha256).digest()
-
-
-# --- the server ------------------------------------------------------------------------------------------
-
-
-class StoreServer:
-    """Serves one store on a listening socket, from threads of this process, until ``close``.
-
-    Only connections that prove they hold ``key`` reach the keys; the handshake of each is bounded in time
-    and in number, so a stranger can neither hold the server nor learn anything from it.
-    """
-
-    def __init__(self, listener: socket.socket, address: str | None = None, key: bytes | None = None) -> None:
-        self.listener = listener
-        self.address = address or listener_address(listener)  # a Unix socket's: its path as bound
-        self._key = key if key is not None else store_key()
-        self._data: dict[str, bytes] = {}
-        self._changed = threading.Condition()
-        self._pending = threading.BoundedSemaphore(MAX_PENDING)
-        self._connections: set[socket.socket] = set()
-        self._closed = False
-        self.refused = 0  # connections that did not prove the key (for tests and the record)
-        self._thread = threading.Thread(target=self._accept, name="gpumagic-store", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        """Stop serving: the listener and every connection are closed, a Unix socket's file removed."""
-        self._closed = True
-        with contextlib.suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RDWR)
-        self.listener.close()
-        family, where = parse_address(self.address)
-        if family == socket.AF_UNIX:
-            with contextlib.suppress(OSError):
-                os.unlink(where)
-        for connection in list(self._connections):
-            with contextlib.suppress(OSError):
-                connection.shutdown(socket.SHUT_RDWR)
-        with self._changed:
-            self._changed.notify_all()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                connection, _ = self.listener.accept()
-            except OSError:
-                if self._closed:
-                    return
-                time.sleep(0.01)  # out of descriptors for a moment: try again
-                continue
-            if not self._pending.acquire(blocking=False):
-                connection.close()  # a flood of unproven connections: a real client retries
-                continue
-            threading.Thread(target=self._serve, args=(connection,), name="gpumagic-store-client", daemon=True).start()
-
-    def _serve(self, connection: socket.socket) -> None:
-        self._connections.add(connection)
-        try:
-            try:
-                proven = self._handshake(connection)
-            finally:
-                self._pending.release()  # whatever happened: a slot is never lost
-            if not proven:
-                self.refused += 1
-                return
-            connection.settimeout(None)
-            while not self._closed:
-                code, fields = _receive_frame(connection)
-                status, reply = self._answer(code, fields)
-                _send_frame(connection, status, reply)
-        except (OSError, ConnectionError, struct.error):
-            pass  # the client left (or sent junk after proving the key: it is the user's own bug)
-        finally:
-            self._connections.discard(connection)
-            connection.close()
-
-    def _handshake(self, connection: socket.socket) -> bool:
-        try:
-            connection.settimeout(HANDSHAKE_TIMEOUT_S)
-            ours = os.urandom(NONCE)
-            connection.sendall(MAGIC + ours)
-            hello = _receive_exactly(connection, len(MAGIC) + NONCE + 32)
-        except (OSError, ConnectionError):
-            return False
-        theirs, proof = hello[len(MAGIC) : len(MAGIC) + NONCE], hello[len(MAGIC) + NONCE :]
-        if not hello.startswith(MAGIC) or not hmac.compare_digest(proof, _proof(self._key, b"client", ours, theirs)):
-            return False
-        connection.sendall(_proof(self._key, b"server", theirs, ours))
-        return True
-
-    def _answer(self, code: int, fields: list[bytes]) -> tuple[int, list[bytes]]:
-        data, changed = self._data, self._changed
-        try:
-            if code == SET:
-                with changed:
-                    data[fields[0].decode()] = fields[1]
-                    changed.notify_all()
-                return OK, []
-            if code in (GET, WAIT, MULTI_GET):
-                timeout = float(fields[0]) if fields[0] else None
-                keys = [f.decode() for f in fields[1:]]
-                deadline = None if timeout is None else time.monotonic() + timeout
-                with changed:
-                    while not all(k in data for k in keys):
-                        left = None if deadline is None else deadline - time.monotonic()
-                        if self._closed or (left is not None and left <= 0):
-                            return TIMED_OUT, [", ".join(k for k in keys if k not in data).encode()]
-                        changed.wait(left if left is None else min(left, 1.0))
-                    return OK, [] if code == WAIT else [data[k] for k in keys]
-            if code == ADD:
-                key = fields[0].decode()
-                with changed:
-                    value = int(data.get(key, b"0")) + int(fields[1])
-                    data[key] = str(value).encode()
-                    changed.notify_all()
-                return OK, [str(value).encode()]
-            if code == CHECK:
-                with changed:
-                    return OK, [b"1" if all(f.decode() in data for f in fields) else b"0"]
-            if code == COMPARE_SET:
-                key, expected, desired = fields[0].decode(), fields[1], fields[2]
-                with changed:
-                    current = data.get(key)
-                    if (current is None and expected == b"") or current == expected:
-                        data[key] = desired
-                        changed.notify_all()
-                        return OK, [desired]
-                    return OK, [expected if current is None else current]
-            if code == DELETE:
-                with changed:
-                    return OK, [b"1" if data.pop(fields[0].decode(), None) is not None else b"0"]
-            if code == NUM_KEYS:
-                with changed:
-                    return OK, [str(len(data)).encode()]
-            if code == MULTI_SET:
-                with changed:
-                    for key, value in zip(fields[::2], fields[1::2], strict=True):
-                        data[key.decode()] = value
-                    changed.notify_all()
-                return OK, []
-            if code == APPEND:
-                key = fields[0].decode()
-                with changed:
-                    data[key] = data.get(key, b"") + fields[1]
-                    changed.notify_all()
-                return OK, []
-            if code == LIST_KEYS:
-                with changed:
-                    return OK, [k.encode() for k in data]
-        except (IndexError, ValueError, UnicodeDecodeError) as err:
-            return FAILED, [f"bad store request: {err}".encode()]
-        return FAILED, [f"unknown store request {code}".encode()]
 
 
 # --- the client ------------------------------------------------------------------------------------------
@@ -317,16 +228,17 @@ def _store_base() -> type:
     return dist.Store
 
 
-def connect(address: str, timeout_s: float, key: bytes | None = None) -> Any:
-    """A ``torch.distributed.Store`` on the store at ``address``, once it answers and proves the key.
+def connect(address: str, timeout_s: float, *, key: bytes, role: str, name: str | None = None) -> Any:
+    """A ``torch.distributed.Store`` on the store at ``address``, once it answers and proves it is the store
+    ``(key, role, name)`` names (``name``: its address as published, ``address`` by default).
 
     Retries until ``timeout_s`` while nobody listens there yet (rank 0 may start after its peers).
 
     Raises:
-        StoreRefused: the server there does not hold this user's key.
+        StoreRefused: what answers there is not this store (another user's, another run's, or an impostor).
         TimeoutError: nobody served ``address`` in time.
     """
-    client = _client_class()(address, timeout_s, store_key() if key is None else key)
+    client = _client_class()(address, timeout_s, StoreIdentity(key, role, name or address))
     _IN_USE.append(client)
     return client
 
@@ -358,28 +270,30 @@ def _client_class() -> type:
 class _ClientMethods:
     """The methods of ``SecureStore`` (a ``torch.distributed.Store``): one connection, one request at a time."""
 
-    def __init__(self, address: str, timeout_s: float, key: bytes) -> None:
+    def __init__(self, address: str, timeout_s: float, identity: StoreIdentity) -> None:
         _store_base().__init__(self)
         self.set_timeout(datetime.timedelta(seconds=timeout_s))
         self.address = address
-        self._key = key
+        self._identity = identity
         self._lock = threading.Lock()
-        self._connection = self._connect(address, timeout_s)
+        self._connection, self._session = self._connect(address, timeout_s)
 
-    def _connect(self, address: str, timeout_s: float) -> socket.socket:
+    def _connect(self, address: str, timeout_s: float) -> tuple[socket.socket, Session]:
         family, where = parse_address(address)
         deadline = time.monotonic() + timeout_s
         while True:
             connection = socket.socket(family, socket.SOCK_STREAM)
             try:
-                connection.settimeout(max(0.1, min(HANDSHAKE_TIMEOUT_S, deadline - time.monotonic())))
+                left = deadline - time.monotonic()
+                connection.settimeout(max(0.05, min(CONNECT_ATTEMPT_S, left)))
                 with _short_path(where) if family == socket.AF_UNIX else contextlib.nullcontext(where) as target:
                     connection.connect(target)
-                self._handshake(connection)
+                connection.settimeout(max(0.1, min(HANDSHAKE_TIMEOUT_S, deadline - time.monotonic())))
+                session = self._handshake(connection)
                 connection.settimeout(None)
                 if family != socket.AF_UNIX:
                     connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                return connection
+                return connection, session
             except StoreRefused:
                 connection.close()
                 raise
@@ -391,36 +305,59 @@ class _ClientMethods:
                     ) from None
                 time.sleep(CONNECT_RETRY_S)
 
-    def _handshake(self, connection: socket.socket) -> None:
-        hello = _receive_exactly(connection, len(MAGIC) + NONCE)
-        if not hello.startswith(MAGIC):
+    def _handshake(self, connection: socket.socket) -> Session:
+        challenge = _receive_exactly(connection, CHALLENGE)
+        if challenge.startswith(OLD_MAGIC):
+            raise StoreRefused(f"{self.address} is a store of an older gpumagic: run one gpumagic version everywhere")
+        if not challenge.startswith(MAGIC):
             raise StoreRefused(f"{self.address} is not a gpumagic store")
-        theirs, ours = hello[len(MAGIC) :], os.urandom(NONCE)
-        connection.sendall(MAGIC + ours + _proof(self._key, b"client", theirs, ours))
+        theirs, ours = challenge[len(MAGIC) :], os.urandom(NONCE)
+        identity = self._identity
+        connection.sendall(MAGIC + ours + identity.proof(b"client", theirs, ours))
         try:
-            proof = _receive_exactly(connection, 32)
+            proof = _receive_exactly(connection, PROOF)
         except ConnectionError:  # a server closes on a proof it does not accept, and says nothing
             raise StoreRefused(
-                f"the store at {self.address} did not accept your gpumagic key: it is not one of your launches"
+                f"the store at {self.address} did not accept this run's key: it is not this run's {identity.role} "
+                "store (another user's or another run's, or an old address); dropped it"
             ) from None
-        if not hmac.compare_digest(proof, _proof(self._key, b"server", ours, theirs)):
-            raise StoreRefused(f"the store at {self.address} does not hold your gpumagic key")
+        if not hmac.compare_digest(proof, identity.proof(b"server", theirs, ours)):
+            raise StoreRefused(
+                f"the store at {self.address} could not prove it is this run's {identity.role} store; dropped it"
+            )
+        return identity.session(theirs, ours, server=False)
 
     def _call(self, code: int, *fields: bytes) -> list[bytes]:
         with self._lock:
             try:
-                _send_frame(self._connection, code, fields)
-                status, reply = _receive_frame(self._connection)
+                self._session.send(self._connection, code, fields)
+                status, reply = self._session.receive(self._connection)
+            except StoreTampered as err:
+                with contextlib.suppress(OSError):
+                    self._connection.close()
+                raise StoreTampered(
+                    f"a reply from the store at {self.address} was not the store's ({err}); dropped the connection"
+                ) from None
             except (OSError, ConnectionError) as err:
                 raise ConnectionError(f"lost the gpumagic store at {self.address} ({err})") from None
         if status == TIMED_OUT:
             # lazy: torch takes seconds to import; only rank processes need it
             from torch.distributed import DistStoreError
 
-            raise DistStoreError(f"timed out after {self._timeout_s():g}s waiting for {reply[0].decode()}")
+            raise DistStoreError(f"timed out after {self._timeout_s():g}s waiting for {_first(reply, b'').decode()}")
         if status != OK:
-            raise RuntimeError(reply[0].decode())
+            raise RuntimeError(_first(reply, b"the store failed a request").decode(errors="replace"))
         return reply
+
+    def _one(self, code: int, *fields: bytes) -> bytes:
+        """The single field a request answers; an empty reply is a store that does not speak this protocol."""
+        reply = self._call(code, *fields)
+        if not reply:
+            raise ConnectionError(
+                f"the gpumagic store at {self.address} answered {REQUEST_NAMES[code]} with nothing: is it the same "
+                "gpumagic version as this rank's?"
+            )
+        return reply[0]
 
     def _timeout_s(self, timeout: Any = None) -> float:
         timeout = self.timeout if timeout is None else timeout
@@ -434,28 +371,31 @@ class _ClientMethods:
         self._call(SET, key.encode(), _bytes(value))
 
     def get(self, key: str) -> bytes:
-        return self._call(GET, self._limit(), key.encode())[0]
+        return self._one(GET, self._limit(), key.encode())
 
     def add(self, key: str, value: int) -> int:
-        return int(self._call(ADD, key.encode(), str(int(value)).encode())[0])
+        return int(self._one(ADD, key.encode(), str(int(value)).encode()))
 
     def check(self, keys: list[str]) -> bool:
-        return self._call(CHECK, *(k.encode() for k in keys))[0] == b"1"
+        return self._one(CHECK, *(k.encode() for k in keys)) == b"1"
 
     def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
-        return self._call(COMPARE_SET, key.encode(), _bytes(expected_value), _bytes(desired_value))[0]
+        return self._one(COMPARE_SET, key.encode(), _bytes(expected_value), _bytes(desired_value))
 
     def delete_key(self, key: str) -> bool:
-        return self._call(DELETE, key.encode())[0] == b"1"
+        return self._one(DELETE, key.encode()) == b"1"
 
     def num_keys(self) -> int:
-        return int(self._call(NUM_KEYS)[0])
+        return int(self._one(NUM_KEYS))
 
     def wait(self, keys: list[str], timeout: Any = None) -> None:
         self._call(WAIT, self._limit(timeout), *(k.encode() for k in keys))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        return self._call(MULTI_GET, self._limit(), *(k.encode() for k in keys))
+        reply = self._call(MULTI_GET, self._limit(), *(k.encode() for k in keys))
+        if len(reply) != len(keys):
+            raise ConnectionError(f"the gpumagic store at {self.address} answered {len(keys)} keys with {len(reply)}")
+        return reply
 
     def multi_set(self, keys: list[str], values: list[Any]) -> None:
         self._call(MULTI_SET, *(f for k, v in zip(keys, values, strict=True) for f in (k.encode(), _bytes(v))))
@@ -476,17 +416,11 @@ class _ClientMethods:
             _IN_USE.remove(self)
 
 
+def _first(reply: list[bytes], default: bytes) -> bytes:
+    return reply[0] if reply else default
+
+
 def _bytes(value: Any) -> bytes:
     if isinstance(value, str):
         return value.encode()
     return bytes(value)
-
-
-def serve_and_connect(listener: socket.socket, address: str | None, timeout_s: float) -> tuple[StoreServer, Any]:
-    """Serve a store on ``listener`` from this process and connect to it (rank 0, a hosting agent)."""
-    server = StoreServer(listener, address)
-    try:
-        return server, connect(server.address, timeout_s)
-    except BaseException:
-        server.close()
-        raise

@@ -8,7 +8,12 @@ A run directory is a launch's, a background job's or a kernel's own (``run_dirs.
     launch/spec.json            how the ranks run: backend, timeout, CUDA, world (sealed JSON)
     launch/payload.pkl          the code every rank runs (sealed)
     launch/stop                 written by the notebook: every node's agent stops its ranks
+    launch/stop-T.json          written by the first failing rank of Slurm attempt T: the other ranks stop
+    launch/ended-T              made by the rank of Slurm attempt T that records the job's end (the last to end)
     launch/store.sock           the ranks' rendezvous store on one machine (rank 0 serves it)
+    launch/store-N.sock         a persistent group's store after its N-th forming
+    launch/store.key            the run's secret (sealed): its stores open for this run's processes only
+    launch/store-T.address      where a store served on a port of its own choosing listens (sealed; T: which)
     ranks/rank-R.log            rank R's stdout and stderr (elastic and Slurm ranks; local ranks use pipes)
     ranks/rank-R.json           rank R's latest start: attempt, pid, host, time
     ranks/rank-R.result.pkl     rank R's value (sealed)
@@ -86,9 +91,29 @@ class RunFiles:
     def store_socket(self) -> Path:
         return self.launch / "store.sock"
 
+    def group_store_socket(self, ident: int) -> Path:
+        """A persistent group's store after its ``ident``-th forming (each re-form meets on a fresh one)."""
+        return self.launch / f"store-{ident}.sock"
+
+    @property
+    def store_secret(self) -> Path:
+        return self.launch / "store.key"
+
+    def published_store(self, token: str) -> Path:
+        """Where the store ``token`` names (a Slurm attempt's, an elastic round's) is published by its server."""
+        return self.launch / f"store-{token}.address"
+
     @property
     def stop(self) -> Path:
         return self.launch / "stop"
+
+    def attempt_stop(self, token: str) -> Path:
+        """Written by the first rank of a Slurm attempt that fails: every other rank of it stops."""
+        return self.launch / f"stop-{token}.json"
+
+    def attempt_end_claim(self, token: str) -> Path:
+        """Made (exclusively) by the rank of a Slurm attempt that records the job's end."""
+        return self.launch / f"ended-{token}"
 
     @property
     def ranks(self) -> Path:

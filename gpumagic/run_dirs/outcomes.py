@@ -104,6 +104,7 @@ def read_outcome(files: RunFiles, rank: int, attempt: int = 0, end: ProcessEnd |
             report.get("message"),
             report.get("traceback"),
             report.get("timestamp"),
+            stopped_by_launcher=bool(report.get("stopped")),  # a Slurm rank that stopped when a peer failed
         )
     fatal = _fatal_stack(files.rank_fatal(rank, attempt))
     if fatal is not None and (end is None or end.exitcode is None or -end.exitcode in FATAL_SIGNALS):

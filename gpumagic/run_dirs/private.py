@@ -19,12 +19,25 @@ import stat
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from gpumagic.errors import DiskFull, RunsDirectoryError
 from gpumagic.run_dirs.layout import runs_root
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+@contextlib.contextmanager
+def private_umask() -> Iterator[None]:
+    """Files and directories made meanwhile, by this process or the processes it starts (submitit, sbatch, which
+    passes the umask on to the job), are the user's alone (umask 077). The umask is the whole process's: keep
+    the block short."""
+    before = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(before)
 
 
 def safe_root(root: Path | None = None) -> Path:

@@ -77,6 +77,68 @@ def test_killing_a_local_slurm_job_stops_it(local_slurm):
     assert "stopped submitit's local controller" in job.info["exit"]
 
 
+def test_a_rank_that_fails_stops_the_others_of_a_slurm_job_and_its_files_are_private(local_slurm):
+    """Issue #37: rank 0 fails while rank 1 has minutes of work left. Rank 1 stops within seconds (it used to
+    go on, and wait for its peers until the group timeout), the job ends failed naming rank 0, rank 1 says it
+    was stopped, and no rank is left running. submitit's files of the job are the user's alone (0600)."""
+
+    def rank_zero_fails():
+        import os
+        import time
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            raise ValueError("rank 0 broke")
+        open(os.path.join(os.environ["GPUMAGIC_RUN_DIR"], f"rank1-pid-{os.getpid()}"), "w").close()
+        time.sleep(300)
+
+    started = time.monotonic()
+    job = gpumagic.submit(rank_zero_fails, executor="slurm", gpus=0, ddp=2, slurm={"time": "10m"})
+    assert job.wait(timeout="120s") == "failed"
+    took = time.monotonic() - started
+    print(f"the job ended {took:.1f}s after it was submitted")
+    assert took < 60  # rank 1 would have slept 300 s
+    with pytest.raises(gpumagic.JobFailed) as caught:
+        job.result()
+    report = caught.value.report
+    assert "ValueError: rank 0 broke" in report and "rank 1: stopped by gpumagic after the failure" in report
+    pids = [int(p.name.rsplit("-", 1)[1]) for p in job.path.glob("rank1-pid-*")]
+    assert len(pids) == 1
+    deadline = time.monotonic() + 10
+    while _alive(pids[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pids[0]), "rank 1 still runs after the job ended"
+    files = [p for p in (job.path / "slurm").rglob("*") if p.is_file()]
+    assert files and {oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {"0o600"}, files
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_slurm_rank_that_ends_after_the_others_is_recorded_not_lost(local_slurm):
+    """Issue #37: the last rank to end records the job's end, whichever it is (rank 0 used to wait 60 s for the
+    others, then read a result that was not there yet: the job ended "lost")."""
+
+    def rank_one_is_late():
+        import time
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            time.sleep(4)
+        return dist.get_rank() * 10
+
+    job = gpumagic.submit(rank_one_is_late, executor="slurm", gpus=0, ddp=2, slurm={"time": "10m"})
+    assert job.wait(timeout="120s") == "finished"
+    assert job.result() == {0: 0, 1: 10}
+
+
 SBATCH = """#!/bin/sh
 cp "$1" "{log}/script.sh"
 echo "Submitted batch job 4242"

@@ -8,7 +8,9 @@ from __future__ import annotations
 import ast
 import json
 import os
+import random
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -22,6 +24,7 @@ from IPython.core.error import UsageError
 import gpumagic
 from gpumagic.jobs import slurm, slurm_state
 from gpumagic.launch.rank_side.agent import AgentError
+from gpumagic.run_dirs.launch_files import published_store
 from gpumagic.run_dirs.layout import RunFiles
 
 pytestmark = pytest.mark.kernel
@@ -123,6 +126,14 @@ def test_a_two_node_job_reads_its_states_from_the_controller_without_accounting(
     assert "slurm 2×1" in said and "finished" in said, said
     assert "[rank 1] hello from gmn2" in said and "('gmn2', 3.0)" in said, said
     assert "sacct" not in said and "WARNING" not in said, said  # submitit's "Bypassing sacct error" is gone
+    # issue #37: rank 0 served the group's store on a port it took itself, published in the job's directory (not
+    # one derived from the public job id), and Slurm wrote submitit's files and the logs under umask 077
+    files = RunFiles(job.path)
+    address = published_store(files, "slurm-0")
+    derived = random.Random(str(job.info["slurm_job_id"])).randint(20000, 60000)
+    assert address is not None and address.startswith("tcp:gmn1:") and address != f"tcp:gmn1:{derived}", address
+    modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in (job.path / "slurm").rglob("*") if p.is_file()}
+    assert modes and set(modes.values()) == {"0o600"}, modes
 
 
 def test_killing_a_two_node_job_stops_its_ranks_on_both_nodes(on_cluster, shell):

@@ -11,7 +11,7 @@ from IPython.core.error import UsageError
 import gpumagic
 from gpumagic.errors import InvalidArgument
 from gpumagic.jobs.api import JobRequest
-from gpumagic.jobs.slurm import torchrun_environment
+from gpumagic.jobs.slurm_task import torchrun_environment
 from gpumagic.launch.kernel_side.ddp import check_launch
 from gpumagic.launch.kernel_side.group import RankGroup
 from gpumagic.launch.kernel_side.launch_handle import LaunchHandle

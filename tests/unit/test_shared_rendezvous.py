@@ -10,15 +10,15 @@ operation answered, no result altered, no launch failed or slowed past its bound
 """
 
 import json
-import subprocess
 
-import pytest
+from tests.two_users import last_report
 
 ATTACKER = r"""
 import datetime, json, os, socket, sys, threading, time
 victim, stop = int(sys.argv[1]), sys.argv[2]
 import torch.distributed as dist
 from gpumagic.launch import secure_store
+from gpumagic.run_dirs.signing import derived_key
 
 report = {"ports": 0, "unix": 0, "connected": 0, "store_answers": [], "refused_by_key": 0, "unix_connected": []}
 lock = threading.Lock()
@@ -67,7 +67,8 @@ def torch_store(port):  # torch's own store client, as the attacker of the last 
 
 def gpumagic_store(port):  # gpumagic's protocol, with Bob's own (valid, but not Alice's) key
     try:
-        secure_store.connect(f"tcp:127.0.0.1:{port}", 1).num_keys()
+        own_key = derived_key(b"gpumagic rendezvous store")  # Bob's own, valid gpumagic key
+        secure_store.connect(f"tcp:127.0.0.1:{port}", 1, key=own_key, role=secure_store.GROUP).num_keys()
         with lock:
             report["store_answers"].append([port, "gpumagic store", "answered"])
     except secure_store.StoreRefused:
@@ -173,7 +174,7 @@ def test_no_other_user_gets_into_any_group_alice_forms(two_users, shared_tmp):
         out = alice.json(ALICE.replace("LAUNCHES", "6"), timeout=240)
     finally:
         stop.write_text("")
-    report = _report(attacker)
+    report = last_report(attacker, 10)
     print("attack:", json.dumps(report), "launches:", out["seconds"])
     assert out["failed"] == [] and out["altered"] == [], out
     assert out["launches"] == 6 + 1 + 1 + 3
@@ -182,15 +183,3 @@ def test_no_other_user_gets_into_any_group_alice_forms(two_users, shared_tmp):
     assert report["ports"] >= 1 and report["refused_by_key"] >= 1, report  # the elastic rendezvous was found
     printed = "".join(out["output"])
     assert not any(marker in printed for marker in BAD_OUTPUT), printed
-
-
-def _report(attacker: subprocess.Popen) -> dict:
-    try:
-        output, _ = attacker.communicate(timeout=10)
-    except subprocess.TimeoutExpired:
-        attacker.kill()
-        output, _ = attacker.communicate()
-    reports = [line for line in output.decode().strip().splitlines() if line.startswith("{")]
-    if not reports:
-        pytest.fail(f"the attacker reported nothing: {output.decode()[-2000:]}")
-    return json.loads(reports[-1])

@@ -28,6 +28,7 @@ from gpumagic.launch.kernel_side.output import RankOutput, progress_lines
 from gpumagic.launch.options import LaunchOptions
 from gpumagic.launch.plan import threads_per_rank
 from gpumagic.launch.rank_side.agent import AgentError, agent_command, read_events
+from gpumagic.launch.secure_store import BACKLOG
 from gpumagic.run_dirs import store
 from gpumagic.run_dirs.launch_files import write_spec
 from gpumagic.run_dirs.layout import RunFiles
@@ -160,11 +161,11 @@ def launch_elastic(
 def _bind(host: str, port: int) -> socket.socket:
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        return socket.create_server((host, port), family=family, backlog=256)
+        return socket.create_server((host, port), family=family, backlog=BACKLOG)
     except OSError as err:
         raise InvalidArgument(
             f"cannot listen on {host}:{port} ({err.strerror}): the notebook's node serves the rendezvous, so "
-            "--rdzv-endpoint must name an address of this machine and a free port"
+            "--rdzv-endpoint must name an address of this machine and a free port (port 0 takes one)"
         ) from None
 
 

@@ -7,8 +7,9 @@ the whole group when a rank fails (up to the run's ``max_restarts``), and record
 ``agents/<node>.events.jsonl`` of the run directory.
 
 Rendezvous stores listen only on the address they are named by: the rendezvous endpoint (served by the
-notebook's node, on the socket the kernel bound) and each round's rank-0 address; both are gpumagic's own
-stores (``secure_store``), which only agents and ranks holding the user's key can use.
+notebook's node, on the socket the kernel bound) and each round's rank-0 store (bound by rank 0 on a port of its
+own, published in the run directory); both are gpumagic's own stores (``secure_store``), which only this run's
+agents and ranks can use.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from gpumagic.errors import GpumagicError
 from gpumagic.launch import secure_store
 from gpumagic.launch.options import parse_endpoint
 from gpumagic.launch.rank_side.lifeline import die_with_parent
+from gpumagic.launch.rank_side.process_group import rendezvous_name
 from gpumagic.launch.rank_side.usage import start_sampling
-from gpumagic.run_dirs.launch_files import read_spec
+from gpumagic.launch.store_server import serve_and_connect
+from gpumagic.run_dirs.launch_files import read_spec, store_key
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.private import open_private
 from gpumagic.run_dirs.signing import read_sealed
@@ -121,7 +124,7 @@ def run_agent(
     label = f"{socket.gethostname()}-{os.getpid()}"
     events = _Events(files.agent_events(label))
     hosting = listen_fd is not None or (static and node_rank == 0)
-    store = _rendezvous_store(host, port, hosting, listen_fd, float(spec.get("join_timeout_s", 600)))
+    store = _rendezvous_store(files, spec, (host, port), hosting, listen_fd)
     handler = _rendezvous_handler(spec, store, endpoint, node_rank, local_addr)
     agent = _agent(spec, run_dir, handler, events, local_addr, (host, port) if static else None)
     events.write("started", node=label, hosting=hosting, slurm_node=os.environ.get("SLURMD_NODENAME"))
@@ -151,8 +154,7 @@ def serve_rendezvous(run_dir: Path, endpoint: str, listen_fd: int | None) -> int
     files = RunFiles(run_dir)
     spec = read_spec(files)
     read_sealed(files.payload, f"the code sent to the ranks ({files.payload})")
-    host, port = parse_endpoint(endpoint)
-    _rendezvous_store(host, port, True, listen_fd, float(spec.get("join_timeout_s", 600)))
+    _rendezvous_store(files, spec, parse_endpoint(endpoint), True, listen_fd)
     _stop_when_asked(files.stop)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     while True:
@@ -169,18 +171,22 @@ def _set_environment(spec: dict[str, Any], host: str) -> None:
         os.environ[key] = str(value)
 
 
-def _rendezvous_store(host: str, port: int, hosting: bool, listen_fd: int | None, timeout_s: float) -> Any:
+def _rendezvous_store(
+    files: RunFiles, spec: dict[str, Any], endpoint: tuple[str, int], hosting: bool, listen_fd: int | None
+) -> Any:
     """The rendezvous store (``secure_store``): served here when this node hosts it, else reached at the
-    endpoint; either way only agents and ranks holding the user's key get in."""
+    endpoint; either way only this run's agents and ranks get in (its proofs name the run's key and the
+    rendezvous as the run's spec names it, however this agent was told to reach it)."""
 
+    host, port = endpoint
     address = secure_store.tcp_address(host, port)
+    key, name = store_key(files), rendezvous_name(spec.get("rdzv_endpoint") or f"{host}:{port}")
+    timeout_s = float(spec.get("join_timeout_s", 600))
     if not hosting:
         try:
-            client = secure_store.connect(address, CONNECT_TIMEOUT_S)
+            client = secure_store.connect(address, CONNECT_TIMEOUT_S, key=key, role=secure_store.RENDEZVOUS, name=name)
         except secure_store.StoreRefused as err:
-            raise AgentError(
-                f"{err}: it is not your notebook's rendezvous (another user's, or a stale endpoint)"
-            ) from None
+            raise AgentError(f"{err}: is {host}:{port} the endpoint the notebook printed for this run?") from None
         except (TimeoutError, OSError) as err:
             raise AgentError(
                 f"cannot reach the rendezvous at {host}:{port} ({err}); is the notebook's launch still running, and "
@@ -195,7 +201,7 @@ def _rendezvous_store(host: str, port: int, hosting: bool, listen_fd: int | None
             listener = secure_store.listen(address)
         except OSError as err:
             raise AgentError(f"cannot listen on {host}:{port} ({err.strerror}); name an address of this node") from None
-    server, client = secure_store.serve_and_connect(listener, address, CONNECT_TIMEOUT_S)
+    server, client = serve_and_connect(listener, name, CONNECT_TIMEOUT_S, key=key, role=secure_store.RENDEZVOUS)
     _SERVED.append(server)  # for the agent's life
     client.set_timeout(datetime.timedelta(seconds=timeout_s))
     return client

@@ -38,6 +38,7 @@ from gpumagic.launch.rank_side.hang_watch import CollectiveRecorder, HangWatch
 from gpumagic.launch.rank_side.lifeline import end_own_group
 from gpumagic.launch.rank_side.output_routing import flush
 from gpumagic.launch.rank_side.process_group import (
+    StorePlace,
     break_connections,
     join_tracking_sockets,
     leave_broken_group,
@@ -309,13 +310,18 @@ class GroupRank(RankRuntime):
             raise RuntimeError("this rank is still in its old process group; %ddp restart starts a fresh group")
         listener = None
         if address is None:
-            address = f"unix:{self.setup.files.launch / f'store-{ident}.sock'}"
+            address = f"unix:{self.setup.files.group_store_socket(ident)}"
             listener = secure_store.listen(address)
             self.send(("store", -1, address))  # group_members.STORE
         os.environ[secure_store.VARIABLE] = address
         setup = self.setup
         self.group_sockets = join_tracking_sockets(
-            setup.backend, address, setup.rank, setup.world_size, setup.timeout_s, listener
+            setup.files,
+            StorePlace(address=address, listener=listener),
+            setup.backend,
+            setup.rank,
+            setup.world_size,
+            setup.timeout_s,
         )
         self.broken = False
         if self.recorder is not None:

@@ -8,47 +8,134 @@ from __future__ import annotations
 import datetime
 import functools
 import gc
+import hashlib
 import inspect
 import os
 import socket
 import stat
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpumagic.launch import secure_store
+from gpumagic.launch.store_server import serve_and_connect
+from gpumagic.run_dirs.launch_files import publish_store, published_store, store_key
+from gpumagic.run_dirs.layout import RunFiles
 
 _STORE_SERVERS: list[Any] = []  # the stores this rank serves: alive while the rank runs (or until left)
 _USERS_STORE: list[Any] = []  # the store of the groups the user's own code makes (``spawn``)
 _ENDED_PROCESS_GROUPS: list[Any] = []  # groups ``destroy_process_group`` ended: alive until the rank exits
+PUBLISHED_LOOK_S = (0.01, 0.2)  # how often a rank looks for rank 0's published store: first, at most
+TOKEN_VARIABLE = "GPUMAGIC_STORE_TOKEN"  # the token a Slurm attempt's ranks publish their store under
 
 
-def environment_store_address() -> str:
-    """The store of a rank started with torchrun's variables: ``GPUMAGIC_STORE``, else MASTER_ADDR:MASTER_PORT."""
-    return os.environ.get(secure_store.VARIABLE) or secure_store.tcp_address(
-        os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "0")
-    )
+@dataclass(frozen=True)
+class StorePlace:
+    """Where a rank's group meets. Every store is the run's own (its key: ``store_key(files)``):
+
+    - at a known ``address``: a local launch's Unix socket (rank 0 serves it, on ``listener`` when the launcher
+      bound it), or, with ``served_prefix``, a static rendezvous that the agent serves (every rank a client,
+      proving the rendezvous ``name`` the run's spec gives it);
+    - published (``token``): rank 0 binds a port of its own on ``host`` and publishes the address in the run
+      directory (``publish_store``), where the other ranks read it: an elastic round's store, a Slurm job's.
+      Nobody can predict the port or take it first (issue #37).
+    """
+
+    address: str = ""
+    listener: Any = None
+    served_prefix: str | None = None
+    name: str | None = None
+    host: str = ""
+    token: str = ""
+
+
+def environment_store_place(files: RunFiles, spec: dict[str, Any]) -> StorePlace:
+    """The store of a rank started with torchrun's variables (an elastic agent's worker, a Slurm task):
+    ``GPUMAGIC_STORE`` if set; the agent's own store for a static rendezvous; else rank 0's, published under
+    a token of this round (the agent's MASTER_ADDR and MASTER_PORT, which differ from round to round)."""
+    given = os.environ.get(secure_store.VARIABLE)
+    if given:
+        return StorePlace(address=given)
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = os.environ.get("MASTER_PORT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # a static rendezvous: the agent serves it
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        name = rendezvous_name(spec["rdzv_endpoint"]) if spec.get("rdzv_endpoint") else None
+        return StorePlace(address=secure_store.tcp_address(host, port), served_prefix=f"/worker/attempt_{attempt}",
+                          name=name)  # fmt: skip
+    token = os.environ.get(TOKEN_VARIABLE) or hashlib.sha256(f"{host}:{port}".encode()).hexdigest()[:16]
+    return StorePlace(host=host, token=token)
+
+
+def rendezvous_name(endpoint: str) -> str:
+    """The address a multi-node run's rendezvous is named by in every proof: as the run's spec gives it, however
+    an agent was told to reach it."""
+    host, _, port = endpoint.rpartition(":")
+    return secure_store.tcp_address(host.strip("[]"), port)
 
 
 def group_store(
-    address: str, rank: int, timeout_s: float, listener: Any = None, served_prefix: str | None = None
+    files: RunFiles,
+    place: StorePlace,
+    rank: int,
+    timeout_s: float,
 ) -> Any:
-    """The process group's store at ``address`` (``secure_store``: only the user's own processes get in). Rank 0
-    serves it: on ``listener`` (a socket bound already by the launcher) when given, else on a socket it binds to
-    ``address`` itself, never on every interface. ``served_prefix``: an elastic agent serves the store already;
-    every rank is a client under that prefix."""
+    """The process group's store (``secure_store``: only this run's own processes get in). Rank 0 serves it:
+    on ``place.listener`` (bound by the launcher) when given, else on a socket it binds itself, never on every
+    interface."""
     # lazy: torch, in rank processes only
     import torch.distributed as dist
 
-    if served_prefix is not None:
-        return dist.PrefixStore(served_prefix, secure_store.connect(address, timeout_s))
+    key = store_key(files)
+    if place.served_prefix is not None:
+        client = secure_store.connect(place.address, timeout_s, key=key, role=secure_store.RENDEZVOUS, name=place.name)
+        return dist.PrefixStore(place.served_prefix, client)
+    if place.token and rank != 0:
+        return _published_store(files, place, timeout_s, key)
     if rank != 0:
-        return secure_store.connect(address, timeout_s)
-    if listener is None:
+        return secure_store.connect(place.address, timeout_s, key=key, role=secure_store.GROUP)
+    address, listener = place.address, place.listener
+    if place.token:  # a port of its own choosing, published once it is bound: nobody can take it first
+        listener = secure_store.listen(secure_store.tcp_address(place.host, 0))
+        address = secure_store.listener_address(listener, place.host)
+        os.environ["MASTER_PORT"] = str(listener.getsockname()[1])  # for code that reads it
+    elif listener is None:
         listener = secure_store.listen(address)
-    server, store = secure_store.serve_and_connect(listener, address, timeout_s)
+    server, store = serve_and_connect(listener, address, timeout_s, key=key, role=secure_store.GROUP)
     _STORE_SERVERS.append(server)
+    if place.token:
+        publish_store(files, place.token, address)
     return store
+
+
+def _published_store(files: RunFiles, place: StorePlace, timeout_s: float, key: bytes) -> Any:
+    """A client of the store rank 0 published under ``place.token``, once it is there and proves it is this
+    run's. An address that does not prove it (rank 0 of an earlier round and a stranger on its old port) is
+    dropped, said in one line, and looked up again."""
+    deadline = time.monotonic() + timeout_s
+    pause, dropped = PUBLISHED_LOOK_S[0], set()
+    while True:
+        address = published_store(files, place.token)
+        if address is not None and address not in dropped:
+            try:
+                store = secure_store.connect(
+                    address, max(0.1, min(5.0, deadline - time.monotonic())), key=key, role=secure_store.GROUP
+                )
+                os.environ["MASTER_PORT"] = address.rsplit(":", 1)[1]  # for code that reads it
+                return store
+            except secure_store.StoreRefused as err:
+                sys.stderr.write(f"[gpumagic] {err}; waiting for rank 0 to publish its store again\n")
+                dropped.add(address)
+            except TimeoutError:
+                pass  # rank 0 has gone since it published: a restart publishes anew
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"rank 0 did not serve the group's store within {timeout_s:g}s (nothing published in {files.launch})"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, PUBLISHED_LOOK_S[1])
 
 
 def close_served_stores() -> None:
@@ -58,13 +145,12 @@ def close_served_stores() -> None:
 
 
 def join_process_group(
+    files: RunFiles,
+    place: StorePlace,
     backend: str,
-    store_address: str,
     rank: int,
     world_size: int,
     timeout_s: float,
-    listener: Any = None,
-    served_prefix: str | None = None,
 ) -> None:
     """Join the process group through its store (``group_store``).
 
@@ -75,7 +161,7 @@ def join_process_group(
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = group_store(store_address, rank, timeout_s, listener, served_prefix)
+    store = group_store(files, place, rank, timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     if backend == "gloo" and world_size > 1:
         dist.barrier()
@@ -93,12 +179,12 @@ def leave_process_group() -> None:
 
 
 def join_tracking_sockets(
-    backend: str, address: str, rank: int, world_size: int, timeout_s: float, listener: Any
+    files: RunFiles, place: StorePlace, backend: str, rank: int, world_size: int, timeout_s: float
 ) -> dict[int, int]:
     """``join_process_group``; the connections the group opened (file descriptor -> inode), for
     ``break_connections``."""
     before = set(_socket_inodes().values())
-    join_process_group(backend, address, rank, world_size, timeout_s, listener)
+    join_process_group(files, place, backend, rank, world_size, timeout_s)
     return {fd: inode for fd, inode in _socket_inodes().items() if inode not in before}
 
 
@@ -209,7 +295,7 @@ def keep_ended_process_groups() -> None:
     replace_in_torch_distributed("destroy_process_group", wrap)
 
 
-def serve_the_users_own_group(store_address: str, rank: int, world_size: int, timeout_s: float, listener: Any) -> None:
+def serve_the_users_own_group(files: RunFiles, place: StorePlace, rank: int, world_size: int, timeout_s: float) -> None:
     """Code that makes its own group (``spawn``) the torchrun way (``init_process_group(backend)``, env://) gets
     it on the launch's own store, which only the user's processes can reach, not on a TCPStore that answers
     anyone at MASTER_PORT. A group made again after ``destroy_process_group`` meets under a fresh prefix."""
@@ -217,7 +303,7 @@ def serve_the_users_own_group(store_address: str, rank: int, world_size: int, ti
     import torch.distributed as dist
 
     made = [0]
-    unused_listener = [listener]
+    unused_listener = [place.listener]
 
     def wrap(original: Any) -> Any:
         signature = inspect.signature(original)
@@ -231,11 +317,13 @@ def serve_the_users_own_group(store_address: str, rank: int, world_size: int, ti
             timeout = asked.get("timeout")
             asked_timeout_s = timeout.total_seconds() if timeout is not None else timeout_s
             if made[0] == 0:
-                store = group_store(store_address, own_rank, asked_timeout_s, unused_listener[0])
+                store = group_store(files, replace(place, listener=unused_listener[0]), own_rank, asked_timeout_s)
                 unused_listener[0] = None
                 _USERS_STORE[:] = [store]
+            elif own_rank == 0:
+                store = _USERS_STORE[0]
             else:
-                store = _USERS_STORE[0] if own_rank == 0 else group_store(store_address, own_rank, asked_timeout_s)
+                store = group_store(files, replace(place, listener=None), own_rank, asked_timeout_s)
             made[0] += 1
             asked.pop("init_method", None)
             asked.update(store=dist.PrefixStore(f"gpumagic-init-{made[0]}", store), rank=own_rank, world_size=world)

@@ -26,7 +26,7 @@ from gpumagic.launch.rank_side.failure_reports import report_failure
 from gpumagic.launch.rank_side.lifeline import die_with_parent
 from gpumagic.launch.rank_side.memory_cap import name_memory_limit
 from gpumagic.launch.rank_side.output_routing import flush, output_to
-from gpumagic.launch.rank_side.process_group import environment_store_address, leave_process_group
+from gpumagic.launch.rank_side.process_group import environment_store_place, leave_process_group
 from gpumagic.launch.rank_side.runtime import (
     DEFAULT_TIMEOUT_S,
     RankRuntime,
@@ -130,19 +130,17 @@ def run_rank(run_dir: Path) -> int:
                 return report_failure(files.rank_error(rank, attempt), rank, "setup", err)
         else:  # a CPU group on a GPU machine: its ranks see no GPU, on every node
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        served = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # a static rendezvous's store
         setup = RankSetup(
             files=files,
             rank=rank,
             local_rank=local_rank,
             world_size=int(os.environ["WORLD_SIZE"]),
             backend=spec.get("backend") or None,
-            store_address=environment_store_address(),
+            store=environment_store_place(files, spec),
             timeout_s=float(spec.get("timeout_s", DEFAULT_TIMEOUT_S)),
             use_cuda=use_cuda,
             threads=int(spec.get("threads_per_rank") or 1),
             attempt=attempt,
-            served_prefix=f"/worker/attempt_{attempt}" if served else None,
             hang_after_s=float(spec.get("hang_after_s") or 0.0),
         )
         return Rank(setup).run()

@@ -16,7 +16,7 @@ import multiprocessing
 import os
 import sys
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, NoReturn
@@ -29,6 +29,7 @@ from gpumagic.launch.rank_side.lifeline import die_with
 from gpumagic.launch.rank_side.memory_cap import cap_memory
 from gpumagic.launch.rank_side.output_routing import flush, route_output
 from gpumagic.launch.rank_side.process_group import (
+    StorePlace,
     accept_the_users_own_set_up,
     join_process_group,
     keep_ended_process_groups,
@@ -51,13 +52,11 @@ class RankSetup:
     local_rank: int
     world_size: int
     backend: str | None  # None: no process group (spawn's code makes its own, on the same store)
-    store_address: str = ""  # the group's store (secure_store): unix:PATH on one machine, tcp:HOST:PORT across
+    store: StorePlace = field(default_factory=StorePlace)  # where the group's store is (secure_store): the run's own
     timeout_s: float = DEFAULT_TIMEOUT_S
     use_cuda: bool = False
     threads: int = 1
     attempt: int = 0
-    listener: Any = None  # rank 0 of a local launch: the socket the kernel bound for the store
-    served_prefix: str | None = None  # an elastic agent serves the store; every rank is a client under this
     hang_after_s: float = 0.0  # --hang-after: the hang watch's threshold (0: no watch, no recorder)
     post_mortem: bool = False  # --pdb: on a failure in the user's code, serve a debugger before ending
 
@@ -70,11 +69,10 @@ def plan_setup(plan: LaunchPlan, local_rank: int, listener: Any = None) -> RankS
         local_rank=local_rank,
         world_size=plan.world_size,
         backend=plan.backend,
-        store_address=plan.store_address,
+        store=StorePlace(address=plan.store_address, listener=listener),
         timeout_s=plan.timeout_s,
         use_cuda=plan.use_cuda,
         threads=plan.threads_per_rank,
-        listener=listener,
         hang_after_s=plan.hang_after_s,
         post_mortem=plan.post_mortem,
     )
@@ -128,10 +126,8 @@ class RankRuntime:
             self.recorder = CollectiveRecorder(setup.files.rank_collective(setup.rank))
         if setup.backend is not None:  # before the code is loaded: it may hold torch's function already
             accept_the_users_own_set_up(setup.backend, setup.world_size, setup.rank, self.made_by)
-        elif setup.store_address:
-            serve_the_users_own_group(
-                setup.store_address, setup.rank, setup.world_size, setup.timeout_s, setup.listener
-            )
+        elif setup.store.address:
+            serve_the_users_own_group(setup.files, setup.store, setup.rank, setup.world_size, setup.timeout_s)
         self.prepare()
         self.device = torch.device("cpu")
         if setup.use_cuda:
@@ -141,13 +137,12 @@ class RankRuntime:
         if setup.backend is not None and self.joins_at_set_up:  # spawn's code makes its group itself
             self.phase = "rendezvous"
             join_process_group(
+                setup.files,
+                setup.store,
                 setup.backend,
-                setup.store_address,
                 setup.rank,
                 setup.world_size,
                 setup.timeout_s,
-                setup.listener,
-                setup.served_prefix,
             )
             if self.recorder is not None:
                 self.recorder.restart_count()  # the user's collectives are numbered from 1, on every rank alike

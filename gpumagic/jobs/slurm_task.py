@@ -1,0 +1,213 @@
+"""What submitit runs in every Slurm task of a job (``jobs.slurm``): one rank of the job in its directory.
+
+- The rank has torchrun's variables. Its group's store is served by rank 0 on a port of rank 0's own choosing
+  and published in the job's directory under the attempt's token (``launch.rank_side.process_group``): never
+  on a port derived from the job id, which every user can read in ``squeue`` and take first (issue #37).
+- A requeued attempt first moves the earlier attempt's files aside (``keep_earlier_attempt``).
+- The first rank that fails writes the attempt's stop file; every other rank stops when it sees it and says
+  so (Slurm would let it wait for its peers until the group's timeout).
+- The last rank to end records the job's end, whichever rank that is: a rank that ends after the others
+  waited is never taken for lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from gpumagic.launch.failures import LaunchError
+from gpumagic.launch.plan import torchrun_variables
+from gpumagic.launch.rank_side.output_routing import flush
+from gpumagic.launch.rank_side.process_group import TOKEN_VARIABLE
+from gpumagic.launch.rank_side.rank import run_rank
+from gpumagic.run_dirs import records
+from gpumagic.run_dirs.layout import RunFiles
+from gpumagic.run_dirs.outcomes import rank_outcomes, read_json, root_cause
+from gpumagic.run_dirs.private import write_private
+from gpumagic.run_dirs.signing import read_sealed, write_sealed
+from gpumagic.run_dirs.store import record_end
+
+STOP_LOOK_S = 0.25  # how often a rank looks for its attempt's stop file
+STOPPED_EXIT = 128 + signal.SIGTERM
+
+
+class Task:
+    """What submitit runs in every Slurm task: one rank of the job in ``run_dir``. Holds only the path, so
+    the code itself travels sealed in the job directory, not in submitit's pickle."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+
+    def __call__(self) -> int:
+        # lazy: submitit, only for Slurm
+        import submitit
+
+        run_dir = Path(self.run_dir)
+        env = submitit.JobEnvironment()
+        # submitit lets the code run on through SIGTERM (for checkpoints); Slurm's SIGTERM here is scancel's or a
+        # requeue's, and then the rank ends at once rather than at SIGKILL, KillWait later (30 s on many clusters)
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(STOPPED_EXIT))
+        rank, world_size = env.global_rank, env.num_tasks
+        master = "127.0.0.1" if cluster_of(run_dir) == "local" else env.hostnames[0]
+        restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+        token = attempt_token(restarts)
+        os.environ.update(
+            torchrun_environment(env.job_id, rank, env.local_rank, world_size, env.num_nodes, env.node, master)
+        )
+        os.environ[TOKEN_VARIABLE] = token
+        if restarts:  # Slurm requeued the job (preemption, node failure, scontrol requeue): this is attempt N + 1
+            keep_earlier_attempt(run_dir, rank, restarts)
+        if rank == 0:
+            fields: dict[str, Any] = {"slurm_restarts": restarts} if restarts else {}
+            if restarts:  # an end the earlier attempt recorded is not this one's
+                fields.update(slurm_attempts_kept=str(RunFiles(run_dir).root / "attempts"), exit="", ended=None)
+            records.update(
+                run_dir, status="running", reason="", started=time.time(), slurm_nodes=list(env.hostnames), **fields
+            )
+        watch = StopWatch(RunFiles(run_dir), rank, world_size, token) if world_size > 1 else None
+        code = run_rank(run_dir)
+        if watch is not None:
+            watch.ended(code)
+        record_if_last(run_dir, world_size, token)
+        if code:
+            raise RuntimeError(f"rank {rank} failed (exit code {code}); see {RunFiles(run_dir).error}")
+        return code
+
+
+def cluster_of(run_dir: Path) -> str:
+    """``local`` for a job run by submitit's local stand-in (``GPUMAGIC_SLURM=local``), else ``slurm``."""
+    return str(records.read(run_dir).get("slurm_cluster", "slurm"))
+
+
+def attempt_token(restarts: int) -> str:
+    """The token of a Slurm attempt's files: its published store, its stop file, its end's claim."""
+    return f"slurm-{restarts}"
+
+
+def torchrun_environment(
+    job_id: str, rank: int, local_rank: int, world_size: int, nodes: int, node: int, master: str
+) -> dict[str, str]:
+    """The variables torchrun would set for a Slurm task. ``MASTER_PORT`` is 0 until the rank joins its group:
+    then it is the port rank 0's store took (published, not derived from the public job id)."""
+    return torchrun_variables(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=world_size // max(1, nodes),
+        node_rank=node,
+        master=(master, 0),
+        run_id=str(job_id),
+    )
+
+
+def keep_earlier_attempt(run_dir: Path, rank: int, restarts: int) -> None:
+    """Move what ``rank`` left of the attempt before this one (its log, start, result, errors, metrics; rank 0 also
+    the job's result and error) into ``attempts/<restarts - 1>/``, so a requeued job never overwrites it. Each rank
+    moves its own files: the ranks of the new attempt start at once."""
+    files = RunFiles(run_dir)
+    kept = RunFiles(files.root / "attempts" / str(restarts - 1))
+    mine = [files.rank_log(rank), files.rank_start(rank), files.rank_result(rank), *files.rank_errors(rank)]
+    mine += [*files.ranks.glob(f"rank-{rank}.fatal.*.txt"), files.metric_names(rank), files.metric_points(rank)]
+    if rank == 0:
+        mine += [files.result, files.error]
+    for path in mine:
+        if path.exists():
+            target = kept.root / path.relative_to(files.root)
+            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.replace(path, target)
+
+
+class StopWatch:
+    """A rank of a multi-task job: when another rank of this attempt failed (its stop file), this one says it
+    was stopped and ends; when this one fails, it writes the stop file for the others."""
+
+    def __init__(self, files: RunFiles, rank: int, world_size: int, token: str) -> None:
+        self.files, self.rank, self.world_size, self.token = files, rank, world_size, token
+        self._lock = threading.Lock()
+        self._ended = False
+        threading.Thread(target=self._watch, name="gpumagic-slurm-stop", daemon=True).start()
+
+    def ended(self, code: int) -> None:
+        """This rank's code ended (``code``); a failure tells every other rank to stop."""
+        with self._lock:
+            self._ended = True
+            if code != 0 and read_json(self.files.attempt_stop(self.token)) is None:
+                write_private(self.files.attempt_stop(self.token), json.dumps({"rank": self.rank}).encode())
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(STOP_LOOK_S)
+            with self._lock:
+                if self._ended:
+                    return
+                failed = stop_requested(self.files, self.token)
+                if failed is None or failed == self.rank:
+                    continue
+                self._stop(failed)
+
+    def _stop(self, failed: int) -> None:
+        """End this rank now, its report saying it was stopped because rank ``failed`` failed."""
+        message = f"stopped because rank {failed} failed"
+        report = {"rank": self.rank, "pid": os.getpid(), "phase": "stopped", "type": None, "message": message,
+                  "traceback": None, "timestamp": time.time(), "exitcode": STOPPED_EXIT, "stopped": True}  # fmt: skip
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        write_private(self.files.rank_error(self.rank, attempt), json.dumps(report).encode())
+        sys.stderr.write(f"[gpumagic] rank {self.rank}: {message}\n")
+        flush()
+        record_if_last(self.files.root, self.world_size, self.token)
+        os._exit(STOPPED_EXIT)
+
+
+def stop_requested(files: RunFiles, token: str) -> int | None:
+    """The rank whose failure stopped the attempt ``token``, or None. The directory is listed first: on NFS that
+    shows a file another node just wrote."""
+    path = files.attempt_stop(token)
+    try:
+        if path.name not in os.listdir(path.parent):
+            return None
+    except OSError:
+        return None
+    told = read_json(path) or {}
+    return told["rank"] if isinstance(told.get("rank"), int) else -1
+
+
+def record_if_last(run_dir: Path, world_size: int, token: str) -> bool:
+    """Record the job's end (``result.pkl``: rank 0's value, or ``{rank: value}`` with several ranks; ``error.txt``;
+    the status) if every rank has ended, once: whichever rank ends last does it. True if this call recorded it."""
+    files = RunFiles(run_dir)
+    if not all(_has_ended(files, rank, set(os.listdir(files.ranks))) for rank in range(world_size)):
+        return False
+    try:
+        os.close(os.open(files.attempt_end_claim(token), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return False  # another rank ended at the same moment and records it
+    outcomes = rank_outcomes(files, world_size)
+    failure = root_cause(outcomes)
+    if failure is not None:
+        error = LaunchError(outcomes, failure)
+        write_private(files.error, (error.report() + "\n").encode())
+        record_end(run_dir, "failed", error.headline())
+        return True
+    values = {
+        rank: cloudpickle.loads(read_sealed(files.rank_result(rank), f"rank {rank}'s result"))
+        for rank in range(world_size)
+    }
+    write_sealed(files.result, cloudpickle.dumps(values if world_size > 1 else values[0]))
+    record_end(run_dir, "finished", "finished", exitcode=0)
+    return True
+
+
+def _has_ended(files: RunFiles, rank: int, names: set[str]) -> bool:
+    """Whether ``rank`` wrote its end: a result, an error report, or the stack of a fatal signal."""
+    if files.rank_result(rank).name in names or any(p.name in names for p in files.rank_errors(rank)):
+        return True
+    fatal = files.rank_fatal(rank)
+    return fatal.name in names and fatal.stat().st_size > 0

@@ -1,9 +1,11 @@
 """%%launch_bg and %jobs on one IPython shell: every form, help, and random input that must either work or
 raise a one-line UsageError."""
 
+import contextlib
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -329,14 +331,24 @@ def blocker(shell, tmp_path_factory):
     st.sampled_from(["", "list", "logs", "kill", "wait", "result", "rm", "watch", "help"]),
     st.lists(WORDS, max_size=5),
 )
-def test_random_jobs_arguments_work_or_raise_usage_error(shell, blocker, monkeypatch, subcommand, words):
-    for key, value in blocker.items():
-        monkeypatch.setenv(key, value)
-    try:
-        jobs(shell, " ".join([subcommand, *words]))
-    except UsageError as err:
-        assert str(err).strip()
-    assert gpumagic.job("blocker").status == "queued"
+def test_random_jobs_arguments_work_or_raise_usage_error(shell, blocker, subcommand, words):
+    with in_environment(blocker):
+        try:
+            jobs(shell, " ".join([subcommand, *words]))
+        except UsageError as err:
+            assert str(err).strip()
+        assert gpumagic.job("blocker").status == "queued"
+
+
+@contextlib.contextmanager
+def in_environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` set for one example only: the test's teardown (no_job_left_running's kill of every active job) must
+    not see the module's runs directory, or it kills the blocker the next test waits behind (it did, once pytest
+    9 set ``monkeypatch`` up before the marker's fixtures, and so undid it after their teardown)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        yield
 
 
 OPTIONS = st.tuples(
@@ -354,20 +366,19 @@ OPTIONS = st.tuples(
     max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(st.lists(OPTIONS, max_size=4), st.sampled_from(["x = 1", "offset + 1", "!ls", "def f(:", "%time 1"]))
-def test_random_launch_bg_arguments_submit_or_raise_usage_error(shell, blocker, monkeypatch, options, cell):
+def test_random_launch_bg_arguments_submit_or_raise_usage_error(shell, blocker, options, cell):
     import shlex
 
-    for key, value in blocker.items():
-        monkeypatch.setenv(key, value)
     shell.user_ns["offset"] = 1
-    before = len(gpumagic.list_jobs())
-    line = " ".join(f"{flag} {shlex.quote(value)}" for flag, value in options)
-    try:
-        submitted = launch_bg(shell, line + " --after blocker")  # a valid job waits behind the blocker
-    except UsageError as err:
-        assert str(err).strip() and "\n" not in str(err)
-        assert len(gpumagic.list_jobs()) == before, "a refused cell submits nothing"
-    else:
-        assert str(submitted).startswith("Submitted job ")
-        job = gpumagic.list_jobs()[-1]
-        assert job.info["after"] == ["blocker"] and job.status == "queued"
+    with in_environment(blocker):
+        before = len(gpumagic.list_jobs())
+        line = " ".join(f"{flag} {shlex.quote(value)}" for flag, value in options)
+        try:
+            submitted = launch_bg(shell, line + " --after blocker")  # a valid job waits behind the blocker
+        except UsageError as err:
+            assert str(err).strip() and "\n" not in str(err)
+            assert len(gpumagic.list_jobs()) == before, "a refused cell submits nothing"
+        else:
+            assert str(submitted).startswith("Submitted job ")
+            job = gpumagic.list_jobs()[-1]
+            assert job.info["after"] == ["blocker"] and job.status == "queued", (job.status, job.reason)

@@ -197,9 +197,9 @@ def test_a_queued_job_that_starts_on_a_full_disk_is_recorded_whole(small_disk, s
     fill(small_disk)
     gpumagic.release()
     assert job.wait("60s") == "failed"
-    payload = job.path / "launch" / "payload.pkl"
+    first = job.path / "launch" / "store.key"  # the first file its launch writes: the run's store secret
     assert job.reason == (
-        f"disk full: {payload} (No space left on device); saved: nothing; free space or set GPUMAGIC_RUNS_DIR"
+        f"disk full: {first} (No space left on device); saved: nothing; free space or set GPUMAGIC_RUNS_DIR"
     )
     assert (job.path / "error.txt").read_text() == f"The job was stopped: {job.reason}\n"
 

@@ -428,8 +428,13 @@ def test_ranks_that_end_right_after_they_start_still_have_their_resources_drawn(
     when the dashboard attaches, while its ranks surely live."""
     from gpumagic.widgets.launch_dashboard import LaunchDashboard
 
-    rank = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    rank = subprocess.Popen(
+        [sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     try:
+        assert rank.stdout.readline() == b"up\n"  # running Python, no longer a process between fork and exec
         (tmp_path / "metrics").mkdir()
         dashboard = LaunchDashboard(push_interval=5.0)  # its thread's first sample comes 0.1 s after attach
         dashboard.attach(tmp_path, [rank.pid], use_gpus=False)

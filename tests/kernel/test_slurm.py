@@ -4,6 +4,7 @@ Slurm path builds the sbatch script through submitit itself, against stand-ins f
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import time
@@ -137,6 +138,31 @@ def test_a_slurm_rank_that_ends_after_the_others_is_recorded_not_lost(local_slur
     job = gpumagic.submit(rank_one_is_late, executor="slurm", gpus=0, ddp=2, slurm={"time": "10m"})
     assert job.wait(timeout="120s") == "finished"
     assert job.result() == {0: 0, 1: 10}
+
+
+def test_whichever_rank_ends_last_records_the_slurm_jobs_end_once(tmp_path, monkeypatch):
+    """Issue #37: with rank 1 still running, rank 0's end records nothing (before, rank 0 waited 60 s, then read
+    rank 1's missing result: FileNotFoundError, and the job ended "lost"); rank 1's end records both values."""
+    import cloudpickle
+
+    from gpumagic.jobs import slurm_task
+    from gpumagic.run_dirs import store
+    from gpumagic.run_dirs.launch_files import make_launch_directories
+    from gpumagic.run_dirs.layout import RunFiles
+    from gpumagic.run_dirs.signing import read_sealed, write_sealed
+
+    monkeypatch.setenv("GPUMAGIC_RUNS_DIR", str(tmp_path))
+    run = store.new_run("job", ranks=2)
+    files = RunFiles(run)
+    make_launch_directories(files)
+    write_sealed(files.rank_result(0), cloudpickle.dumps("zero"))
+    assert not slurm_task.record_if_last(run, 2, "slurm-0")  # rank 1 runs on
+    assert not files.result.exists() and store.load_run(run.name).info.get("status") != "finished"
+    write_sealed(files.rank_result(1), cloudpickle.dumps("one"))
+    assert slurm_task.record_if_last(run, 2, "slurm-0")
+    assert not slurm_task.record_if_last(run, 2, "slurm-0")  # recorded once, whichever ranks end together
+    assert cloudpickle.loads(read_sealed(files.result, "the result")) == {0: "zero", 1: "one"}
+    assert json.loads(files.record.read_text())["status"] == "finished"
 
 
 SBATCH = """#!/bin/sh

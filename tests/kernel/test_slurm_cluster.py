@@ -23,6 +23,7 @@ from IPython.core.error import UsageError
 
 import gpumagic
 from gpumagic.jobs import slurm, slurm_state
+from gpumagic.launch.allocation import parse_fields
 from gpumagic.launch.rank_side.agent import AgentError
 from gpumagic.run_dirs.launch_files import published_store
 from gpumagic.run_dirs.layout import RunFiles
@@ -177,6 +178,8 @@ def test_a_requeued_job_says_so_and_keeps_the_earlier_attempts_files(on_cluster)
     requeued = wait_for(lambda: "requeued" in job.reason and job.reason, 30, "the job reads as requeued")
     assert job.status == "queued" and "requeued by Slurm 1 time(s)" in requeued, requeued
     wait_for(lambda: on_cluster.job_fields(job_id).get("JobState") == "PENDING", 30, "the earlier attempt ended")
+    wait_for(lambda: _node_idle(on_cluster, "gmn1"), 30, "gmn1 ended the earlier attempt's step")  # else the new
+    # attempt can start on a node still cleaning the old step up, and fail at once (it did, 1 full run in 3)
     on_cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")  # Slurm holds a requeued job 2 min
     assert job.wait(timeout="90s") == "finished", job.reason
     assert job.result() == 1
@@ -185,6 +188,11 @@ def test_a_requeued_job_says_so_and_keeps_the_earlier_attempts_files(on_cluster)
     assert "attempt 0" in (kept / "ranks" / "rank-0.log").read_text()
     assert (kept / "metrics" / "rank-0.bin").exists()
     assert job.last_metrics()["attempt"][1] == 1  # this attempt's curve, not mixed with the earlier one's
+
+
+def _node_idle(cluster, node: str) -> bool:
+    state = parse_fields(cluster.run("scontrol", "show", "node", "-o", node, check=False).stdout)
+    return state.get("State", "").split("+")[0] == "IDLE"
 
 
 def test_a_job_cancelled_from_a_shell_reads_killed_and_its_end_survives_the_controller(on_cluster):

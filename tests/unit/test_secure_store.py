@@ -87,10 +87,12 @@ def test_a_waiting_get_returns_as_soon_as_another_client_sets_the_key(served):
     _, address = served
     waiting, setting = (secure_store.connect(address, 5, key=KEY, role=GROUP) for _ in range(2))
     waiting.set_timeout(datetime.timedelta(seconds=10))
-    threading.Timer(0.2, lambda: setting.set("late", b"here")).start()
+    timer = threading.Timer(0.2, lambda: setting.set("late", b"here"))
+    timer.start()
     started = time.monotonic()
     assert waiting.get("late") == b"here"
     assert time.monotonic() - started < 2
+    timer.join()  # its set has had its answer: the server may close
 
 
 def test_the_socket_is_private_and_a_wrong_key_learns_nothing(tmp_path):

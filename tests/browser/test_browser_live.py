@@ -63,7 +63,21 @@ LIGHT_TEXT = (
 
 def curve_pixels(page, cell: int, path) -> int:
     """Pixels of the two ranks' colours in the widest plot of cell ``cell``'s output (the loss plot), in a
-    screenshot saved at ``path``: 0 where the plot is drawn empty."""
+    screenshot saved at ``path``: 0 where the plot is drawn empty. A canvas replaced between finding it and
+    its screenshot (the page built the view again: the one catch-up re-send, a static copy taking the live
+    view's place) is found again, up to 5 times."""
+    from playwright.sync_api import Error
+
+    for _ in range(4):
+        try:
+            return _curve_pixels(page, cell, path)
+        except Error as error:
+            if "not attached" not in str(error):
+                raise
+    return _curve_pixels(page, cell, path)
+
+
+def _curve_pixels(page, cell: int, path) -> int:
     from PIL import Image
 
     from gpumagic.widgets.plots import PALETTE
@@ -74,7 +88,7 @@ def curve_pixels(page, cell: int, path) -> int:
     if not any(box["width"] for box in boxes):
         return 0
     widest = max(range(len(boxes)), key=lambda i: boxes[i]["width"])
-    page.locator(f".jp-Cell >> nth={cell} >> canvas").nth(widest).screenshot(path=str(path))
+    page.locator(f".jp-Cell >> nth={cell} >> canvas").nth(widest).screenshot(path=str(path), timeout=10_000)
     area = Image.open(path).convert("RGB")
     wanted = [tuple(int(c[i : i + 2], 16) for i in (1, 3, 5)) for c in PALETTE[:2]]
     return sum(

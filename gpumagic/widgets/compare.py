@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import html
 import math
+import threading
 from typing import Any
 
 from gpumagic.jobs.comparison import RunComparison, format_number, plain, seed_groups
@@ -22,6 +23,7 @@ from gpumagic.launch.kernel_side.output import in_kernel
 from gpumagic.telemetry.metric_kinds import higher_is_better, lower_is_better, smoothing_default
 from gpumagic.widgets.job_table import status_html
 from gpumagic.widgets.live import LiveFrame, close_tree, quiet
+from gpumagic.widgets.picture import picture_of
 from gpumagic.widgets.plots import MUTED, PALETTE, log_tabs, styled_figure
 
 PLOT_HEIGHT = 260
@@ -220,6 +222,7 @@ class Comparison(RunComparison):
         self._model = None if self._layout is None else _static_model_class()(self._layout)
         self._plots.children = [self._model or ipywidgets.HTML("<i>no runs to show</i>")]
         _close_plots(*old)
+        self._draw_stills()
 
     def layout(self) -> Any:
         """The Bokeh document: controls, parallel coordinates, the table, the curves; None with no rows."""
@@ -494,6 +497,14 @@ class Comparison(RunComparison):
             return
         self._frames.append(LiveFrame(self.widget, repr(self)))  # BokehJS (tables, widgets too), then the view
         self._frames[-1].show()
+        self._draw_stills()
+
+    def _draw_stills(self) -> None:
+        """The curves as a picture in each frame, shown where the plots cannot draw (no jupyter_bokeh)."""
+        if self._frames and self._layout is not None:
+            picture = picture_of(self._layout, threading.RLock())  # the kernel never changes a shown layout
+            for frame in self._frames:
+                frame.draw_still(picture)
 
     def close(self) -> None:
         """Close the notebook view's widgets, the plots' included (a later ``widget`` builds a new view)."""

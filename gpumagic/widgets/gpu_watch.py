@@ -69,7 +69,7 @@ class GpuWatch:
         self.samples = 0
         self.problem = ""  # the last push's failure, shown in the header
         self.snapshot = ""  # the static copy it turns into when closed (HTML)
-        self._frames = Frames("%gpu watch")  # where it is shown
+        self._frames = Frames("%gpu watch", plots=lambda: self.plots, status=self._static_html)  # where it is shown
         title = "GPUs" + (" (SIMULATED)" if self.simulated else "")
         memory = styled_figure(
             f"{title}: memory used, GiB (solid: all users, dashed: this kernel, dotted: total)",
@@ -172,11 +172,15 @@ class GpuWatch:
             return
         self._closed = True
         self.stop()
-        static = (
-            f"<div class='gpumagic-gpu-watch' style='{TEXT}'><div style='margin:4px 0'>"
-            f"{self._header_text(closed=True)}</div>{self._bars_html()}</div>"
-        )
+        static = self._static_html(closed=True)
         self.snapshot = self._frames.freeze(static, self.widget, self.plots, self.layout, self._plots_lock)
+
+    def _static_html(self, closed: bool = False) -> str:
+        """The header and the bars as plain HTML: the static copy's, and a front end's with no widgets."""
+        return (
+            f"<div class='gpumagic-gpu-watch' style='{TEXT}'><div style='margin:4px 0'>"
+            f"{self._header_text(closed=closed)}</div>{self._bars_html()}</div>"
+        )
 
     @property
     def running(self) -> bool:
@@ -213,6 +217,7 @@ class GpuWatch:
                 self.push()
                 if not stopping:
                     self.plots.catch_up_once()
+                    self._frames.refresh()  # the still picture, where the rich view does not draw
             except Exception as err:  # noqa: BLE001 - one failed push is told, and the next one tries again
                 self.problem = f"{type(err).__name__}: {err}"
                 self.header.value = self._header_text()

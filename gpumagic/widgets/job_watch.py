@@ -80,7 +80,7 @@ class JobWatch:
         self._switch_to: str | None = None
         self._stop = threading.Event()
         self._closed = False
-        self._frames = Frames("%jobs watch")  # where it is shown
+        self._frames = Frames("%jobs watch", plots=lambda: self.plots, status=self._static_html)  # where it shows
         self._queue: dict[str, tuple[int, int]] | None = None  # where this user's queued jobs wait
         self.plot = styled_figure(f"{metric} per job", 300, x_label="step")
         self._hover = hover(self.plot, "step", points=True)
@@ -152,6 +152,7 @@ class JobWatch:
             try:
                 self.update()
                 self.plots.catch_up_once()
+                self._frames.refresh()  # the still picture, where the rich view does not draw
             except Exception as err:  # noqa: BLE001 - a hiccup (a job removed meanwhile) skips one update
                 self.message.value = f"<span style='{ERROR}'>{html.escape(f'{type(err).__name__}: {err}')}</span>"
 

@@ -143,7 +143,9 @@ class LaunchDashboard:
         self._make_widget()
         if not in_kernel():  # a script, a test: nowhere to show it
             return
-        self._frame = LiveFrame(self.widget, text=f"{self.title} dashboard")
+        self._frame = LiveFrame(
+            self.widget, text=f"{self.title} dashboard", plots=lambda: self.plots, status=self._status_html
+        )
         self._frame.show()
 
     def attach(
@@ -277,6 +279,8 @@ class LaunchDashboard:
                 if self._show_status(changed):
                     with contextlib.suppress(Exception):
                         self._draw_held()  # the ranks' resources up to when the group went quiet, once
+                if self._frame is not None:
+                    self._frame.refresh()  # the still picture, where the rich view does not draw
         except Exception:  # noqa: BLE001 - a dashboard hiccup must never break the launch
             self._stop.wait()
         finally:

@@ -2,6 +2,7 @@
 headless Chromium on it (``open_and_run``), and what to read from the page's BokehJS (``PLOTTED``, ...)."""
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -111,12 +112,40 @@ const contrast = (colour, element) => {
 """
 
 
+def server_environment_without_jupyter_bokeh(folder: Path) -> Path:
+    """A Jupyter server's environment as a JupyterHub administrator keeps it: JupyterLab and ipywidgets'
+    front-end extension, but not jupyter_bokeh's; its one kernel runs this project's Python (the user's
+    environment, with gpumagic and jupyter_bokeh installed). Made of links to this environment's files (a
+    fresh install would need the network). Returns the server environment's Python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    # the server's Python modules come from here; its front-end files only from its own share/jupyter
+    site = next(Path(p) for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
+    (folder / "lib" / version / "site-packages" / "project.pth").write_text(f"{site}\n")
+    ours, theirs = Path(sys.prefix) / "share" / "jupyter", folder / "share" / "jupyter"
+    (theirs / "labextensions").mkdir(parents=True)
+    (theirs / "lab").symlink_to(ours / "lab")
+    for extension in (ours / "labextensions").iterdir():
+        if extension.name == "@bokeh":
+            continue  # jupyter_bokeh's front end: the administrator never installed it
+        (theirs / "labextensions" / extension.name).symlink_to(extension)
+    spec = theirs / "kernels" / "python3"
+    spec.mkdir(parents=True)
+    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    (spec / "kernel.json").write_text(
+        json.dumps({"argv": argv, "display_name": "Python 3 (ipykernel)", "language": "python"})
+    )
+    return folder / "bin" / "python"
+
+
 def jupyterlab_servers(tmp_path):
     """A generator (the ``jupyterlab`` fixture): start JupyterLab on 127.0.0.1 serving a notebook of the given
-    cells; yields the function that does it, which returns its URL."""
+    cells; yields the function that does it, which returns its URL. ``front_end``: "lab" (this environment's
+    JupyterLab, jupyter_bokeh included), "hub" (a server environment without jupyter_bokeh's front end:
+    ``server_environment_without_jupyter_bokeh``) or "notebook" (Jupyter Notebook 7)."""
     servers = []
 
-    def start(cells: list[str], theme: str | None = None, **env_extra: str) -> str:
+    def start(cells: list[str], theme: str | None = None, front_end: str = "lab", **env_extra: str) -> str:
         notebook = new_notebook(
             cells=[new_code_cell(cell) for cell in cells],
             metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
@@ -137,12 +166,18 @@ def jupyterlab_servers(tmp_path):
         (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
         if theme is not None:
             (settings / "themes.jupyterlab-settings").write_text(f'{{"theme": "{theme}"}}')
+        python, app, page = sys.executable, "jupyterlab", "lab/tree"
+        if front_end == "hub":
+            python = str(server_environment_without_jupyter_bokeh(tmp_path / "server-env"))
+            env["JUPYTER_DATA_DIR"] = str(tmp_path / "data")  # not this user's: no extension from there either
+        elif front_end == "notebook":
+            app, page = "notebook", "notebooks"
         log = open(tmp_path / "server.log", "w")
         server = subprocess.Popen(
             [
-                sys.executable,
+                python,
                 "-m",
-                "jupyterlab",
+                app,
                 "--no-browser",
                 "--allow-root",
                 "--ip",
@@ -166,7 +201,7 @@ def jupyterlab_servers(tmp_path):
                 break
             except OSError:
                 time.sleep(0.3)
-        return f"http://127.0.0.1:{port}/lab/tree/live.ipynb?token={token}"
+        return f"http://127.0.0.1:{port}/{page}/live.ipynb?token={token}"
 
     yield start
     for server, log in servers:
@@ -200,7 +235,11 @@ def open_and_run(playwright, url: str, cells: int, console: list[str] | None = N
         page.on("pageerror", lambda error: console.append(f"pageerror: {error}"))
     page.goto(url)
     page.wait_for_selector(".jp-Notebook .jp-Cell .jp-InputArea-editor", timeout=60_000)
-    page.wait_for_selector("text=Python 3 (ipykernel) | Idle", timeout=60_000)
+    if "/notebooks/" in url:  # Notebook 7: its kernel's name in the top bar, idle once connected
+        page.wait_for_selector(".jp-Toolbar >> text=Python 3 (ipykernel)", timeout=60_000)
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+    else:
+        page.wait_for_selector("text=Python 3 (ipykernel) | Idle", timeout=60_000)
     page.click(".jp-Cell .jp-InputArea-editor")
     for number in range(cells):
         page.keyboard.press("Shift+Enter")

@@ -184,7 +184,7 @@ def test_a_page_reloaded_during_a_launch_shows_its_dashboard_and_then_its_final_
         save_and_reload(page) if flags else _save_and_reload_busy(page)
         if flags:  # the kernel is free: the live dashboard again, from where the run is
             assert wait_for_pixels(page, 1, artifacts / f"browser-reload-{name}-live.png") >= 300
-            assert page.locator(".jp-Cell >> nth=1 >> text=running").count() == 1
+            assert page.locator(".jp-Cell >> nth=1 >> text=running >> visible=true").count() == 1
         page.screenshot(path=str(artifacts / f"browser-reload-{name}-after.png"))
         try:
             page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=60_000)
@@ -242,12 +242,21 @@ def test_a_reopened_notebook_run_again_draws_every_dashboard(jupyterlab, artifac
             assert page.locator("text=model not found").count() == 0, name
 
 
+# every message of the page's to the kernel, counted by kind; the page's one answer to a frame (FRAME_JS: "rich",
+# its plots drew) counted apart
 COUNT_COMMS = (
-    "%load_ext gpumagic\nimport collections\ncomms = collections.Counter()\nkernel = get_ipython().kernel\n"
-    "def counting(kind, handler):\n    def counted(*args, **kwargs):\n        comms[kind] += 1\n"
+    "%load_ext gpumagic\nimport collections\ncomms = collections.Counter()\n"
+    "kernel = get_ipython().kernel\n"
+    "def counting(kind, handler):\n    def counted(*args, **kwargs):\n"
+    "        state = args[-1]['content'].get('data', {}).get('state', {})\n"
+    "        if list(state) == ['value'] and state['value'] in ('rich', 'plain'):  # a frame's answer (maybe closed)\n"
+    "            answers[state['value']] += 1\n"
+    "            return handler(*args, **kwargs)\n"
+    "        comms[kind] += 1\n"
     "        data = args[-1]['content'].get('data', {})\n"
     "        comms[str(data.get('method')) + ':' + str(data.get('event', data.get('content', {})))[:80]] += 1\n"
     "        return handler(*args, **kwargs)\n    return counted\n"
+    "answers = collections.Counter()\n"
     "for kind in ('comm_msg', 'comm_open', 'comm_close'):\n"
     "    kernel.shell_handlers[kind] = counting(kind, kernel.shell_handlers[kind])"
 )
@@ -257,7 +266,9 @@ def test_the_dark_theme_reads_at_4_5_to_1_and_reading_a_plot_sends_nothing(jupyt
     """In JupyterLab Dark: the plots' tick labels, titles and legend, the tabs and the status line have at least
     4.5:1 contrast against what is behind them. Moving the smoothing slider, switching tabs and hovering send
     the kernel no message (docs/telemetry.md says so)."""
-    url = jupyterlab([COUNT_COMMS, launch_for(6), "print(sum(comms.values()), dict(comms))"], theme="JupyterLab Dark")
+    url = jupyterlab(
+        [COUNT_COMMS, launch_for(6), "print(sum(comms.values()), dict(comms), dict(answers))"], theme="JupyterLab Dark"
+    )
     with notebook_page(url, 2) as page:
         page.wait_for_selector(".jp-Cell >> nth=1 >> text=steps/s", timeout=60_000)
         wait_for_pixels(page, 1, artifacts / "browser-dark-theme.png")
@@ -292,6 +303,7 @@ def test_the_dark_theme_reads_at_4_5_to_1_and_reading_a_plot_sends_nothing(jupyt
         page.wait_for_selector(".jp-Cell >> nth=2 >> .jp-OutputArea-output", timeout=30_000)
         counted = page.locator(".jp-Cell >> nth=2 >> .jp-OutputArea-output").inner_text()
         assert counted.split()[0] == "0", counted
+        assert counted.strip().endswith("{'rich': 1}"), counted  # the page said its plots drew, once
 
 
 LATE_JOBS = [

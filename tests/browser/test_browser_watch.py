@@ -144,7 +144,7 @@ def test_gpu_watch_updates_stays_drawn_when_closed_or_replaced_and_reads_on_the_
         assert all(look["backwards"] == 0 for look in looks), (looks, page.evaluate(WHERE_BACKWARDS))
         assert looks[-1]["series"] >= 8 * 3  # every GPU on the memory, utilization and temperature plots
         assert page.locator(f"{watch} >> text=live").count() > 0
-        assert page.locator(f"{watch} >> .gpumagic-gpu-bar").count() == 8
+        assert page.locator(f"{watch} >> .gpumagic-gpu-bar >> visible=true").count() == 8
 
         shot = artifacts / "browser-gpu-watch-dark.png"
         page.locator(watch).evaluate("(cell) => cell.scrollIntoView()")
@@ -171,7 +171,7 @@ def test_gpu_watch_updates_stays_drawn_when_closed_or_replaced_and_reads_on_the_
         after = artifacts / "browser-gpu-watch-closed.png"
         page.locator(watch).screenshot(path=str(after))
         assert page.locator(f"{watch} >> canvas").count() >= 3  # memory, utilization, temperature
-        assert page.locator(f"{watch} >> .gpumagic-gpu-bar").count() == 8
+        assert page.locator(f"{watch} >> .gpumagic-gpu-bar >> visible=true").count() == 8
         assert page.locator(f"{watch} >> .jupyter-widgets").count() == 0  # no live widget left
         drawn_before, drawn_after = ink(before), ink(after)
         assert drawn_after > 0.05 and drawn_after > 0.5 * drawn_before, (drawn_before, drawn_after)
@@ -223,7 +223,7 @@ def test_jobs_watch_with_a_filter_streams_reads_on_the_light_theme_and_its_kill_
             output = page.locator(f"{cell} >> .jp-Cell-outputArea").inner_text()
             assert "variant0" in output and "variant1" in output and "other" not in output
             assert "(variant* · queued, running)" in output
-            why = page.locator(f"{cell} >> text=waiting for 2 GPUs (next in the queue)")
+            why = page.locator(f"{cell} >> text=waiting for 2 GPUs (next in the queue) >> visible=true")
             why.wait_for(timeout=10_000)  # why the job waits, in one line; in full under the mouse
             assert "GPU 0:" in why.get_attribute("title")
             assert why.evaluate(ONE_LINE), "the why takes more than one line"

@@ -37,14 +37,73 @@ def test_binder_start_simulates_the_shared_server(isolated_leases):
     assert env["GPUMAGIC_SIMULATE"] == str(ROOT / "binder" / "shared-server.json")
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs(path, isolated_leases, monkeypatch):
+# A user's earlier work in the runs directory: a job of each end state and one still running (on the CPU)
+HISTORY = """
+import time, gpumagic
+def done(): return 1
+def broken(): raise RuntimeError("an earlier failure")
+def long(): time.sleep(600)
+finished = gpumagic.submit(done, name="old-finished", gpus=0)
+failed = gpumagic.submit(broken, name="old-failed", gpus=0)
+killed = gpumagic.submit(long, name="old-killed", gpus=0)
+running = gpumagic.submit(long, name="old-running", gpus=0)
+for job in (finished, failed):
+    job.wait(timeout=120)
+killed.kill()
+assert [finished.status, failed.status, killed.status] == ["finished", "failed", "killed"], (
+    finished.status, failed.status, killed.status)
+"""
+
+
+def make_history(env: dict[str, str]) -> None:
+    """Fill the runs directory of ``env`` with earlier jobs (HISTORY); the running one is killed at the end."""
+    subprocess.run([sys.executable, "-c", HISTORY], env=env, check=True, timeout=240, cwd=ROOT)
+
+
+# Each notebook runs where a user's earlier jobs lie (a killed one among them), 04 (the jobs notebook) from an
+# empty runs directory too
+CASES = [(path, True) for path in NOTEBOOKS] + [(ROOT / "notebooks" / "04_background_sweep.ipynb", False)]
+
+
+@pytest.mark.parametrize(
+    ("path", "history"), CASES, ids=[f"{p.name}-{'history' if h else 'newcomer'}" for p, h in CASES]
+)
+def test_notebook_runs(path, history, isolated_leases, monkeypatch):
     for name, value in binder_environment(isolated_leases).items():
         monkeypatch.setenv(name, value)
+    if history:
+        make_history(dict(os.environ))
     notebook = nbformat.read(path, as_version=4)
-    NotebookClient(
-        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
-    ).execute()
+    try:
+        NotebookClient(
+            notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+        ).execute()
+    finally:
+        if history:
+            subprocess.run(
+                [sys.executable, "-c", "import gpumagic; gpumagic.job('old-running').kill()"],
+                env=dict(os.environ),
+                check=True,
+                timeout=60,
+            )
+    if history:  # what the notebook did not make, it left as it was
+        states = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import gpumagic; print(sorted((j.name, j.status) for j in gpumagic.list_jobs()"
+                " if j.name.startswith('old-')))",
+            ],
+            env=dict(os.environ),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout.strip()
+        assert states == (
+            "[('old-failed', 'failed'), ('old-finished', 'finished'), ('old-killed', 'killed'), "
+            "('old-running', 'killed')]"
+        ), states
     outputs = json.dumps([cell.get("outputs", []) for cell in notebook.cells])
     assert not [o for cell in notebook.cells for o in cell.get("outputs", []) if o["output_type"] == "error"]
     if path.name == "01_pick_gpus.ipynb":

@@ -102,6 +102,11 @@ def test_code_is_lint_clean_and_formatted():
             ],
         ),
         (
+            "dashboards.py",
+            ["--skip-watch", "--still-seconds", "3"],
+            ["rich view only", "with the picture", "the picture's share"],
+        ),
+        (
             "compare.py",
             ["--runs", "50", "--points", "100", "--repeat", "1"],
             ["build and first render", "ratio to the 1 s target"],

@@ -160,31 +160,38 @@ def test_gpu_watch_in_a_kernel_shows_a_widget_and_a_replaced_or_closed_one_keeps
     kernel.ok("%load_ext gpumagic\nimport threading")
     first = outputs(kernel, "%gpu watch --interval 0.2 --history 50")
     # BokehJS itself as plain output only the first time in a kernel (for static copies in a notebook reopened
-    # after its kernel ended), then the frame: an Output widget holding BokehJS, then the dashboard
-    assert [WIDGET in data for _, _, data in first] == [False, True]
+    # after its kernel ended), then the frame: an Output widget holding BokehJS, then the dashboard; then its
+    # plain copy, for a front end with no widgets
+    assert [WIDGET in data for _, _, data in first] == [False, True, False]
     assert "application/javascript" in first[0][2]
-    frame_id = first[1][1]
-    assert frame_id
+    frame_id, copy_id = first[1][1], first[2][1]
+    assert frame_id and copy_id and "gpumagic-plain-copy" in first[2][2]["text/html"]
     count = kernel.ok("print(threading.active_count())").stdout
     inside = kernel.ok(
         "from gpumagic.magics.gpu import _WATCHES\nf = _WATCHES[-1]._frames.shown[0].frame\n"
         "print([sorted(o['data']) for o in f.outputs])"
     ).stdout.strip()
-    assert inside == f"[['application/javascript'], [{WIDGET!r}, 'text/plain']]"  # BokehJS before the plots
+    # BokehJS and FRAME_JS before the plots, then the still picture and the page's answer (widgets)
+    assert inside == (
+        f"[['application/javascript'], ['application/javascript'], [{WIDGET!r}, 'text/plain'], "
+        f"[{WIDGET!r}, 'text/plain'], [{WIDGET!r}, 'text/plain']]"
+    )
     second = outputs(kernel, "%gpu watch --interval 0.2")
     updates = {display_id: data for kind, display_id, data in second if kind == "update_display_data"}
     frozen = updates[frame_id]["text/html"]
     assert WIDGET not in updates[frame_id]  # a static copy: no widget left to draw
     assert "closed at" in frozen and frozen.count("gpumagic-gpu-bar") == 4
     assert "Bokeh.embed.embed_items" in frozen and "memory used, GiB" in frozen  # the plots, as HTML
+    assert "gpumagic-still" in frozen and "<polyline" in frozen  # and as a picture, for where no script runs
+    assert updates[copy_id] == {"text/html": ""}  # the plain copy is emptied: the static copy says it all
     kept = kernel.ok("print(f.comm is not None, f.outputs[1]['data']['text/html'] == " + repr(frozen) + ")")
     assert kept.stdout.split() == ["True", "True"]  # for a page that reloads later
     shown = [(display_id, data) for kind, display_id, data in second if kind == "display_data"]
-    assert [WIDGET in data for _, data in shown] == [True]  # the new frame
+    assert [WIDGET in data for _, data in shown] == [True, False]  # the new frame, its plain copy
     assert kernel.ok("print(threading.active_count())").stdout == count  # the first dashboard's threads ended
     closing = outputs(kernel, "from gpumagic.magics.gpu import _WATCHES\nw = _WATCHES[-1]\nw.close()")
     last = [data for kind, display_id, data in closing if display_id == shown[0][0] and kind == "update_display_data"]
-    assert len(closing) == 1 and sorted(last[-1]) == ["text/html"]
+    assert len(closing) == 2 and sorted(last[-1]) == ["text/html"]  # the frame's static copy, the plain copy
     assert "Bokeh.embed.embed_items" in last[-1]["text/html"] and "closed at" in last[-1]["text/html"]
     closed = kernel.ok("print(w.running, w.plots.comm, w.widget.comm, w.pause_button.comm)").stdout.split()
     assert closed == ["False", "None", "None", "None"]  # every widget closed

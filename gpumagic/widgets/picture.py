@@ -19,6 +19,7 @@ PANEL_HEIGHT = 180
 COLUMNS = 2
 MOST_POINTS = 300  # a line's points drawn at most: enough for its shape at this size
 FAINT = 0.5  # a line less opaque than this is a faint one
+PANEL_POINTS = 12_000  # the points of a multi_line's lines together (hundreds of runs), at most
 TITLE_CHARACTERS = 64  # a longer title is cut (whole in its tooltip): it would run into the next panel
 LEGEND_ENTRIES = 8
 _LEFT, _RIGHT, _TOP, _BOTTOM = 54, 10, 22, 22  # the margins inside a panel: axis labels, title
@@ -101,10 +102,13 @@ def _panel(plot: Any) -> Panel:
     # lazy: bokeh is heavy, for views only
     from bokeh.models import CustomJSTickFormatter, GlyphRenderer
     from bokeh.models.glyphs import Line as LineGlyph
+    from bokeh.models.glyphs import MultiLine
 
     lines = []
     renderers = [
-        r for r in plot.renderers if isinstance(r, GlyphRenderer) and isinstance(r.glyph, LineGlyph) and r.visible
+        r
+        for r in plot.renderers
+        if isinstance(r, GlyphRenderer) and isinstance(r.glyph, (LineGlyph, MultiLine)) and r.visible
     ]
     # a faint line under an opaque one of the same source (the raw points under the smoothed curve) is left
     # out: half the bytes, and the picture reads the same at its size
@@ -113,6 +117,9 @@ def _panel(plot: Any) -> Panel:
         if renderer.glyph.line_alpha < FAINT and id(renderer.data_source) in opaque:
             continue
         glyph, data = renderer.glyph, renderer.data_source.data
+        if isinstance(glyph, MultiLine):
+            lines.extend(_multi_line(glyph, data))
+            continue
         xs, ys = data.get(_field(glyph.x)), data.get(_field(glyph.y))
         if xs is None or ys is None:
             continue
@@ -125,6 +132,21 @@ def _panel(plot: Any) -> Panel:
         elapsed_x=any(isinstance(axis.formatter, CustomJSTickFormatter) for axis in plot.xaxis),
         y_from_zero=isinstance(start, (int, float)) and start == 0,
     )
+
+
+def _multi_line(glyph: Any, data: dict[str, Any]) -> list[Line]:
+    """The lines of a ``multi_line`` (a comparison's runs): a colour per row where ``line_color`` names a column,
+    each row's "name" as its label; together at most ``PANEL_POINTS`` points (at least 30 a line)."""
+    xs, ys = data.get(_field(glyph.xs)), data.get(_field(glyph.ys))
+    if xs is None or ys is None:
+        return []
+    rows = min(len(xs), len(ys))
+    colours = data.get(glyph.line_color) if isinstance(glyph.line_color, str) else None
+    colours = colours if colours is not None else [str(glyph.line_color)] * rows
+    names = data.get("name") or [""] * rows
+    most = max(30, min(MOST_POINTS, PANEL_POINTS // max(1, rows)))
+    alpha, width, dash = float(glyph.line_alpha), float(glyph.line_width), _dash(glyph.line_dash)
+    return [replace(_line(xs[i], ys[i], str(colours[i]), alpha, width, names[i], most), dash=dash) for i in range(rows)]
 
 
 DASHES = {"solid": "", "dashed": "6 4", "dotted": "2 4", "dotdash": "2 4 6 4", "dashdot": "6 4 2 4"}
@@ -145,10 +167,12 @@ def _field(spec: Any) -> Any:
     return getattr(spec, "field", None)
 
 
-def _line(xs: Sequence[Any], ys: Sequence[Any], colour: str, alpha: float, width: float, label: Any) -> Line:
-    """A line's finite points, at most ``MOST_POINTS`` of them (evenly spaced, its last one kept)."""
+def _line(
+    xs: Sequence[Any], ys: Sequence[Any], colour: str, alpha: float, width: float, label: Any, most: int = MOST_POINTS
+) -> Line:
+    """A line's finite points, at most ``most`` of them (evenly spaced, its last one kept)."""
     count = min(len(xs), len(ys))
-    step = max(1, -(-count // MOST_POINTS))
+    step = max(1, -(-count // most))
     indices = list(range(0, count, step))
     if count and indices[-1] != count - 1:
         indices.append(count - 1)

@@ -56,17 +56,23 @@ def still_pixels(page, cell: int, path) -> int:
     return palette_pixels(path)
 
 
+def pixels_after_the_first_step(page, measure, path) -> tuple[int, float]:
+    """Once the second cell's status line shows a step (its first point reached the kernel): ``measure(page, 1,
+    path)`` every 250 ms until it finds 300 pixels of curve or 30 s passed; (pixels, seconds it took)."""
+    page.wait_for_selector(".jp-Cell >> nth=1 >> text=steps/s", timeout=60_000)
+    first_point = time.monotonic()
+    pixels = 0
+    while pixels < 300 and time.monotonic() - first_point < 30:
+        page.wait_for_timeout(250)
+        pixels = measure(page, 1, path)
+    return pixels, time.monotonic() - first_point
+
+
 def test_without_jupyter_bokeh_in_the_server_the_curves_show_as_a_picture_while_the_cell_runs(jupyterlab, artifacts):
     url = jupyterlab(["%load_ext gpumagic", LAUNCH], front_end="hub")
     console: list[str] = []
     with notebook_page(url, 2, console) as page:
-        page.wait_for_selector(".jp-Cell >> nth=1 >> text=steps/s", timeout=60_000)
-        first_point = time.monotonic()
-        pixels = 0
-        while pixels < 300 and time.monotonic() - first_point < 30:
-            page.wait_for_timeout(250)
-            pixels = still_pixels(page, 1, artifacts / "front-end-hub-running.png")
-        waited = time.monotonic() - first_point
+        pixels, waited = pixels_after_the_first_step(page, still_pixels, artifacts / "front-end-hub-running.png")
         status = page.locator(".jp-Cell >> nth=1 >> text=steps/s").first.inner_text()
         page.screenshot(path=str(artifacts / "front-end-hub-page.png"))
         assert pixels >= 300, f"the still picture drew {pixels} pixels of curve while running"
@@ -79,6 +85,11 @@ def test_without_jupyter_bokeh_in_the_server_the_curves_show_as_a_picture_while_
         page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=60_000)
         page.wait_for_timeout(1500)
         assert curve_pixels(page, 1, artifacts / "front-end-hub-finished.png") >= 300
+        page.screenshot(path=str(artifacts / "front-end-hub-page-finished.png"))
+        copies = page.locator(".jp-Cell >> nth=1 >> .gpumagic-still")  # the copy's picture, behind BokehJS's
+        assert copies.count() and all(not copies.nth(i).is_visible() for i in range(copies.count()))
+        frame_picture = page.locator(".jp-Cell >> nth=1 >> .gpumagic-still-view")  # closed with the live view
+        assert all(not frame_picture.nth(i).is_visible() for i in range(frame_picture.count()))
     assert not [line for line in bokeh_trouble(console) if "jupyter_bokeh" not in line]
 
 
@@ -125,13 +136,8 @@ def test_notebook_7_draws_the_launch_dashboard_live(jupyterlab, artifacts):
     url = jupyterlab(["%load_ext gpumagic", LAUNCH], front_end="notebook")
     console: list[str] = []
     with notebook_page(url, 2, console) as page:
-        page.wait_for_selector(".jp-Cell >> nth=1 >> text=steps/s", timeout=60_000)
-        first_point = time.monotonic()
-        pixels = 0
-        while pixels < 300 and time.monotonic() - first_point < 30:
-            page.wait_for_timeout(250)
-            pixels = curve_pixels(page, 1, artifacts / "front-end-notebook7-running.png")
-        waited = time.monotonic() - first_point
+        path = artifacts / "front-end-notebook7-running.png"
+        pixels, waited = pixels_after_the_first_step(page, curve_pixels, path)
         assert pixels >= 300, f"the loss plot drew {pixels} pixels of curve while running"
         assert "running" in page.locator(".jp-Cell >> nth=1 >> text=steps/s").first.inner_text()
         print(f"notebook 7: curves {waited:.1f} s after the status showed the first step")

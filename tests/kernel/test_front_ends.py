@@ -104,3 +104,20 @@ def test_in_a_page_without_jupyter_bokeh_the_frames_picture_goes_on_alone(kernel
     assert inspect(kernel, "sent") == "[]"
     kernel.ok("LaunchMagics.last_dashboard.cancel.set()")
     assert wait_until(kernel, "not d.running") == "True"
+
+
+def test_an_idle_groups_dashboard_draws_no_picture_between_cells(kernel):
+    """A %ddp group between cells changes nothing: no picture is drawn (nor sent) until the next cell logs."""
+    kernel.ok("%ddp start -n 2 --gpus none")
+    kernel.ok("from gpumagic.magics.ddp import DdpMagics\nd = DdpMagics.dashboard")
+    try:
+        kernel.ok("%%ddp\nfor step in range(60):\n    gpumagic.log(step=step, loss=1.0 / (step + 1) + rank)")
+        group = "DdpMagics.dashboard"
+        assert wait_until(kernel, f"{group}._frame.stills > 0 and 'idle since' in {group}.status.value") == "True"
+        drawn = inspect(kernel, f"{group}._frame.stills")
+        time.sleep(3)  # three times the picture's period
+        assert inspect(kernel, f"{group}._frame.stills") == drawn
+        kernel.ok("%%ddp\nfor step in range(60, 120):\n    gpumagic.log(step=step, loss=1.0 / (step + 1) + rank)")
+        assert wait_until(kernel, f"{group}._frame.stills > {drawn}") == "True"  # the next cell's points: drawn
+    finally:
+        kernel.ok("%ddp stop")

@@ -341,6 +341,12 @@ def test_a_new_kernel_compares_what_an_earlier_one_ran(sweep, start_kernel):
     kernel.ok("%load_ext gpumagic\nimport gpumagic, json")
     shown = kernel.ok("%jobs compare A-* --sort-by loss")
     assert shown.mimetypes.count("application/vnd.jupyter.widget-view+json") == 1  # a frame: BokehJS, the view
+    # the frame also holds the curves as a picture, for a page whose front end lacks jupyter_bokeh
+    still = kernel.ok(
+        "c = gpumagic.compare('A-*')\ndisplay(c)\nstill = c._frames[-1].still.value\n"
+        "print(still.count('<polyline') >= 8, 'pip install jupyter_bokeh' in still, still.count('<polyline'))"
+    )
+    assert still.stdout.split()[:2] == ["True", "True"], still.stdout
     rows = kernel.ok(
         "c = gpumagic.compare('A-*', sort_by='loss')\n"
         "print(json.dumps([[r['name'], r['lr'], r['loss last'], r['loss best']] for r in c.rows]))"

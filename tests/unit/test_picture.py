@@ -80,3 +80,25 @@ def test_a_static_copy_keeps_the_picture_before_bokehs_copy_and_hides_it_where_b
     assert "class='gpumagic-still'" in still and "<polyline" in still
     assert "Bokeh" in rest and "still.style.display = 'none'" in rest  # hidden once BokehJS drew the copy
     assert still_beside("", "<div>copy</div>") == "<div>copy</div>"
+
+
+def test_a_comparisons_multi_line_is_a_line_per_run_in_its_colour_within_a_budget_of_points():
+    from bokeh.layouts import column
+    from bokeh.models import ColumnDataSource
+
+    from gpumagic.widgets.picture import PANEL_POINTS
+
+    runs = 300
+    figure = plots.styled_figure("loss", 100)
+    source = ColumnDataSource(
+        {
+            "xs": [list(range(1000))] * runs,
+            "ys": [[run + 1.0 / (step + 1) for step in range(1000)] for run in range(runs)],
+            "color": [plots.PALETTE[run % 20] for run in range(runs)],
+            "name": [f"run-{run}" for run in range(runs)],
+        }
+    )
+    figure.multi_line("xs", "ys", source=source, line_color="color", line_alpha=0.2)
+    (panel,) = panels_of(column(figure), threading.RLock())
+    assert len(panel.lines) == runs and panel.lines[1].colour == plots.PALETTE[1] and panel.lines[7].label == "run-7"
+    assert sum(len(line.xs) for line in panel.lines) <= PANEL_POINTS + runs  # each line's last point kept

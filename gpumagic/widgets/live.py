@@ -420,8 +420,8 @@ def embedded(layout: Any, lock: threading.RLock) -> str:
 
 def still_beside(picture: str, interactive: str) -> str:
     """``interactive`` (BokehJS's embed) with ``picture`` (SVG) before it: where a script runs and BokehJS draws
-    the copy, the picture is hidden; where none runs (a saved notebook on GitHub, nbviewer, an HTML export read
-    offline, an untrusted notebook), the picture is what shows."""
+    the copy, the picture is hidden; where none runs (an HTML export read with JavaScript off, a saved notebook
+    on a site that runs no script), the picture is what shows."""
     if not picture:
         return interactive
     still_id = f"gpumagic-still-{secrets.token_hex(6)}"

@@ -178,8 +178,9 @@ def test_a_requeued_job_says_so_and_keeps_the_earlier_attempts_files(on_cluster)
     requeued = wait_for(lambda: "requeued" in job.reason and job.reason, 30, "the job reads as requeued")
     assert job.status == "queued" and "requeued by Slurm 1 time(s)" in requeued, requeued
     wait_for(lambda: on_cluster.job_fields(job_id).get("JobState") == "PENDING", 30, "the earlier attempt ended")
-    wait_for(lambda: _node_idle(on_cluster, "gmn1"), 30, "gmn1 ended the earlier attempt's step")  # else the new
-    # attempt can start on a node still cleaning the old step up, and fail at once (it did, 1 full run in 3)
+    wait_for(lambda: _nodes_idle(on_cluster), 30, "every node ended its steps")  # else the new attempt can start
+    # on a node still cleaning a step up (the earlier attempt's, or the killed two-node job's of the test before),
+    # and fail at once: it did, 1 full run in 3 waiting for gmn1 alone, then 1 in 4 (8 of 8 runs of it alone pass)
     on_cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")  # Slurm holds a requeued job 2 min
     assert job.wait(timeout="90s") == "finished", job.reason
     assert job.result() == 1
@@ -190,9 +191,11 @@ def test_a_requeued_job_says_so_and_keeps_the_earlier_attempts_files(on_cluster)
     assert job.last_metrics()["attempt"][1] == 1  # this attempt's curve, not mixed with the earlier one's
 
 
-def _node_idle(cluster, node: str) -> bool:
-    state = parse_fields(cluster.run("scontrol", "show", "node", "-o", node, check=False).stdout)
-    return state.get("State", "").split("+")[0] == "IDLE"
+def _nodes_idle(cluster) -> bool:
+    """Every node of the cluster is IDLE, with no flag (COMPLETING, DRAIN, ...)."""
+    lines = cluster.run("scontrol", "show", "node", "-o", check=False).stdout.splitlines()
+    states = [parse_fields(line).get("State", "") for line in lines if line.strip()]
+    return bool(states) and all(state == "IDLE" for state in states)
 
 
 def test_a_job_cancelled_from_a_shell_reads_killed_and_its_end_survives_the_controller(on_cluster):

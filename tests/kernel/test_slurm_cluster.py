@@ -178,9 +178,11 @@ def test_a_requeued_job_says_so_and_keeps_the_earlier_attempts_files(on_cluster)
     requeued = wait_for(lambda: "requeued" in job.reason and job.reason, 30, "the job reads as requeued")
     assert job.status == "queued" and "requeued by Slurm 1 time(s)" in requeued, requeued
     wait_for(lambda: on_cluster.job_fields(job_id).get("JobState") == "PENDING", 30, "the earlier attempt ended")
-    wait_for(lambda: _nodes_idle(on_cluster), 30, "every node ended its steps")  # else the new attempt can start
-    # on a node still cleaning a step up (the earlier attempt's, or the killed two-node job's of the test before),
-    # and fail at once: it did, 1 full run in 3 waiting for gmn1 alone, then 1 in 4 (8 of 8 runs of it alone pass)
+    wait_for(lambda: _nodes_idle(on_cluster), 30, "every node ended its steps")
+    # slurmd refuses a job credential made in the second it revoked the job's earlier one (slurmctld.log: "Killing
+    # non-startable batch JobId=3: Job credential revoked"; the new attempt then fails at once, 3 full runs of 7)
+    revoked_by = int(time.time())
+    wait_for(lambda: int(time.time()) > revoked_by + 1, 5, "a later second than the earlier attempt's end")
     on_cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")  # Slurm holds a requeued job 2 min
     assert job.wait(timeout="90s") == "finished", job.reason
     assert job.result() == 1

@@ -377,14 +377,18 @@ class LiveFrame:
             return
         self.stills += 1
         if picture:
-            self.still.value = f"<div style='font-size:12px;{TEXT}'>{INSTALL_HINT}</div>{picture}"
+            self._show_still(INSTALL_HINT, picture)
         if plain:
             self.plain_copy.update(self._plain(status, picture), raw=True)
 
     def draw_still(self, picture: str) -> None:
         """Put ``picture`` in the frame once, for a view that never changes (shown where its plots fail)."""
         if picture and not self.frozen:
-            self.still.value = f"<div style='font-size:12px;{TEXT}'>{STILL_HINT}</div>{picture}"
+            self._show_still(STILL_HINT, picture)
+
+    def _show_still(self, hint: str, picture: str) -> None:
+        """The frame's picture, under the line saying what to install where."""
+        self.still.value = f"<div style='font-size:12px;{TEXT}'>{hint}</div>{picture}"
 
     def freeze(self, html: str) -> None:
         """Show ``html`` (a static copy, BokehJS's embed scripts included) in place of the live widget: in the

@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from tests.kernel.test_launch_dashboard import DASHBOARD_KERNEL_SETUP, inspect
+
 pytestmark = pytest.mark.kernel
 
 TRAIN = (
@@ -22,15 +24,11 @@ TRAIN = (
 
 @pytest.fixture
 def kernel(tmp_path_factory):
+    """A fresh kernel per test: what the page said to one frame must not carry over."""
     from conftest import cpu_kernel
 
-    setup = "%load_ext gpumagic\nimport gpumagic\nfrom gpumagic.magics.launch import LaunchMagics"
-    with cpu_kernel(tmp_path_factory, setup) as k:
+    with cpu_kernel(tmp_path_factory, DASHBOARD_KERNEL_SETUP) as k:
         yield k
-
-
-def inspect(kernel, expression):
-    return kernel.ok(f"d = LaunchMagics.last_dashboard\nprint({expression})").stdout.strip()
 
 
 def send(kernel, kind: str, content: dict, metadata: dict | None = None) -> None:

@@ -20,12 +20,15 @@ TRAIN = (
 )
 
 
+# what a kernel that looks at its launches' dashboards runs first (``inspect`` reads LaunchMagics.last_dashboard)
+DASHBOARD_KERNEL_SETUP = "%load_ext gpumagic\nimport gpumagic\nfrom gpumagic.magics.launch import LaunchMagics"
+
+
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
     from conftest import cpu_kernel
 
-    setup = "%load_ext gpumagic\nimport gpumagic\nfrom gpumagic.magics.launch import LaunchMagics"
-    with cpu_kernel(tmp_path_factory, setup) as k:
+    with cpu_kernel(tmp_path_factory, DASHBOARD_KERNEL_SETUP) as k:
         yield k
 
 

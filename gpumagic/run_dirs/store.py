@@ -21,6 +21,8 @@ users can write is used only if it is sticky (``chmod 1777``), since there they 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -113,12 +115,33 @@ def update_run(path: Path, **fields: Any) -> dict[str, Any]:
     Raises:
         DiskFull: no space even to rewrite it in place.
     """
-    with _update_lock:
+    with _update_lock, _record_lock(path):
         record = RunFiles(path).record
         info = json.loads(record.read_text())
         info.update(fields)
         _write_json(record, info)
         return info
+
+
+@contextlib.contextmanager
+def _record_lock(path: Path) -> Iterator[None]:
+    """Hold the run directory's lock while its ``run.json`` is read, changed and replaced: a job's runner and the
+    kernel that submitted it both change the record, and a change made between the other's read and write was lost
+    (a runner's pid lost so, its job read ``lost`` 30 s later and the jobs after it were cancelled). Where the
+    directory cannot be locked (a filesystem without ``flock`` on directories) the change goes on unlocked."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        yield  # the read below says what is wrong with the directory
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as err:
+            _log.debug("run.json of %s changed without its lock: %s", path, err)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

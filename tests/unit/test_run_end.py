@@ -91,3 +91,19 @@ def test_a_run_made_on_another_machine_is_not_judged_lost_here(kind):
     path = make_run(kind)
     store.update_run(path, status="running", pid=exited_pid(), runner_pid=exited_pid(), pid_space="another-boot:1")
     assert [answer.status for answer in readers(path)] == ["running"] * (5 if kind == "job" else 3)
+
+
+def test_two_processes_changing_one_record_lose_none_of_each_others_changes():
+    """A job's runner writes its pid while the kernel that submitted it writes why it waits: a change made between
+    the other's read and write was lost (the runner's pid lost so, the job read ``lost`` 30 s later)."""
+    path = make_run("job")
+    writer = (
+        "import sys\nfrom pathlib import Path\nfrom gpumagic.run_dirs import store\n"
+        "path, prefix = Path(sys.argv[1]), sys.argv[2]\n"
+        "for i in range(150):\n    store.update_run(path, **{f'{prefix}{i}': i})\n"
+    )
+    processes = [subprocess.Popen([sys.executable, "-c", writer, str(path), prefix]) for prefix in ("a", "b")]
+    assert [process.wait(timeout=120) for process in processes] == [0, 0]
+    info = info_of(path)
+    lost = [f"{prefix}{i}" for prefix in "ab" for i in range(150) if f"{prefix}{i}" not in info]
+    assert not lost, f"{len(lost)} of 300 changes lost, e.g. {lost[:5]}"

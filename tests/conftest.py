@@ -11,6 +11,7 @@ states its devices with the ``simulated`` fixture (or ``GPUMAGIC_SIMULATE``), th
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.util
 import json
@@ -50,13 +51,106 @@ def load_fake_nvml():
     return module
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own tmp_path factory reads --basetemp
 def pytest_configure(config):
-    directory = Path(tempfile.mkdtemp(prefix="gpumagic-tests-"))
-    config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
+    if not hasattr(config, "workerinput"):  # the session itself, not one of its xdist workers
+        config.stash[FOUND_BEFORE] = {place: entries(place) for place in watched_places()}
+    directory = Path(tempfile.mkdtemp(prefix=SESSION_PREFIX))
+    # removed at the interpreter's exit, after what registered later: IPython's history, multiprocessing's pymp-*
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    keep_files_inside(config, directory)
     os.environ[STAND_IN_DRIVER] = str(build_stand_in_driver(directory))
     os.environ[UNSTATED] = str(directory / "unstated-nvml-reads")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAKES), os.environ.get("PYTHONPATH")]))
     sys.modules["pynvml"] = load_fake_nvml()
+
+
+FOUND_BEFORE = pytest.StashKey[dict]()
+# a session's own directory (this one's, or another session's running beside); no "gpumagic" in the tests' paths,
+# whose tracebacks are read for it
+SESSION_PREFIX = "gm-tests-"
+
+
+def watched_places() -> list[Path]:
+    """Where a test must leave nothing: the machine's temporary directory and this user's home."""
+    return [Path(tempfile.gettempdir()), Path(os.path.expanduser("~"))]
+
+
+def entries(place: Path) -> set[str]:
+    try:
+        return {name for name in os.listdir(place) if not name.startswith(SESSION_PREFIX)}
+    except OSError:
+        return set()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the session if anything new is left in /tmp or the home directory (``keep_files_inside``)."""
+    before = session.config.stash.get(FOUND_BEFORE, None)
+    if before is None:
+        return
+    left = sorted(str(place / name) for place, names in before.items() for name in entries(place) - names)
+    if left:
+        session.config.stash[LEFT_BEHIND] = left
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+LEFT_BEHIND = pytest.StashKey[list]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    left = config.stash.get(LEFT_BEHIND, None)
+    if left:
+        terminalreporter.write_line(
+            f"FAILED: the session left {len(left)} files behind (keep_files_inside in tests/conftest.py): "
+            + ", ".join(left[:20]),
+            red=True,
+        )
+
+
+def keep_files_inside(config, directory: Path) -> None:
+    """Everything the session writes stays in ``directory``, removed at its end: the tests' ``tmp_path``s, the
+    temporary files of every process started (``TMPDIR``: torch's ``pymp-*`` and ``torchelastic_*``, the
+    benchmarks' ``gpumagic-bench-*``, the other users' of the shared-server tests) and what kernels, Jupyter,
+    Chromium and gpumagic keep in a home directory (``HOME``: ``~/.ipython``, ``~/.local``, ``~/.cache``)."""
+    directory.chmod(0o755)  # the other users of the shared-server tests reach their TMPDIR through it
+    temporary, home = directory / "tmp", directory / "home"
+    temporary.mkdir(mode=0o1777)
+    temporary.chmod(0o1777)  # as /tmp: anyone may write, no one may remove another's files
+    home.mkdir(mode=0o700)
+    os.environ["TMPDIR"] = str(temporary)
+    tempfile.tempdir = None  # read TMPDIR again
+    os.environ["HOME"] = str(home)
+    for name in ("XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_RUNTIME_DIR"):
+        os.environ.pop(name, None)
+    if getattr(config.option, "basetemp", None) is None:
+        config.option.basetemp = str(directory / "basetemp")
+
+
+SLOW_FOLDERS = ("tests/kernel/", "tests/browser/", "tests/gpu/")  # real kernels, browsers, GPUs: seconds each
+SLURM_MODULES = ("tests/kernel/test_slurm.py", "tests/kernel/test_slurm_cluster.py")  # share one cluster
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tiers and the workers. Tests in the folders of real kernels, browsers and GPUs are ``slow`` (unit tests
+    that take seconds say so themselves), so ``pytest -m "not slow"`` is the inner loop. Under ``-n`` (xdist,
+    ``--dist loadgroup``) a module's tests stay on one worker (its module fixtures start once), the browser
+    tests take turns on one worker (two Chromiums beside a JupyterLab each starve one another on two cores), so do
+    the GPU tests, and
+    the modules that use the session's Slurm cluster share one worker: one cluster, whose node names and network
+    namespaces are the machine's."""
+    for item in items:
+        where = item.nodeid.split("::")[0]
+        if where.startswith(SLOW_FOLDERS):
+            item.add_marker(pytest.mark.slow)
+        if where.startswith("tests/browser/"):
+            group = "browser"
+        elif where.startswith("tests/gpu/"):
+            group = "gpu"  # one machine's GPUs: one test on them at a time
+        elif where in SLURM_MODULES:
+            group = "slurm"
+        else:
+            group = where
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(autouse=True)
@@ -371,12 +465,26 @@ def start_kernel(isolated_leases):
             pass
 
 
-@pytest.fixture
-def jupyterlab(tmp_path):
-    """Start JupyterLab serving a notebook of the given cells: ``url = jupyterlab(cells, theme=..., **env)``."""
-    from tests.browser.pages import jupyterlab_servers
+@pytest.fixture(scope="module")
+def jupyter_servers(tmp_path_factory):
+    """The module's Jupyter servers (``tests/browser/pages.py``: one per front end, started on first use)."""
+    from tests.browser.pages import JupyterServers
 
-    yield from jupyterlab_servers(tmp_path)
+    servers = JupyterServers(tmp_path_factory.mktemp("jupyter"))
+    yield servers
+    servers.stop()
+
+
+@pytest.fixture
+def jupyterlab(jupyter_servers):
+    """Serve a notebook of the given cells, its kernel in this test's environment: ``url = jupyterlab(cells,
+    theme=..., front_end="lab" | "hub" | "notebook", **env)``; the test's kernels end with it."""
+
+    def start(cells: list[str], theme: str | None = None, front_end: str = "lab", **env_extra: str) -> str:
+        return jupyter_servers.notebook_url(cells, theme, front_end, env_extra)
+
+    yield start
+    jupyter_servers.shut_down_kernels()
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import textwrap
 import time
 import uuid
@@ -236,6 +237,7 @@ def created_users(package_path: list[str] | None = None, prefixes: tuple[str, st
             "PYTHONDONTWRITEBYTECODE": "1",
             "MPLBACKEND": "Agg",
             "OMP_NUM_THREADS": "1",
+            "TMPDIR": tempfile.gettempdir(),  # the session's (sticky, as /tmp), removed with it
         }
         python = _python_for(users[0].name, env)
         if python is None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import psutil
 
+from gpumagic.devices.lease_directory import LEASE_DIR_VARIABLE
 from gpumagic.devices.model import GpuInfo, GpuProcess, Inventory
 from gpumagic.devices.processes import read_stat
 from gpumagic.errors import InvalidArgument
@@ -232,8 +233,14 @@ def _parse_cached(spec: str) -> tuple[SimulatedGpu, ...]:
 
 
 def _uuid(spec: str, index: int) -> str:
-    """A stable UUID per (spec, index), so every kernel simulating the same server agrees on leases."""
+    """A stable UUID per (spec, index), so every kernel simulating the same server agrees on leases. A server is
+    its spec and its lease directory: with ``GPUMAGIC_LEASE_DIR`` set, its path is part of the UUID, so two
+    simulated servers with their own lease directories (tests side by side, two demos) do not see each other's
+    processes on their GPUs; with the default directory (every user's) the UUIDs are the spec's alone."""
     label = spec if not _looks_like_file(spec) else str(Path(spec).expanduser().resolve())
+    explicit = os.environ.get(LEASE_DIR_VARIABLE)
+    if explicit:
+        label += f"@{os.path.realpath(explicit)}"
     return f"GPU-{uuidlib.uuid5(_UUID_NAMESPACE, f'{label}#{index}')}"
 
 

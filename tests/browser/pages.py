@@ -1,4 +1,4 @@
-"""Shared parts of the browser tests: a real JupyterLab (``jupyterlab_servers``, the ``jupyterlab`` fixture),
+"""Shared parts of the browser tests: a real JupyterLab (``JupyterServers``, the ``jupyterlab`` fixture),
 headless Chromium on it (``open_and_run``), and what to read from the page's BokehJS (``PLOTTED``, ...)."""
 
 import contextlib
@@ -138,41 +138,62 @@ def server_environment_without_jupyter_bokeh(folder: Path) -> Path:
     return folder / "bin" / "python"
 
 
-def jupyterlab_servers(tmp_path):
-    """A generator (the ``jupyterlab`` fixture): start JupyterLab on 127.0.0.1 serving a notebook of the given
-    cells; yields the function that does it, which returns its URL. ``front_end``: "lab" (this environment's
-    JupyterLab, jupyter_bokeh included), "hub" (a server environment without jupyter_bokeh's front end:
-    ``server_environment_without_jupyter_bokeh``) or "notebook" (Jupyter Notebook 7)."""
-    servers = []
+class JupyterServers:
+    """The Jupyter servers of one test module (the ``jupyter_servers`` fixture): one per front end, started when a
+    test first asks for it, each test's notebook then served beside the others'. A test's kernel runs with the
+    environment the test had when it asked (``kernel_launcher.py`` sets it from the test's kernelspec), as if the
+    server had been started for it alone."""
 
-    def start(cells: list[str], theme: str | None = None, front_end: str = "lab", **env_extra: str) -> str:
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.servers: dict[str, tuple[subprocess.Popen, object, str, str]] = {}  # front end: process, log, base, token
+        self.count = 0
+
+    def notebook_url(self, cells: list[str], theme: str | None, front_end: str, env_extra: dict[str, str]) -> str:
+        """Serve a notebook of ``cells`` whose kernel sees this process's environment now plus ``env_extra``;
+        its URL. ``front_end``: "lab" (this environment's JupyterLab, jupyter_bokeh included), "hub" (a server
+        environment without jupyter_bokeh's front end: ``server_environment_without_jupyter_bokeh``) or
+        "notebook" (Jupyter Notebook 7)."""
+        self.count += 1
+        name = f"test-{self.count}"
+        kernel_dir = self.folder / "data" / "kernels" / name
+        kernel_dir.mkdir(parents=True)
+        (kernel_dir / "env.json").write_text(json.dumps({**os.environ, **env_extra}))
+        argv = [sys.executable, str(Path(__file__).with_name("kernel_launcher.py")), str(kernel_dir / "env.json")]
+        spec = {"argv": [*argv, "-f", "{connection_file}"], "display_name": "Python 3 (ipykernel)"}
+        (kernel_dir / "kernel.json").write_text(json.dumps({**spec, "language": "python"}))
         notebook = new_notebook(
             cells=[new_code_cell(cell) for cell in cells],
-            metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+            metadata={"kernelspec": {"name": name, "display_name": "Python 3 (ipykernel)", "language": "python"}},
         )
-        nbformat.write(notebook, tmp_path / "live.ipynb")
+        nbformat.write(notebook, self.folder / f"{name}.ipynb")
+        settings = self.folder / "config/lab/user-settings/@jupyterlab/apputils-extension"
+        settings.mkdir(parents=True, exist_ok=True)
+        (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
+        (settings / "themes.jupyterlab-settings").write_text(json.dumps({"theme": theme or "JupyterLab Light"}))
+        if front_end not in self.servers:
+            self.servers[front_end] = self._start(front_end)
+        _, _, base, token = self.servers[front_end]
+        page = "notebooks" if front_end == "notebook" else "lab/tree"
+        return f"{base}/{page}/{name}.ipynb?token={token}"
+
+    def _start(self, front_end: str) -> tuple[subprocess.Popen, object, str, str]:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         token = secrets.token_hex(16)
         env = dict(
             os.environ,
-            JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
-            JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
-            **env_extra,
+            JUPYTER_CONFIG_DIR=str(self.folder / "config"),
+            JUPYTER_RUNTIME_DIR=str(self.folder / f"runtime-{front_end}"),
+            JUPYTER_DATA_DIR=str(self.folder / "data"),  # the tests' kernelspecs; no extension from there
         )
-        settings = tmp_path / "config/lab/user-settings/@jupyterlab/apputils-extension"
-        settings.mkdir(parents=True, exist_ok=True)
-        (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
-        if theme is not None:
-            (settings / "themes.jupyterlab-settings").write_text(f'{{"theme": "{theme}"}}')
-        python, app, page = sys.executable, "jupyterlab", "lab/tree"
+        python, app = sys.executable, "jupyterlab"
         if front_end == "hub":
-            python = str(server_environment_without_jupyter_bokeh(tmp_path / "server-env"))
-            env["JUPYTER_DATA_DIR"] = str(tmp_path / "data")  # not this user's: no extension from there either
+            python = str(server_environment_without_jupyter_bokeh(self.folder / "server-env"))
         elif front_end == "notebook":
-            app, page = "notebook", "notebooks"
-        log = open(tmp_path / "server.log", "w")
+            app = "notebook"
+        log = open(self.folder / f"server-{front_end}.log", "w")
         server = subprocess.Popen(
             [
                 python,
@@ -185,7 +206,7 @@ def jupyterlab_servers(tmp_path):
                 "--port",
                 str(port),
                 f"--IdentityProvider.token={token}",
-                f"--ServerApp.root_dir={tmp_path}",
+                f"--ServerApp.root_dir={self.folder}",
                 "--LabApp.news_url=",
                 "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
             ],
@@ -193,7 +214,6 @@ def jupyterlab_servers(tmp_path):
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        servers.append((server, log))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
@@ -201,13 +221,30 @@ def jupyterlab_servers(tmp_path):
                 break
             except OSError:
                 time.sleep(0.3)
-        return f"http://127.0.0.1:{port}/{page}/live.ipynb?token={token}"
+        return server, log, f"http://127.0.0.1:{port}", token
 
-    yield start
-    for server, log in servers:
-        server.terminate()
-        server.wait(15)
-        log.close()
+    def shut_down_kernels(self) -> None:
+        """End every kernel the servers run (a finished test's), so the next test has the machine to itself."""
+        for _, _, base, token in self.servers.values():
+            with contextlib.suppress(OSError, ValueError):
+                with urllib.request.urlopen(f"{base}/api/kernels?token={token}", timeout=10) as answer:
+                    kernels = json.load(answer)
+                for kernel in kernels:
+                    request = urllib.request.Request(
+                        f"{base}/api/kernels/{kernel['id']}?token={token}", method="DELETE"
+                    )
+                    with contextlib.suppress(OSError):
+                        urllib.request.urlopen(request, timeout=30).close()
+
+    def stop(self) -> None:
+        for server, log, _, _ in self.servers.values():
+            server.terminate()
+            try:
+                server.wait(15)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+            log.close()
 
 
 def artifacts_folder():

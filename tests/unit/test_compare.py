@@ -77,6 +77,7 @@ def names(comparison):
     return [row["name"] for row in comparison.rows]
 
 
+@pytest.mark.slow
 def test_the_table_shows_what_differs_and_each_metrics_last_and_best_value(sweep):
     comparison = gpumagic.compare("A-*")
     assert names(comparison) == A_NAMES  # the order the jobs were submitted
@@ -228,6 +229,7 @@ def gated(gate):
     gpumagic.log(step=2, loss=0.1)
 
 
+@pytest.mark.slow
 def test_a_live_job_is_shown_as_far_as_it_got_and_refresh_reads_on(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUMAGIC_RUNS_DIR", str(tmp_path / "runs"))
     with pytest.raises(gpumagic.InvalidArgument, match=r"^no runs or jobs to compare: you have no background jobs"):
@@ -335,6 +337,7 @@ def test_importing_gpumagic_imports_no_plotting():
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
 
 
+@pytest.mark.slow
 @pytest.mark.kernel
 def test_a_new_kernel_compares_what_an_earlier_one_ran(sweep, start_kernel):
     kernel = start_kernel()

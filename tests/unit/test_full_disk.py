@@ -86,6 +86,7 @@ def train(stop_file, result_bytes=0):
     return b"r" * result_bytes
 
 
+@pytest.mark.slow
 def test_a_job_whose_output_fills_the_disk_fails_saying_so_and_keeps_what_it_wrote(small_disk, tmp_path):
     job = gpumagic.submit(train, str(tmp_path / "never"), gpus=0, name="filler")
     wait_until(lambda: points(job) >= 2000)
@@ -252,6 +253,7 @@ def test_submit_launch_and_log_on_a_full_disk_say_so_in_one_line(small_disk, she
     assert logged.stderr == f"gpumagic.log: points are dropped until they can be written: {said}\n"
 
 
+@pytest.mark.slow
 def test_ranks_that_log_on_a_full_disk_train_on_and_their_metrics_stay_whole(small_disk, tmp_path):
     """While the disk is full, each rank's points are dropped with one warning (a batch never half written);
     once there is space again they are written again, and the file reads whole: every point before, none torn."""

@@ -71,6 +71,7 @@ def one_more_all_reduce():
     return rank
 
 
+@pytest.mark.slow
 def test_a_launch_reports_which_rank_waits_and_where_the_other_is():
     shown = []
     assert launch_ddp(one_more_all_reduce, 2, gpus="none", hang_after="1s", write=shown.append) == {0: 0, 1: 1}
@@ -91,6 +92,7 @@ def stuck_in_a_job():
     return rank
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_job_left_running")
 def test_a_ddp_jobs_log_has_the_report_and_its_record_keeps_it():
     job = gpumagic.submit(stuck_in_a_job, gpus=0, ddp=2, hang_after="1s", name="stuck")

@@ -359,6 +359,7 @@ def test_kernels_waiting_in_pick_are_served_in_arrival_order_and_a_re_pick_queue
             process.wait()
 
 
+@pytest.mark.slow
 def test_three_jobs_declaring_memory_run_at_once_and_the_fourth_when_one_ends(monkeypatch, tmp_path):
     """Four jobs declaring 1.3 GB each on a 4 GiB GPU (the issue's 4 x 20 GiB declaring 25 GB on 80 GiB, at
     1/20): three fit their reservations and start together, without waiting for each other to allocate; the
@@ -419,6 +420,7 @@ def test_an_out_of_memory_error_of_a_capped_job_names_its_limit_and_what_to_do(m
     assert name_memory_limit(other) is other and str(other) == "not memory"
 
 
+@pytest.mark.slow
 def test_memory_limit_reaches_the_jobs_processes_and_needs_a_declared_size(simulated):
     def limit():
         import os
@@ -604,6 +606,7 @@ def test_another_users_tickets_that_could_start_hold_a_waiter_up_for_the_budget_
     assert again.gpus and hold_ups().seconds(bob, HoldUp.STARTS) >= 0.3  # this process's next wait too
 
 
+@pytest.mark.slow
 def test_a_hold_up_broken_off_now_and_then_gets_no_new_grace(monkeypatch):
     """Review of #24: Bob's tickets could start for 0.95 s, then his leases kept every GPU for 0.3 s, and so on:
     each hold-up began with a new uncounted grace second, and the waiter was never placed. The grace is one
@@ -696,6 +699,7 @@ def test_a_user_whose_tickets_start_only_because_another_is_passed_over_is_not_c
     assert hold_ups().seconds(carol, HoldUp.STARTS) == 0
 
 
+@pytest.mark.slow
 def test_a_second_account_behind_the_first_holds_a_waiter_up_for_a_bounded_time(monkeypatch):
     """Review of #24: Dana's tickets could start and Alex's waited behind them, so taking either user's away,
     or both only while Dana's started, placed nothing: nobody was counted, and a user with two accounts held a
@@ -716,6 +720,7 @@ def test_a_second_account_behind_the_first_holds_a_waiter_up_for_a_bounded_time(
     assert 2 * one + LOOK_CAP_S < took < 2 * one + LOOK_CAP_S + 2, took
 
 
+@pytest.mark.slow
 def test_a_user_kept_apart_cannot_start_its_window_again_by_stopping_now_and_then(monkeypatch):
     """Review of #24: Alex, behind Dana whom this waiter passes over, had his time kept apart; a lease of his
     on every GPU for a moment now and then dropped it and started his window again, so he was never counted.

@@ -34,6 +34,7 @@ def variant(k, seconds=3.0):
     return k * 10
 
 
+@pytest.mark.slow
 def test_four_variants_run_at_once_and_a_fifth_waits_for_a_free_gpu(simulated):
     jobs = [gpumagic.submit(variant, k, name=f"A{k}") for k in range(5)]
     reasons = set()
@@ -52,6 +53,7 @@ def test_four_variants_run_at_once_and_a_fifth_waits_for_a_free_gpu(simulated):
     assert jobs[1].last_metrics() == {"loss": (3.0, 0.25)}
 
 
+@pytest.mark.slow
 def test_why_a_job_waits_shows_from_its_submission_on(simulated):
     """The kernel records why a new job waits; its runner, starting a moment later, must not hide that behind
     "starting" until it has queued itself (a %jobs right after the submission read "starting")."""
@@ -67,6 +69,7 @@ def test_why_a_job_waits_shows_from_its_submission_on(simulated):
     assert [j.wait("2m") for j in [*busy, waiting]] == ["finished"] * 5
 
 
+@pytest.mark.slow
 def test_a_job_sees_exactly_its_gpus_and_a_cpu_job_none(simulated):
     def visible():
         import os
@@ -170,6 +173,7 @@ def test_only_the_jobs_user_can_kill_it(simulated):
         os.chown(state, os.getuid(), os.getgid())
 
 
+@pytest.mark.slow
 def test_kill_falls_back_to_sigkill_for_a_job_that_ignores_signals(simulated):
     def stubborn():
         import signal
@@ -202,6 +206,7 @@ def test_kill_of_a_queued_job_and_its_place_is_given_back(simulated):
     assert waiting_tickets() == []
 
 
+@pytest.mark.slow
 def test_after_orders_jobs_and_a_failed_dependency_cancels(simulated):
     def fail():
         raise RuntimeError("no")
@@ -218,6 +223,7 @@ def test_after_orders_jobs_and_a_failed_dependency_cancels(simulated):
         c.result()
 
 
+@pytest.mark.slow
 def test_ddp_job_runs_a_process_group(simulated):
     def reduce_ranks():
         import torch
@@ -311,6 +317,7 @@ def test_remove_refuses_an_active_job(simulated):
         job.remove()
 
 
+@pytest.mark.slow
 def test_a_slurm_job_holds_no_space_for_a_runner_it_does_not_have(monkeypatch):
     """A local job holds 64 KiB for its runner's last record on a full disk until it ends; a Slurm job has no
     runner of ours, and would hold them for good."""

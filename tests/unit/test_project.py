@@ -58,6 +58,7 @@ def test_code_is_lint_clean_and_formatted():
         assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("script", "arguments", "expected"),
     [
@@ -125,6 +126,7 @@ def test_benchmark_runs_and_prints_its_table(script, arguments, expected):
         assert line in result.stdout
 
 
+@pytest.mark.slow
 def test_the_ticket_benchmark_runs_and_prints_its_table():
     import os
     import subprocess

@@ -111,6 +111,7 @@ def test_the_socket_is_private_and_a_wrong_key_learns_nothing(tmp_path):
     assert not os.path.exists(path)  # a %ddp group's re-forms leave no socket files behind
 
 
+@pytest.mark.slow
 def test_a_stranger_on_the_tcp_port_gets_nothing_and_the_group_goes_on():
     """torch's own TCPStore client, junk bytes and a half handshake against a TCP-served store: each is dropped
     without a reply; the owner's client keeps working."""
@@ -180,6 +181,7 @@ def test_past_its_capacity_the_oldest_strangers_make_room(monkeypatch):
         server.close()
 
 
+@pytest.mark.slow
 def test_a_stranger_who_keeps_sending_is_dropped_at_one_deadline():
     """One deadline per unproven connection, from its accept, whatever it sends (a byte every 0.2 s here)."""
     listener = secure_store.listen("tcp:127.0.0.1:0")

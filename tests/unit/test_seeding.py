@@ -8,6 +8,7 @@ import gpumagic
 from gpumagic.errors import InvalidArgument
 
 
+@pytest.mark.slow
 def test_seed_makes_python_numpy_and_torch_repeat():
     code = textwrap.dedent(
         """

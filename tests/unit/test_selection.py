@@ -83,6 +83,7 @@ def test_more_than_the_machine_has_fails_without_waiting(busy_server):
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.slow
 def test_wait_returns_once_a_gpu_is_released(busy_server):
     holder = subprocess.Popen(
         [sys.executable, "-c", "import gpumagic, time; gpumagic.pick(2); print('held', flush=True); time.sleep(2)"],

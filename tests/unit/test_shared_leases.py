@@ -14,6 +14,8 @@ import pytest
 from tests import ticket_attacks
 from tests.two_users import shared_directory
 
+pytestmark = pytest.mark.slow  # two real users (useradd), seconds each
+
 SIMULATE = "4xA100-80GB"
 
 UUIDS = """

@@ -11,7 +11,11 @@ operation answered, no result altered, no launch failed or slowed past its bound
 
 import json
 
+import pytest
+
 from tests.two_users import last_report
+
+pytestmark = pytest.mark.slow  # two real users (useradd), seconds each
 
 ATTACKER = r"""
 import datetime, json, os, socket, sys, threading, time

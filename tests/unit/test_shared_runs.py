@@ -25,7 +25,7 @@ from gpumagic.launch.shipping import pack, ship_function
 from gpumagic.run_dirs import records
 from tests.two_users import shared_directory
 
-pytestmark = pytest.mark.usefixtures("no_job_left_running")
+pytestmark = [pytest.mark.usefixtures("no_job_left_running"), pytest.mark.slow]  # two real users: seconds each
 
 SIMULATED = "4xA100-80GB"  # the jobs run on the CPU (gpus=0); the machine is stated all the same
 

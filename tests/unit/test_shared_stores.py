@@ -17,8 +17,12 @@ import json
 import statistics
 import time
 
+import pytest
+
 from tests import store_attacks
 from tests.two_users import last_report
+
+pytestmark = pytest.mark.slow  # two real users (useradd), seconds each
 
 VICTIM = r"""
 import json, os, re, subprocess, sys, threading, time

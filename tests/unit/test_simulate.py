@@ -1,6 +1,7 @@
 """The simulated inventory: specs, scenario files, and real processes counting against simulated GPUs."""
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,24 @@ def test_uuids_are_stable_across_processes(simulated):
     code = "import gpumagic; print(','.join(g.uuid for g in gpumagic.gpus()))"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert other == ",".join(g.uuid for g in gpumagic.gpus())
+
+
+def test_a_process_on_one_simulated_servers_gpu_is_not_on_another_servers(simulated, tmp_path, monkeypatch):
+    """A simulated server is its spec and its lease directory: a process started on one server's GPU 1 uses that
+    GPU's memory there and nowhere else (tests side by side each simulate their own server)."""
+    gpu = gpumagic.gpus()[1]
+    code = "import sys; print('up', flush=True); sys.stdin.read()"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu.uuid}
+    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    try:
+        assert process.stdout.readline() == b"up\n"
+        assert [p.pid for p in gpumagic.gpus()[1].processes] == [process.pid]
+        monkeypatch.setenv("GPUMAGIC_LEASE_DIR", str(tmp_path / "another-server"))
+        other = gpumagic.gpus()
+        assert other[1].uuid != gpu.uuid and all(not g.processes for g in other)
+    finally:
+        process.kill()
+        process.wait()
 
 
 def test_scenario_file_with_load_processes_and_a_lost_gpu(tmp_path, monkeypatch):

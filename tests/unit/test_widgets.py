@@ -209,6 +209,7 @@ def test_a_closed_gpu_watch_that_was_never_shown_keeps_its_state_without_plots(s
     assert "var(--jp-content-font-color1)" in watch.snapshot and "#888" not in watch.snapshot
 
 
+@pytest.mark.slow
 def test_a_page_that_connects_later_gets_the_plots_as_they_are_now(simulated, watch_factory):
     """A reload asks the kernel for the widget's state: it is the plots now, read whole under the plots' lock
     while the pusher streams (every column of the source the same length), with no periodic re-send."""
@@ -261,6 +262,7 @@ def test_what_the_browser_changes_never_overwrites_the_kernels_plots(simulated, 
     assert watch.series(0, "time") == before and len(watch.source.data) > 1
 
 
+@pytest.mark.slow
 def test_one_catch_up_soon_after_start_for_a_view_that_missed_the_first_pushes(simulated, watch_factory):
     from gpumagic.widgets.live import FIRST_REFRESH_S
 
@@ -316,6 +318,7 @@ def test_a_status_word_keeps_the_themes_text_colour_and_only_its_dot_has_the_hue
         assert status_html(status).startswith("<b style='color:var(--jp-content-font-color1)'>")
 
 
+@pytest.mark.slow
 def test_samples_come_at_the_interval_and_never_go_back_in_time(simulated, watch_factory):
     watch = watch_factory(interval=0.1, history=1000, push_interval=0.05)
     time.sleep(2.0)

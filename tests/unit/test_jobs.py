@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -115,13 +116,17 @@ def test_a_launch_a_group_and_a_job_start_their_ranks_with_one_environment(simul
     for seen in (launched, grouped, queued):
         assert sorted(seen) == [0, 1]
         run_dir = seen[0]["GPUMAGIC_RUN_DIR"]
+        store = RunFiles(run_dir).store_socket
+        if seen is grouped:  # each forming of a group's process group serves a store of its own, beside the first
+            store = store.with_name(Path(seen[0]["GPUMAGIC_STORE"]).name)
+            assert store.name.startswith("store-") and store.suffix == ".sock", store
         for rank, environment in seen.items():
             assert environment == {
                 **dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2"),
                 **dict(GROUP_RANK="0", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=environment["MASTER_PORT"]),
                 "TORCHELASTIC_RUN_ID": os.path.basename(run_dir),
                 "GPUMAGIC_RUN_DIR": run_dir,
-                "GPUMAGIC_STORE": f"unix:{RunFiles(run_dir).store_socket}",
+                "GPUMAGIC_STORE": f"unix:{store}",
                 **dict(CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_ORDER=None, OMP_NUM_THREADS=str(threads_per_rank(2))),
                 **dict(GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo", MPLBACKEND="Agg"),
             }

@@ -6,10 +6,12 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
+import gpumagic
 from gpumagic.devices.processes import is_running
 from gpumagic.errors import InvalidArgument
 from gpumagic.launch.failures import LaunchError
@@ -75,6 +77,21 @@ def test_one_default_backend_nccl_on_real_gpus_gloo_on_the_cpu_or_simulated_ones
     assert place_on(["a", "b"], 2, simulated=True, **on) == Placement((("a",), ("b",)), False, "gloo")
     assert place_on([], 3, simulated=False, **on) == Placement(((), (), ()), False, "gloo")
     assert place_on(["a", "b"], 2, 1, simulated=False, backend="gloo", process_group=False).backend is None
+
+
+def test_ranks_start_and_their_backend_is_chosen_in_one_place_each():
+    """A launch, a group and a job start their ranks through ``rank_start`` and take ``choose_backend``'s default:
+    each was written three or four times, and a copy that drifts starts ranks that differ."""
+    package = Path(gpumagic.__file__).parent
+    written = {
+        marker: sorted(str(path.relative_to(package)) for path in package.rglob("*.py") if marker in path.read_text())
+        for marker in ('"nccl" if', "context.Process(", "import forkserver_context")
+    }
+    assert written == {
+        '"nccl" if': ["launch/plan.py"],
+        "context.Process(": ["launch/kernel_side/rank_start.py"],
+        "import forkserver_context": ["launch/kernel_side/rank_start.py"],
+    }
 
 
 def test_ranks_get_their_share_of_the_gpus_or_all_of_them_as_under_mp_spawn():

@@ -13,7 +13,6 @@ needs of ``launch/`` and ``jobs/`` is imported where it is used.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import signal
 import sys
@@ -193,30 +192,36 @@ class _Runner:
         from gpumagic.launch.hang_reports import HangFollower
         from gpumagic.launch.kernel_side import local
         from gpumagic.launch.kernel_side.output import RankOutput
-        from gpumagic.launch.plan import LaunchPlan, assign_gpus
+        from gpumagic.launch.plan import LaunchPlan, place_on
         from gpumagic.launch.rank_side.memory_cap import MEMORY_LIMIT_VARIABLE
 
         ddp = spec.get("ddp")
         nprocs = ddp or 1
         uuids = [g.uuid for g in gpus]
-        rank_gpus = assign_gpus(uuids, nprocs, len(uuids) // nprocs) if uuids else tuple(() for _ in range(nprocs))
-        use_cuda = bool(uuids) and not any(g.simulated for g in gpus)
-        backend = (spec.get("backend") or ("nccl" if use_cuda else "gloo")) if ddp else None
+        placed = place_on(  # the queue gave the job a multiple of its ranks
+            uuids,
+            nprocs,
+            len(uuids) // nprocs,
+            simulated=any(g.simulated for g in gpus),
+            backend=spec.get("backend"),
+            process_group=bool(ddp),
+        )
+        backend = placed.backend
+        reserve = spec["request"].get("min_free")
+        capped = spec.get("memory_limit") and reserve  # each rank capped at the job's reservation (--memory-limit)
         files = self.files
         make_launch_directories(files)
         listener = local.store_listener(files)
         plan = LaunchPlan.on_this_machine(  # a CPU job's ranks see no GPU: the plan hides them
             self.run_dir,
-            rank_gpus,
+            placed.rank_gpus,
             backend=backend,
-            use_cuda=use_cuda,
+            use_cuda=placed.use_cuda,
             master_port=local.loopback_port(None),
             timeout_s=float(spec.get("timeout_s") or 1800.0),
             hang_after_s=float(spec.get("hang_after_s", 0.0)) if ddp else 0.0,
+            extra_env={MEMORY_LIMIT_VARIABLE: str(int(reserve))} if capped else None,
         )
-        reserve = spec["request"].get("min_free")
-        if spec.get("memory_limit") and reserve:  # each rank capped at the job's reservation (--memory-limit)
-            plan = dataclasses.replace(plan, base_env={**plan.base_env, MEMORY_LIMIT_VARIABLE: str(int(reserve))})
         records.update(
             self.run_dir,
             status="running",

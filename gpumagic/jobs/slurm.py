@@ -35,6 +35,7 @@ from gpumagic.jobs.local import stop_process_tree
 from gpumagic.jobs.queue import Request
 from gpumagic.jobs.slurm_state import SlurmState
 from gpumagic.jobs.slurm_task import Task  # also gpumagic.jobs.slurm.Task, as jobs submitted before pickled it
+from gpumagic.launch.plan import choose_backend
 from gpumagic.run_dirs import records
 from gpumagic.run_dirs.launch_files import write_spec
 from gpumagic.run_dirs.layout import RunFiles
@@ -104,7 +105,7 @@ def submit(entries: list[Entry], target: Target, submission: Submission) -> list
             "dependency": "afterok:" + ":".join(_slurm_ids(submission.after, target.cluster)),
         }
     use_cuda = uses_gpus(params)
-    backend = submission.backend or ("nccl" if use_cuda else "gloo")
+    backend = choose_backend(submission.backend, use_cuda=use_cuda)
     written = []
     with records.names_locked():
         names = records.take_names([(entry.name, entry.base) for entry in entries])

@@ -1,4 +1,5 @@
-"""The launch plan: ranks, their environment (what torchrun gives), their GPUs and CPU threads.
+"""The launch plan: ranks, their environment (what torchrun gives), their GPUs and CPU threads, and where ranks
+on this machine run (``place_on``: their GPUs, CUDA or not, the one default backend, ``choose_backend``).
 
 Pure values, independent of how processes start, so a local forkserver, an elastic agent or Slurm can
 carry out the same plan.
@@ -7,7 +8,9 @@ carry out the same plan.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from gpumagic.errors import InvalidArgument
 from gpumagic.run_dirs.layout import RunFiles
@@ -98,9 +101,11 @@ class LaunchPlan:
         timeout_s: float,
         hang_after_s: float = 0.0,
         post_mortem: bool = False,
+        extra_env: Mapping[str, str] | None = None,
     ) -> LaunchPlan:
         """The plan of a launch whose ranks all run here, started by this process, now: their store is a Unix
-        socket in the run's private launch directory (``RunFiles.store_socket``)."""
+        socket in the run's private launch directory (``RunFiles.store_socket``); ``extra_env`` is added to the
+        environment every rank starts from (``launch_environment``)."""
         nprocs = len(rank_gpus)
         return cls(
             run_dir=str(run_dir),
@@ -115,7 +120,7 @@ class LaunchPlan:
             hang_after_s=hang_after_s,
             post_mortem=post_mortem,
             launcher_pid=os.getpid(),
-            base_env=launch_environment(),
+            base_env={**launch_environment(), **(extra_env or {})},
         )
 
     @property
@@ -190,6 +195,51 @@ def assign_gpus(gpus: list[str], nprocs: int, per_rank: int) -> tuple[tuple[str,
             "lower -n, pick more with %gpu pick or --gpus auto, or run the ranks on the CPU with --gpus none"
         )
     return tuple(tuple(gpus[r * per_rank : (r + 1) * per_rank]) for r in range(nprocs))
+
+
+def choose_backend(asked: str | None, *, use_cuda: bool) -> str:
+    """The process group's backend: the one ``asked`` for, else NCCL where the ranks use CUDA and gloo where they
+    do not (CPU ranks, simulated GPUs). The one default of every launcher: a launch, a group, a job, a Slurm job.
+
+    >>> choose_backend(None, use_cuda=True), choose_backend(None, use_cuda=False), choose_backend("gloo", use_cuda=True)
+    ('nccl', 'gloo', 'gloo')
+    """
+    return asked or ("nccl" if use_cuda else "gloo")
+
+
+class Placement(NamedTuple):
+    """Where ranks on this machine run: each rank's GPUs (UUIDs), whether CUDA is used, the process group's
+    backend (``None``: no process group, ``spawn``'s code makes its own)."""
+
+    rank_gpus: tuple[tuple[str, ...], ...]
+    use_cuda: bool
+    backend: str | None
+
+
+def place_on(
+    gpus: list[str],
+    nprocs: int,
+    per_rank: int,
+    *,
+    simulated: bool,
+    backend: str | None,
+    process_group: bool,
+    every_rank_sees_all: bool = False,
+) -> Placement:
+    """Give ``nprocs`` ranks their share of ``gpus`` (UUIDs in cuda order, ``simulated`` or real): ``per_rank``
+    each (``assign_gpus``), or all of them each with ``every_rank_sees_all`` (as under ``mp.spawn``); CUDA is used
+    on real GPUs only; the backend is ``choose_backend``'s where a process group is made. What a launch or a group
+    (``ddp.place_ranks``, from the GPUs it read or leased) and a job (``jobs.runner``, from its queue) run on.
+
+    Raises:
+        InvalidArgument: fewer GPUs than ``nprocs * per_rank``.
+    """
+    if every_rank_sees_all:
+        rank_gpus = tuple(tuple(gpus) for _ in range(nprocs))
+    else:
+        rank_gpus = assign_gpus(gpus, nprocs, per_rank)
+    use_cuda = bool(gpus) and not simulated
+    return Placement(rank_gpus, use_cuda, choose_backend(backend, use_cuda=use_cuda) if process_group else None)
 
 
 def check_backend(backend: str | None) -> str | None:

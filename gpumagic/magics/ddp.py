@@ -15,9 +15,8 @@ from gpumagic.launch.kernel_side.group import CellFailed, CellInterrupted, RankG
 from gpumagic.launch.kernel_side.output import cell_number, in_kernel
 from gpumagic.launch.options import OUTPUT_MODES, LaunchOptions
 from gpumagic.magics.parsing import Help, Parser, parse, parse_cell_line, subcommand
+from gpumagic.units import MIB
 from gpumagic.widgets.launch_dashboard import LaunchDashboard
-
-MIB = float(1 << 20)
 
 
 def _parsers() -> dict[str, Parser]:

@@ -22,10 +22,10 @@ from typing import Any
 
 from gpumagic.devices.visibility import current_visibility
 from gpumagic.telemetry.samplers import GpuSample, GpuSampler
+from gpumagic.units import GIB
 from gpumagic.widgets.live import ERROR, TEXT, Frames, live_model, owned_box
 from gpumagic.widgets.plots import PALETTE, Forward, curve, forward_only, hover, load_colour, pick, styled_figure
 
-GIB = float(1 << 30)
 COLUMNS = ("time", "elapsed", "used", "mine", "others", "total", "utilization", "temperature")
 
 

@@ -35,6 +35,7 @@ from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.store import RankReader
 from gpumagic.telemetry.log import TOTAL_STEPS
 from gpumagic.telemetry.metric_kinds import lower_is_better
+from gpumagic.units import MIB
 from gpumagic.widgets.live import LiveFrame, close_tree, embedded, live_model, unsynced
 from gpumagic.widgets.plots import (
     MUTED,
@@ -50,7 +51,6 @@ from gpumagic.widgets.plots import (
     styled_figure,
 )
 
-MIB = float(1 << 20)
 RESOURCE_WIDTH, RESOURCE_HEIGHT = 300, 130  # each resource plot beside the metrics, px
 MARKS = 500  # cells marked on the metric plots: the latest ones
 RESOURCE_INTERVAL = 0.5  # s at least between samples of the ranks' resources, whatever the push interval

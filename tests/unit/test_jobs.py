@@ -5,11 +5,13 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
 import gpumagic
+from gpumagic.launch.plan import threads_per_rank
 from gpumagic.run_dirs import records
 from gpumagic.run_dirs.layout import RunFiles
 
@@ -79,6 +81,60 @@ def test_a_job_sees_exactly_its_gpus_and_a_cpu_job_none(simulated):
     on_gpu, on_cpu = gpumagic.submit(visible, gpus="GPU:2"), gpumagic.submit(visible, gpus=0)
     assert on_gpu.result("1m") == gpumagic.gpus()[2].uuid and on_gpu.gpus == (2,)
     assert on_cpu.result("1m") == "" and on_cpu.gpus == ()
+
+
+def test_a_jobs_rank_starts_with_its_gpus_in_the_environment_proc_shows(simulated):
+    """A job's ranks start with ``spawn``: their GPUs are in the environment they started with, which ``/proc``
+    shows (the simulated inventory counts each rank on its GPU so); a CPU job's start as its runner is."""
+
+    def started_with():
+        with open("/proc/self/environ", "rb") as handle:
+            entries = [entry.decode().split("=", 1) for entry in handle.read().split(b"\0") if b"=" in entry]
+        return {name: value for name, value in entries if name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
+
+    on_gpu, on_cpu = gpumagic.submit(started_with, gpus="GPU:1"), gpumagic.submit(started_with, gpus=0)
+    assert on_gpu.result("1m") == {"CUDA_VISIBLE_DEVICES": gpumagic.gpus()[1].uuid, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert on_cpu.result("1m") == {}
+
+
+def rank_environment():
+    import os
+
+    names = (
+        *("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK"),
+        *("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GPUMAGIC_RUN_DIR", "GPUMAGIC_STORE"),
+        *("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"),
+        "MPLBACKEND",
+    )
+    return {name: os.environ.get(name) for name in names}
+
+
+def test_a_launch_a_group_and_a_job_start_their_ranks_with_one_environment(simulated):
+    """The three ways ranks start on this machine (``launch_ddp``, ``ranks``, ``submit``) take one path
+    (``rank_start.RankStarter``): each rank's environment is torchrun's, its run's store, no GPU for a CPU rank."""
+    launched = gpumagic.launch_ddp(rank_environment, 2, gpus="none", output="none")
+    with gpumagic.ranks(2, gpus="none", output="none") as group:
+        grouped = group.run(rank_environment)
+    queued = gpumagic.submit(rank_environment, gpus=0, ddp=2).result("2m")
+    for seen in (launched, grouped, queued):
+        assert sorted(seen) == [0, 1]
+        run_dir = seen[0]["GPUMAGIC_RUN_DIR"]
+        store = RunFiles(run_dir).store_socket
+        if seen is grouped:  # each forming of a group's process group serves a store of its own, beside the first
+            store = store.with_name(Path(seen[0]["GPUMAGIC_STORE"]).name)
+            assert store.name.startswith("store-") and store.suffix == ".sock", store
+        for rank, environment in seen.items():
+            assert environment == {
+                **dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2"),
+                **dict(GROUP_RANK="0", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=environment["MASTER_PORT"]),
+                "TORCHELASTIC_RUN_ID": os.path.basename(run_dir),
+                "GPUMAGIC_RUN_DIR": run_dir,
+                "GPUMAGIC_STORE": f"unix:{store}",
+                **dict(CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_ORDER=None, OMP_NUM_THREADS=str(threads_per_rank(2))),
+                **dict(GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo", MPLBACKEND="Agg"),
+            }
+    ports = [seen[0]["MASTER_PORT"] for seen in (launched, grouped, queued)]
+    assert ports[1] == "0" and all(port.isdigit() and port != "0" for port in ports[::2]), ports  # a group's: none
 
 
 def test_failure_records_the_traceback_and_the_exit(simulated):

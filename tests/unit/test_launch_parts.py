@@ -6,16 +6,29 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
+import gpumagic
 from gpumagic.devices.processes import is_running
 from gpumagic.errors import InvalidArgument
 from gpumagic.launch.failures import LaunchError
 from gpumagic.launch.kernel_side.output import RankOutput
 from gpumagic.launch.kernel_side.process_set import ProcessSet
-from gpumagic.launch.plan import MAX_TIMEOUT_S, LaunchPlan, assign_gpus, check_timeout, threads_per_rank
+from gpumagic.launch.kernel_side.rank_start import RankStarter
+from gpumagic.launch.plan import (
+    MAX_TIMEOUT_S,
+    LaunchPlan,
+    Placement,
+    assign_gpus,
+    check_timeout,
+    choose_backend,
+    launch_environment,
+    place_on,
+    threads_per_rank,
+)
 from gpumagic.run_dirs.launch_files import make_launch_directories
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.outcomes import ProcessEnd, RankOutcome, read_outcome, root_cause
@@ -54,6 +67,65 @@ def test_the_environment_is_torchruns():
     cpu_rank = plan(rank_gpus=((), ())).environment(0)
     assert cpu_rank["CUDA_VISIBLE_DEVICES"] == "" and "CUDA_DEVICE_ORDER" not in cpu_rank  # sees no GPU
     assert plan(node_rank=1, nnodes=2).environment(1)["RANK"] == "3"
+
+
+def test_one_default_backend_nccl_on_real_gpus_gloo_on_the_cpu_or_simulated_ones():
+    assert choose_backend(None, use_cuda=True) == "nccl" and choose_backend(None, use_cuda=False) == "gloo"
+    assert choose_backend("gloo", use_cuda=True) == "gloo" and choose_backend("nccl", use_cuda=False) == "nccl"
+    on = dict(per_rank=1, backend=None, process_group=True)
+    assert place_on(["a", "b"], 2, simulated=False, **on) == Placement((("a",), ("b",)), True, "nccl")
+    assert place_on(["a", "b"], 2, simulated=True, **on) == Placement((("a",), ("b",)), False, "gloo")
+    assert place_on([], 3, simulated=False, **on) == Placement(((), (), ()), False, "gloo")
+    assert place_on(["a", "b"], 2, 1, simulated=False, backend="gloo", process_group=False).backend is None
+
+
+def test_ranks_start_and_their_backend_is_chosen_in_one_place_each():
+    """A launch, a group and a job start their ranks through ``rank_start`` and take ``choose_backend``'s default:
+    each was written three or four times, and a copy that drifts starts ranks that differ."""
+    package = Path(gpumagic.__file__).parent
+    written = {
+        marker: sorted(str(path.relative_to(package)) for path in package.rglob("*.py") if marker in path.read_text())
+        for marker in ('"nccl" if', "context.Process(", "import forkserver_context")
+    }
+    assert written == {
+        '"nccl" if': ["launch/plan.py"],
+        "context.Process(": ["launch/kernel_side/rank_start.py"],
+        "import forkserver_context": ["launch/kernel_side/rank_start.py"],
+    }
+
+
+def test_ranks_get_their_share_of_the_gpus_or_all_of_them_as_under_mp_spawn():
+    on = dict(simulated=False, backend=None, process_group=False)
+    assert place_on(["a", "b", "c", "d"], 2, 2, **on).rank_gpus == (("a", "b"), ("c", "d"))
+    assert place_on(["a", "b"], 3, 1, every_rank_sees_all=True, **on).rank_gpus == (("a", "b"),) * 3
+    with pytest.raises(InvalidArgument, match="need 4 GPUs but 3 are available"):
+        place_on(["a", "b", "c"], 2, 2, **on)
+
+
+def test_a_spawn_rank_starts_with_its_gpus_and_a_forked_one_with_nothing_but_its_own_environment_later():
+    """The rank sets its whole environment itself (``plan.environment``); a ``spawn`` rank also starts with its GPUs,
+    the environment ``/proc`` shows (the simulated inventory counts it on them), taken from that same environment."""
+    launch, group, job = (
+        RankStarter(plan(), None, target=print, name="rank-{}"),
+        RankStarter(plan(), None, target=print, name="ddp-rank-{}"),
+        RankStarter(plan(), None, target=print, name="rank-{}", start_method="spawn"),
+    )
+    assert [starter.environment(1) for starter in (launch, group, job)] == [plan().environment(1)] * 3
+    assert job.initial_environment(1) == {"CUDA_VISIBLE_DEVICES": "GPU-b", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert launch.initial_environment(1) == group.initial_environment(1) == {}
+    cpu_job = RankStarter(plan(rank_gpus=((), ())), None, target=print, name="rank-{}", start_method="spawn")
+    assert cpu_job.initial_environment(0) == {}  # it starts as the runner is; CUDA_VISIBLE_DEVICES="" comes next
+
+
+def test_a_plans_extra_environment_reaches_every_rank(tmp_path):
+    """A job capped at its reservation (``--memory-limit``): its ranks start from the launcher's environment and
+    the cap."""
+    capped = LaunchPlan.on_this_machine(
+        tmp_path, ((), ()), backend="gloo", use_cuda=False, master_port=1, timeout_s=5, extra_env={"CAP": "7"}
+    )
+    assert [capped.environment(rank)["CAP"] for rank in (0, 1)] == ["7", "7"]
+    plain = LaunchPlan.on_this_machine(tmp_path, ((),), backend="gloo", use_cuda=False, master_port=1, timeout_s=5)
+    assert "CAP" not in plain.environment(0) and plain.base_env == launch_environment()
 
 
 def test_gpu_assignment_and_threads():

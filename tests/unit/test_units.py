@@ -1,7 +1,11 @@
+import ast
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import gpumagic.units
 from gpumagic.errors import InvalidArgument
 from gpumagic.units import GIB, parse_duration, parse_percent, parse_size, parse_size_or_percent
 
@@ -121,3 +125,18 @@ def test_any_text_is_a_value_or_a_clear_error(text):
             assert repr(text) in str(err)
         else:
             assert value >= 0
+
+
+def test_the_size_units_are_defined_once_on_the_ground_floor():
+    """MIB and GIB live in gpumagic.units; a module that divides by one imports it (four copies were written
+    beside them: three MIB, as a float, a power and a shift, and a float GIB)."""
+    package = Path(gpumagic.units.__file__).parent
+    defined = sorted(
+        f"{path.relative_to(package.parent)}:{target.id}"
+        for path in package.rglob("*.py")
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.Assign | ast.AnnAssign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Name) and target.id in ("KIB", "MIB", "GIB", "TIB")
+    )
+    assert defined == ["gpumagic/units.py:GIB", "gpumagic/units.py:MIB"]

@@ -12,7 +12,7 @@ import shutil
 import sys
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from gpumagic.devices import selection
 from gpumagic.devices.inventory import read_inventory, require_gpus
@@ -27,7 +27,7 @@ from gpumagic.launch.kernel_side.local import loopback_port, run_local, store_li
 from gpumagic.launch.kernel_side.output import RankOutput, progress_lines
 from gpumagic.launch.kernel_side.post_mortem import PostMortems
 from gpumagic.launch.options import LaunchOptions, check_nprocs
-from gpumagic.launch.plan import LaunchPlan, assign_gpus
+from gpumagic.launch.plan import LaunchPlan, Placement, choose_backend, place_on
 from gpumagic.launch.shipping import pack, ship_cell, ship_function
 from gpumagic.run_dirs import store
 from gpumagic.run_dirs.launch_files import make_launch_directories, remove_launch_directories
@@ -260,15 +260,6 @@ def _run_here(
             dashboard.finish(status)
 
 
-class Placement(NamedTuple):
-    """Where a launch's ranks run: each rank's GPUs (UUIDs), whether CUDA is used, the process group's backend
-    (``None``: ``spawn``'s code makes its own group)."""
-
-    rank_gpus: tuple[tuple[str, ...], ...]
-    use_cuda: bool
-    backend: str | None
-
-
 def place_ranks(launch: LaunchOptions) -> Placement:
     """Read or lease the GPUs ``launch`` asks for and give each rank its share.
 
@@ -280,13 +271,15 @@ def place_ranks(launch: LaunchOptions) -> Placement:
     available, simulated = gpus_for_ranks(launch.gpus, launch.nprocs, launch.gpus_per_rank)
     nprocs = launch.nprocs if launch.nprocs is not None else default_nprocs(available, launch.gpus_per_rank)
     check_nprocs(nprocs)
-    if not launch.process_group and launch.gpus is None:  # as under mp.spawn, every process sees the kernel's GPUs
-        rank_gpus = tuple(tuple(available) for _ in range(nprocs))
-    else:
-        rank_gpus = assign_gpus(available, nprocs, launch.gpus_per_rank)
-    use_cuda = bool(available) and not simulated
-    backend = (launch.backend or ("nccl" if use_cuda else "gloo")) if launch.process_group else None
-    return Placement(rank_gpus, use_cuda, backend)
+    return place_on(
+        available,
+        nprocs,
+        launch.gpus_per_rank,
+        simulated=simulated,
+        backend=launch.backend,
+        process_group=launch.process_group,
+        every_rank_sees_all=not launch.process_group and launch.gpus is None,  # as under mp.spawn: the kernel's GPUs
+    )
 
 
 def _place_on_allocation(launch: LaunchOptions) -> Placement:
@@ -306,7 +299,7 @@ def _place_on_allocation(launch: LaunchOptions) -> Placement:
     use_cuda = gpus > 0 and launch.gpus is None
     nprocs = launch.nprocs if launch.nprocs is not None else max(1, gpus // launch.gpus_per_rank) if use_cuda else 2
     check_nprocs(nprocs)
-    return Placement(tuple(() for _ in range(nprocs)), use_cuda, launch.backend or ("nccl" if use_cuda else "gloo"))
+    return Placement(tuple(() for _ in range(nprocs)), use_cuda, choose_backend(launch.backend, use_cuda=use_cuda))
 
 
 def gpus_for_ranks(spec: str | None, nprocs: int | None, per_rank: int) -> tuple[list[str], bool]:

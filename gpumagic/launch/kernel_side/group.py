@@ -42,13 +42,12 @@ from gpumagic.launch.kernel_side.group_members import (
 from gpumagic.launch.kernel_side.group_output import GroupOutput
 from gpumagic.launch.kernel_side.group_recovery import GroupRecovery
 from gpumagic.launch.kernel_side.group_shipping import NameShipper
-from gpumagic.launch.kernel_side.kernel_end import watch_this_kernel
 from gpumagic.launch.kernel_side.post_mortem import read_user_line
+from gpumagic.launch.kernel_side.rank_start import rank_context
 from gpumagic.launch.options import GROUP_OPTIONS, LaunchOptions, check_hang_after
 from gpumagic.launch.plan import LaunchPlan, check_timeout
 from gpumagic.launch.rank_side.debugging import LEFT, PROMPT
 from gpumagic.launch.rank_side.group_rank import sync_here
-from gpumagic.launch.rank_side.rank_server import forkserver_context
 from gpumagic.launch.replay import Definition, definitions
 from gpumagic.launch.replicas import Divergence, compare, sync_plan
 from gpumagic.launch.shipping import FunctionPayload, dumps, pack, parse_cell, ship_cell, ship_function
@@ -160,8 +159,7 @@ class RankGroup:
         _open_groups.add(self)
         atexit.register(self.close)
         try:
-            context = self._stack.enter_context(forkserver_context())  # held: the server is not restarted
-            watch_this_kernel()  # in a kernel, the rank server and its ranks end before the kernel does
+            context = self._stack.enter_context(rank_context("forkserver"))  # held while the group lives
             self.members.start(context, self.plan)
             self.members.form()
         except RankDied as died:

@@ -20,6 +20,7 @@ from typing import Any
 
 from gpumagic.errors import GpumagicError
 from gpumagic.launch.kernel_side.process_set import Exit, ProcessSet
+from gpumagic.launch.kernel_side.rank_start import RankStarter
 from gpumagic.launch.plan import LaunchPlan
 from gpumagic.launch.rank_side.group_rank import serve_group_rank
 
@@ -125,8 +126,7 @@ class GroupMembers:
     def __init__(self, feed: Callable[[int, bytes], None], check_open: Callable[[], None]) -> None:
         self.feed = feed
         self.check_open = check_open
-        self.context: Any = None
-        self.plan: LaunchPlan | None = None
+        self.starter: RankStarter | None = None  # how its ranks start (the group's plan, the rank server)
         self.processes = ProcessSet([], groups=True)  # each rank leads its process group
         self.all: list[Member] = []
         self.partial: dict[int, tuple] = {}  # the replies the last wait gathered, when it was cut short
@@ -149,7 +149,7 @@ class GroupMembers:
 
     def start(self, context: Any, plan: LaunchPlan) -> None:
         """Start the plan's ranks from ``context`` (the rank server's) and wait until each is ready."""
-        self.context, self.plan = context, plan
+        self.starter = RankStarter(plan, context, target=serve_group_rank, name="ddp-rank-{}")
         for rank in range(plan.nprocs):
             member = self._spawn(rank)
             self.all.append(member)
@@ -158,14 +158,13 @@ class GroupMembers:
 
     def _spawn(self, rank: int) -> Member:
         self.check_open()  # closed meanwhile (the kernel is ending): no rank may start now
-        reader, writer = self.context.Pipe(duplex=False)
-        ours, theirs = self.context.Pipe()
-        status_ours, status_theirs = self.context.Pipe()
-        process = self.context.Process(
-            target=serve_group_rank, args=(rank, self.plan, writer, theirs, status_theirs), name=f"ddp-rank-{rank}"
-        )
+        assert self.starter is not None
+        context = self.starter.context
+        reader, writer = context.Pipe(duplex=False)
+        ours, theirs = context.Pipe()
+        status_ours, status_theirs = context.Pipe()
         try:
-            process.start()
+            process = self.starter.start(rank, writer, theirs, status_theirs)
         finally:
             writer.close()
             theirs.close()

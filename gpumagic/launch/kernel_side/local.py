@@ -1,5 +1,6 @@
-"""Starting a plan's ranks on this machine through multiprocessing (the contexts ``torch.multiprocessing``
-wraps; the launcher itself never imports torch, so a background job's runner stays small) and watching them.
+"""Running a plan's ranks on this machine: started the one way every local rank starts (``rank_start``, through
+multiprocessing, the contexts ``torch.multiprocessing`` wraps; the launcher itself never imports torch, so a
+background job's runner stays small) and watched.
 
 Ranks start from the rank server (``rank_server``: a forkserver with torch imported), so a relaunch costs a
 fork, not a torch import (``spawn`` is the fallback); the kernel itself is never forked. The watch loop is
@@ -9,8 +10,6 @@ all or nothing, as in torch elastic: every rank succeeds, or at the first failur
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
 import os
 import select
 import signal
@@ -18,17 +17,15 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing import resource_tracker
 from typing import Any
 
 from gpumagic.errors import InvalidArgument
 from gpumagic.launch.failures import LaunchError, LaunchInterrupted
 from gpumagic.launch.hang_reports import mismatch_after_failure
-from gpumagic.launch.kernel_side.kernel_end import watch_this_kernel
 from gpumagic.launch.kernel_side.process_set import Exit, ProcessSet
+from gpumagic.launch.kernel_side.rank_start import RankStarter, rank_context
 from gpumagic.launch.plan import LaunchPlan
 from gpumagic.launch.rank_side.rank import run_local_rank
-from gpumagic.launch.rank_side.rank_server import forkserver_context
 from gpumagic.launch.secure_store import listen
 from gpumagic.run_dirs.launch_files import make_launch_directories
 from gpumagic.run_dirs.layout import RunFiles
@@ -59,8 +56,9 @@ def run_local(
     files = RunFiles(plan.run_dir)
     make_launch_directories(files)
     write_sealed(files.payload, packed)
-    with _context(start_method) as context:  # held until the ranks ended: the server is not restarted under them
-        ranks = _start(plan, context, start_method, listener)
+    with rank_context(start_method) as context:  # held until the ranks ended: the server is not restarted under them
+        starter = RankStarter(plan, context, target=run_local_rank, name="rank-{}", start_method=start_method)
+        ranks = _start(starter, listener)
         watcher = _Watcher(plan, ranks, on_output or (lambda rank, data: None), poll_s, cancel, on_poll)
         try:
             if on_start is not None:
@@ -111,36 +109,20 @@ def store_listener(files: RunFiles) -> Any:
     return listener
 
 
-@contextlib.contextmanager
-def _context(start_method: str) -> Any:
-    if start_method == "forkserver":
-        with forkserver_context() as context:
-            watch_this_kernel()  # in a kernel, the rank server and its ranks end before the kernel does
-            yield context
-        return
-    resource_tracker.ensure_running()  # now, so it does not inherit a rank's GPUs (_initial_environment)
-    yield multiprocessing.get_context(start_method)
-
-
 class _Ranks(ProcessSet):
     """The rank processes of a local launch, with the read ends of their output pipes."""
 
     readers: dict[int, tuple[int, Any]]
 
 
-def _start(plan: LaunchPlan, context: Any, start_method: str, listener: Any) -> _Ranks:
-    pipes = [context.Pipe(duplex=False) for _ in range(plan.nprocs)]
+def _start(starter: RankStarter, listener: Any) -> _Ranks:
+    """Start every rank, each with the write ends of all output pipes (it keeps its own) and rank 0's store
+    listener; if one cannot start, those started are killed."""
+    pipes = [starter.context.Pipe(duplex=False) for _ in range(starter.plan.nprocs)]
     processes = []
     try:
-        for local_rank in range(plan.nprocs):
-            process = context.Process(
-                target=run_local_rank,
-                args=(local_rank, plan, [w for _, w in pipes], listener),
-                name=f"rank-{local_rank}",
-            )
-            with _initial_environment(plan, local_rank, start_method):
-                process.start()
-            processes.append(process)
+        for local_rank in range(starter.plan.nprocs):
+            processes.append(starter.start(local_rank, [w for _, w in pipes], listener))
     except BaseException:
         started = ProcessSet(processes, groups=True)
         started.stop(signal.SIGKILL, grace_s=5.0)
@@ -156,26 +138,6 @@ def _start(plan: LaunchPlan, context: Any, start_method: str, listener: Any) -> 
     ranks = _Ranks(processes, groups=True)
     ranks.readers = {reader.fileno(): (rank, reader) for rank, (reader, _) in enumerate(pipes)}
     return ranks
-
-
-@contextlib.contextmanager
-def _initial_environment(plan: LaunchPlan, local_rank: int, start_method: str) -> Any:
-    """With ``spawn``, start the rank with its GPUs in its initial environment (the one ``/proc`` shows, so the
-    simulated inventory counts the rank on its GPU); the rank sets the rest of its environment itself."""
-    gpus = plan.rank_gpus[local_rank] if plan.rank_gpus else ()
-    if start_method != "spawn" or not gpus:
-        yield
-        return
-    saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
-    os.environ.update(CUDA_VISIBLE_DEVICES=",".join(gpus), CUDA_DEVICE_ORDER="PCI_BUS_ID")
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _full_disk_note(run_dir: str) -> str:

@@ -21,9 +21,9 @@ import psutil
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.outcomes import read_rank_start
 from gpumagic.run_dirs.private import open_private
+from gpumagic.units import MIB
 
 SAMPLE_INTERVAL_S = 1.0
-MIB = 2**20
 
 
 def start_sampling(

@@ -18,6 +18,7 @@ from gpumagic.devices import leases
 from gpumagic.launch import messages
 from gpumagic.launch.hang_reports import HangReport, compose
 from gpumagic.launch.rank_side.group_rank import GroupRank
+from gpumagic.launch.rank_side.hang_watch import CollectiveRecorder, RecordedCall
 from gpumagic.launch.records import MemoryFreed, RankState, RankStatus
 from gpumagic.magics.ddp import _PARSERS, DdpMagics
 from gpumagic.run_dirs import records
@@ -197,3 +198,10 @@ def test_the_runner_reads_its_sealed_job_as_a_spec():
     assert spec == records.JobSpec(path.name, "spec", spec.submitted, {"count": 0}, ddp=2, backend="gloo", after=[])
     sealed = ("name", "submitted", "request", "ddp", "backend", "timeout_s", "after", "sys_path", "cwd")
     assert records.RUNNER_FIELDS == (*sealed, "memory_limit", "hang_after_s")  # job.json keeps its fields
+
+
+def test_a_recorded_collective_is_read_by_its_fields():
+    call = RecordedCall("all_reduce", 3, True, None, 5.0)
+    assert (call.op, call.since) == ("all_reduce", 5.0)
+    expected = {"op": "all_reduce", "seq": 3, "group": "default", "tensor": None, "since": 5.0}
+    assert CollectiveRecorder.describe(call) == expected

@@ -286,7 +286,7 @@ class GroupRank(RankRuntime):
     def collective(self) -> tuple[str, float] | None:
         """The collective the rank is in (its name, since when), or ``None``."""
         call = self.recorder.current if self.recorder is not None else None
-        return (call[0], call[4]) if call is not None else None
+        return (call.op, call.since) if call is not None else None
 
     @property
     def collectives(self) -> int:

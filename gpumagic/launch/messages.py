@@ -55,6 +55,10 @@ class ToKernel(Message):
 class Reply(ToKernel):
     """How a ``Request`` ended: ``Done``, ``Failed`` or ``Interrupted``."""
 
+    def failure(self) -> dict[str, Any]:
+        """What went wrong, as the rank reported it (``Failed.report``; ``{}``: it reported nothing)."""
+        return {}
+
 
 # --- requests -------------------------------------------------------------------------------------------
 
@@ -254,6 +258,9 @@ class Failed(Reply):
     report: dict[str, Any]
     collectives: int | None
 
+    def failure(self) -> dict[str, Any]:
+        return self.report
+
 
 @dataclasses.dataclass(frozen=True)
 class Interrupted(Reply):
@@ -363,7 +370,7 @@ KINDS: dict[str, type[Message]] = _kinds(Message)  # every message, by its name 
 
 def _fields(cls: type[Message]) -> tuple[str, ...]:
     """The fields a message carries after its ident, in order."""
-    return tuple(f.name for f in dataclasses.fields(cls) if f.name != "ident")  # type: ignore[arg-type]
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name != "ident")
 
 
 def encode(message: Message) -> tuple:
@@ -388,8 +395,8 @@ def decode(raw: Any, expected: type[Message]) -> Message:
     if len(raw) != 2 + len(names):
         raise MessageError(f"a {raw[0]!r} message has {len(names)} fields, not {len(raw) - 2}")
     values = dict(zip(names, raw[2:], strict=True))
-    if "ident" in {f.name for f in dataclasses.fields(cls)}:  # type: ignore[arg-type]
-        return cls(ident=raw[1], **values)  # type: ignore[call-arg]
+    if "ident" in {f.name for f in dataclasses.fields(cls)}:
+        return cls(ident=raw[1], **values)
     if raw[1] != cls.ident:
         raise MessageError(f"a {raw[0]!r} message is numbered {cls.ident}, not {raw[1]!r}")
-    return cls(**values)  # type: ignore[call-arg]
+    return cls(**values)

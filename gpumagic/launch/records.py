@@ -19,7 +19,7 @@ class Record(Mapping[str, Any]):
     are declared ``@dataclass(frozen=True, eq=False, repr=False)``: equality and repr are the mapping's."""
 
     def _keys(self) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(self))  # type: ignore[arg-type]
+        return tuple(f.name for f in dataclasses.fields(self))
 
     def __getitem__(self, key: str) -> Any:
         if key not in self._keys():

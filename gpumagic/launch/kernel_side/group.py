@@ -406,7 +406,7 @@ class RankGroup:
         self._check_open()
         self._recover_dead()
         replies = self.members.ask(list(self.members), messages.Describe, within=START_TIMEOUT_S)
-        refused = {r: _report(reply) for r, reply in replies.items() if not isinstance(reply, messages.Done)}
+        refused = {r: reply.failure() for r, reply in replies.items() if not isinstance(reply, messages.Done)}
         if refused:
             rank, report = min(refused.items())
             raise GroupError(f"rank {rank} could not describe its state: {report.get('type')}: {report.get('message')}")
@@ -433,7 +433,9 @@ class RankGroup:
         if not wanted:
             return []
         replies = self.members.ask(list(self.members), messages.Kinds, names=sorted(wanted))
-        kinds = {r: reply.value if isinstance(reply, messages.Done) else _report(reply) for r, reply in replies.items()}
+        kinds = {
+            r: reply.value if isinstance(reply, messages.Done) else reply.failure() for r, reply in replies.items()
+        }
         try:
             plan = sync_plan(sorted(wanted), kinds, source)
         except KeyError as err:
@@ -617,7 +619,7 @@ def _outcome(member: Member, reply: messages.Reply | None, files: RunFiles) -> R
         return RankOutcome(member.rank, member.pid, -int(signal.SIGINT), stopped_by_launcher=True)
     if isinstance(reply, messages.Done):
         return RankOutcome(member.rank, member.pid, 0)
-    report = _report(reply)
+    report = reply.failure()
     return RankOutcome(
         member.rank,
         member.pid,
@@ -645,11 +647,6 @@ def _collectives(reply: messages.Reply) -> int | None:
 
 
 def _result(reply: messages.Reply) -> messages.CellResult:
-    """What a cell's ``messages.Done`` carries."""
+    """What a cell's ``Done`` carries."""
     assert isinstance(reply, messages.Done) and isinstance(reply.value, messages.CellResult), reply
     return reply.value
-
-
-def _report(reply: messages.Reply) -> dict[str, Any]:
-    """What went wrong, as a rank reported it (``{}``: it was interrupted, it reported nothing)."""
-    return reply.report if isinstance(reply, messages.Failed) else {}

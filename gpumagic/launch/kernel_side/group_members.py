@@ -21,7 +21,7 @@ from typing import Any
 from gpumagic.errors import GpumagicError
 from gpumagic.launch import messages
 from gpumagic.launch.kernel_side.process_set import Exit, ProcessSet
-from gpumagic.launch.messages import READY, STORE, Failed, Message, Reply, ToKernel
+from gpumagic.launch.messages import READY, STORE, Failed, Reply, ToKernel
 from gpumagic.launch.plan import LaunchPlan
 from gpumagic.launch.rank_side.group_rank import serve_group_rank
 from gpumagic.launch.records import RankState
@@ -206,7 +206,8 @@ class GroupMembers:
         replies = self.wait(ident, self.all, time.monotonic() + START_TIMEOUT_S)
         failed = sorted(r for r, m in replies.items() if not isinstance(m, messages.Done))
         if failed:
-            raise GroupError(f"rank {failed[0]} could not join the process group: {_why(replies[failed[0]])}")
+            why = replies[failed[0]].failure().get("message")
+            raise GroupError(f"rank {failed[0]} could not join the process group: {why}")
 
     def close(self, within: float) -> None:
         """Ask the ranks to close (``within`` seconds), then end them and what they started (SIGTERM, SIGKILL
@@ -259,10 +260,10 @@ class GroupMembers:
             RankDied: a member died first. ReplyTimeout: ``within`` passed.
         """
         ident = self.next_ident()
-        request = kind(ident=ident, **fields)  # type: ignore[call-arg]
+        request = kind(ident=ident, **fields)
         for member in members:
             member.send(request)
-        return self.wait(ident, members, None if within is None else time.monotonic() + within)  # type: ignore[return-value]
+        return self.wait(ident, members, None if within is None else time.monotonic() + within)
 
     def request(self, member: Member, kind: type[messages.Request], **fields: Any) -> Any:
         """One request to one rank, outside a cell (no interrupt handling beyond the kernel's own); its answer.
@@ -272,7 +273,7 @@ class GroupMembers:
         """
         reply = self.ask([member], kind, **fields)[member.rank]
         if not isinstance(reply, messages.Done):
-            report = reply.report if isinstance(reply, Failed) else {}
+            report = reply.failure()
             raise GroupError(f"rank {member.rank}: {report.get('type')}: {report.get('message')}")
         return reply.value
 
@@ -441,11 +442,6 @@ def ask_status(members: list[Member], within: float) -> dict[int, RankState]:
             except (EOFError, OSError, messages.MessageError):
                 continue
     return found
-
-
-def _why(reply: Message) -> str | None:
-    """What a rank's reply that is not ``Done`` says went wrong."""
-    return reply.report.get("message") if isinstance(reply, Failed) else None
 
 
 @contextlib.contextmanager

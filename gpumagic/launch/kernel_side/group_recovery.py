@@ -21,7 +21,6 @@ from gpumagic.launch.kernel_side.group_shipping import NameShipper
 from gpumagic.launch.messages import (
     Done,
     Export,
-    Failed,
     Interrupted,
     Leave,
     Pause,
@@ -194,7 +193,7 @@ class GroupRecovery:
         for member in fresh:
             reply = restored[member.rank]
             if not isinstance(reply, Done):
-                why = reply.report.get("message") if isinstance(reply, Failed) else None
+                why = reply.failure().get("message")
                 notes.append(f"rank {member.rank} could not take back its state: {why}")
                 continue
             got = reply.value

@@ -11,12 +11,17 @@ anything else raises ``MessageError``.
 number of the request it answers. A rank's own notices have fixed numbers (``READY``, ``STORE``, ``DEBUG``).
 The status channel (answered even while a cell runs) carries ``StatusAsk``/``StatusAnswer``, numbered by a
 random string.
+
+A launch's rank kept for ``--pdb`` talks to the kernel over a Unix socket instead (``debugging.serve_post_mortem``):
+there ``DebugIO`` and ``Stdin`` travel as JSON lines, ``{"text", "state"}`` and ``{"line"}``
+(``to_json_line``/``from_json_line``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+import json
+from typing import Any, ClassVar, TypeVar
 
 from gpumagic.launch.records import RankState
 
@@ -400,3 +405,34 @@ def decode(raw: Any, expected: type[Message]) -> Message:
     if raw[1] != cls.ident:
         raise MessageError(f"a {raw[0]!r} message is numbered {cls.ident}, not {raw[1]!r}")
     return cls(**values)
+
+
+def to_json_line(message: DebugIO | Stdin) -> str:
+    """A debugger's message as a line of its socket: ``{"text", "state"}`` or ``{"line"}``."""
+    if isinstance(message, DebugIO):
+        return json.dumps({"text": message.text, "state": message.state}) + "\n"
+    return json.dumps({"line": message.line}) + "\n"
+
+
+Console = TypeVar("Console", DebugIO, Stdin)
+
+
+def from_json_line(line: str, expected: type[Console]) -> Console:
+    """The ``expected`` message a line of a debugger's socket holds (a field it lacks: empty).
+
+    Raises:
+        MessageError: not JSON, not an object, or a field of the wrong type.
+    """
+    try:
+        data = json.loads(line)
+    except ValueError:
+        raise MessageError("a debugger's line that is not JSON") from None
+    if not isinstance(data, dict):
+        raise MessageError(f"a debugger's line holds {type(data).__name__}, not an object")
+    if expected is DebugIO:
+        text, state = data.get("text") or "", data.get("state")
+        if isinstance(text, str) and (state is None or isinstance(state, str)):
+            return expected(text, state)
+    elif data.get("line") is None or isinstance(data.get("line"), str):
+        return expected(0, data.get("line"))
+    raise MessageError(f"a debugger's {expected.__name__} line with a field of the wrong type")

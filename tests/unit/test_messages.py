@@ -17,6 +17,7 @@ import gpumagic
 from gpumagic.devices import leases
 from gpumagic.launch import messages
 from gpumagic.launch.hang_reports import HangReport, compose
+from gpumagic.launch.messages import from_json_line, to_json_line
 from gpumagic.launch.rank_side.group_rank import GroupRank
 from gpumagic.launch.rank_side.hang_watch import CollectiveRecorder, RecordedCall
 from gpumagic.launch.records import MemoryFreed, RankState, RankStatus
@@ -205,3 +206,17 @@ def test_a_recorded_collective_is_read_by_its_fields():
     assert (call.op, call.since) == ("all_reduce", 5.0)
     expected = {"op": "all_reduce", "seq": 3, "group": "default", "tensor": None, "since": 5.0}
     assert CollectiveRecorder.describe(call) == expected
+
+
+def test_a_debugger_socket_carries_the_same_messages_as_json_lines():
+    said = messages.DebugIO("(Pdb) ", "prompt")
+    assert to_json_line(said) == '{"text": "(Pdb) ", "state": "prompt"}\n'  # the lines --pdb always wrote
+    assert from_json_line(to_json_line(said), messages.DebugIO) == said
+    assert to_json_line(messages.Stdin(0, "p x")) == '{"line": "p x"}\n'
+    assert from_json_line('{"line": null}', messages.Stdin).line is None
+    assert from_json_line("{}", messages.DebugIO) == messages.DebugIO("", None)
+    for bad in ("not json", "[1, 2]", '{"text": 3}', '{"state": ["prompt"]}'):
+        with pytest.raises(messages.MessageError):
+            from_json_line(bad, messages.DebugIO)
+    with pytest.raises(messages.MessageError):
+        from_json_line('{"line": {"__reduce__": 1}}', messages.Stdin)

@@ -3,9 +3,11 @@ runs what the kernel sends (cells, functions, pull/push, re-forming the process 
 persists, until the kernel closes the group or dies.
 
 Two threads. The main thread runs the user's code, so the kernel's interrupt (SIGINT) raises
-KeyboardInterrupt there. The control thread reads every message from the kernel: ``status`` and ``break``
-(shut the process group's connections so a collective stuck waiting for a peer fails at once) it answers
-itself, even while the main thread is busy; the rest it queues for the main thread.
+KeyboardInterrupt there. The control thread reads every message from the kernel (``launch.messages``): the
+control messages (``Break``: shut the process group's connections so a collective stuck waiting for a peer
+fails at once; ``Pause``, ``StopAt``, ``Stdin``, ``HangAfter``) it acts on itself, even while the main thread
+is busy (``CONTROLS``); the requests it queues for the main thread, which does each with its handler in
+``HANDLERS``. A third thread answers the status channel.
 
 Started from the rank server like a launch's ranks (``rank.run_local_rank``), with the same runtime and set-up
 (``runtime.RankRuntime``); imported there, so torch is imported only where it is used.

@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import gc
 import importlib
-import io
 import os
 import queue
 import signal
@@ -49,7 +48,7 @@ from gpumagic.launch.rank_side.process_group import (
 from gpumagic.launch.rank_side.runtime import RankRuntime, RankSetup, become_rank, exit_rank, plan_setup
 from gpumagic.launch.rank_side.sync_points import SyncPoints, track_ddp_forwards
 from gpumagic.launch.records import MemoryFreed, RankState
-from gpumagic.launch.shipping import dumps, pickler_class
+from gpumagic.launch.shipping import dumps, dumps_to_cpu
 
 _kept: dict[str, None] = {}  # names registered with gpumagic.keep, in registration order
 _this_rank: GroupRank | None = None
@@ -388,7 +387,7 @@ class GroupRank(RankRuntime):
         self.receive(payload.names)
         self._start(request.label)
         value = payload.run(self._context(), self.namespace)
-        return messages.CellResult(_dumps_to_cpu(value), *self.names(), self.collectives)
+        return messages.CellResult(dumps_to_cpu(value), *self.names(), self.collectives)
 
     def do_call(self, request: messages.Call) -> messages.CellResult:
         """Call a shipped function (``shipping.FunctionPayload``)."""
@@ -397,7 +396,7 @@ class GroupRank(RankRuntime):
         fn = self._in_namespace(payload.fn)
         self._start(request.label)
         value = fn(*payload.args, **payload.kwargs)
-        return messages.CellResult(_dumps_to_cpu(value), *self.names(), self.collectives)
+        return messages.CellResult(dumps_to_cpu(value), *self.names(), self.collectives)
 
     def receive(self, names: dict[str, Any]) -> None:
         """Take the notebook's names (their values as the kernel sent them) into the namespace."""
@@ -473,7 +472,7 @@ class GroupRank(RankRuntime):
         value = self.namespace[name]
         if isinstance(value, DistributedDataParallel):
             value = value.module
-        return _dumps_to_cpu(value)
+        return dumps_to_cpu(value)
 
     def do_push(self, request: messages.Push) -> None:
         values = cloudpickle.loads(request.packed)
@@ -665,26 +664,6 @@ def _wrap_like(module: Any, old: Any, how: dict[str, Any] | None = None) -> Any:
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(module, **(how if how is not None else _wrapping_of(old)))
-
-
-def _dumps_to_cpu(value: Any) -> bytes:
-    """``value`` pickled (cloudpickle: what the notebook's ranks defined travels by value) with every GPU
-    tensor copied to the CPU, so the kernel can load it without a GPU."""
-    # lazy: torch, in rank processes only
-    import torch
-
-    class ToCpu(pickler_class()):
-        def reducer_override(self, obj: Any) -> Any:
-            if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-                copy = obj.detach().to("cpu")
-                if isinstance(obj, torch.nn.Parameter):
-                    copy = torch.nn.Parameter(copy, requires_grad=obj.requires_grad)
-                return copy.__reduce_ex__(self.proto)
-            return super().reducer_override(obj)
-
-    buffer = io.BytesIO()
-    ToCpu(buffer).dump(value)
-    return buffer.getvalue()
 
 
 def _rss() -> int | None:

@@ -65,12 +65,23 @@ class Lease:
         return f"leased by {self.holder()} since {when}"
 
 
+@dataclass(frozen=True)
+class HeldLease:
+    """One lease this process holds: its record's descriptor (its ``flock`` is the lease) and path, since when,
+    and whether it is shared."""
+
+    fd: int
+    path: Path
+    since: float
+    shared: bool
+
+
 class LeaseBook:
     """The leases this process holds. One per process: use ``book()``."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._held: dict[str, tuple[int, Path, float, bool]] = {}  # uuid -> (locked record, its path, since, shared)
+        self._held: dict[str, HeldLease] = {}  # by GPU uuid
         self._atexit = False
         self.label: str | None = None  # what the records call the holder (default: the notebook's name)
 
@@ -81,7 +92,7 @@ class LeaseBook:
     def since(self, uuid: str) -> float | None:
         with self._lock:
             entry = self._held.get(uuid)
-            return entry[2] if entry else None
+            return entry.since if entry else None
 
     def as_lease(self, uuid: str) -> Lease:
         """This process's lease on ``uuid`` as a record would show it."""
@@ -99,7 +110,7 @@ class LeaseBook:
         """True if this process holds ``uuid`` as a shared lease (a sharing job's)."""
         with self._lock:
             entry = self._held.get(uuid)
-            return entry is not None and entry[3]
+            return entry is not None and entry.shared
 
     def try_acquire(self, uuid: str) -> bool:
         """Take the lease on ``uuid`` if nobody holds it. Call under ``pick_lock()``."""
@@ -129,7 +140,7 @@ class LeaseBook:
         record = json.dumps(self._record(uuid, since, shared, reserve)).encode()
         stem = f"{uuid}.{os.getuid()}.{os.getpid()}."
         fd, path = shared_files.create_own_file(directory, stem, ".json", record, lock=True)
-        self._held[uuid] = (fd, path, since, shared)
+        self._held[uuid] = HeldLease(fd, path, since, shared)
         if not self._atexit:
             atexit.register(self.release_all)
             self._atexit = True
@@ -156,11 +167,10 @@ class LeaseBook:
                 entry = self._held.pop(uuid, None)
                 if entry is None:
                     continue
-                fd, path, _, _ = entry
                 with contextlib.suppress(OSError):
-                    path.unlink()
+                    entry.path.unlink()
                 with contextlib.suppress(OSError):
-                    os.close(fd)
+                    os.close(entry.fd)
                 released.append(uuid)
         return released
 

@@ -68,8 +68,8 @@ class _Runner:
             except (PayloadRejected, OSError, ValueError) as err:
                 self._fail_before_start(err)
                 return
-            self.name = spec["name"]
-            sys.path[:0] = [p for p in spec.get("sys_path") or [] if p not in sys.path]  # the ranks inherit it
+            self.name = spec.name
+            sys.path[:0] = [p for p in spec.sys_path or [] if p not in sys.path]  # the ranks inherit it
             # the reason stays: "starting", or why the job waits, which the kernel recorded at the submission
             records.update(self.run_dir, runner_pid=os.getpid(), runner_start=process_start_time(os.getpid()))
             self._run_job(spec)
@@ -82,7 +82,7 @@ class _Runner:
             leases.book().release_all()
             records.release_reserve(self.run_dir)
 
-    def _run_job(self, spec: dict[str, Any]) -> None:
+    def _run_job(self, spec: records.JobSpec) -> None:
         try:
             if not self._wait_for_dependencies(spec):
                 return
@@ -145,12 +145,12 @@ class _Runner:
     def _finish(self, status: str, why: str, **fields: Any) -> None:
         store.record_end(self.run_dir, status, why, **fields)
 
-    def _wait_for_dependencies(self, spec: dict[str, Any]) -> bool:
+    def _wait_for_dependencies(self, spec: records.JobSpec) -> bool:
         """Block until every ``after`` job has finished; False (job cancelled) if one did not."""
         # lazy: the spawn ranks import this module as their main; only the runner waits
         from gpumagic.jobs import executors
 
-        pending = list(spec.get("after") or [])
+        pending = list(spec.after or [])
         last = None
         while pending:
             for name in list(pending):
@@ -171,22 +171,22 @@ class _Runner:
                 time.sleep(0.25)
         return True
 
-    def _wait_for_gpus(self, spec: dict[str, Any]) -> list[Any]:
+    def _wait_for_gpus(self, spec: records.JobSpec) -> list[Any]:
         # lazy: the spawn ranks import this module as their main; only the runner queues
         from gpumagic.jobs import queue
 
-        request = queue.Request.from_json(spec["request"])
+        request = queue.Request.from_json(spec.request)
         if request.wants == 0:
             return []
         return queue.wait_for_gpus(
             self.name,
             request,
-            float(spec["submitted"]),
+            float(spec.submitted),
             self.run_dir.name,
             lambda why: records.update(self.run_dir, reason=why),
         )
 
-    def _run(self, spec: dict[str, Any], gpus: list[Any]) -> None:
+    def _run(self, spec: records.JobSpec, gpus: list[Any]) -> None:
         # lazy: the spawn ranks import this module as their main; only the runner needs the launch
         from gpumagic.launch import failures
         from gpumagic.launch.hang_reports import HangFollower
@@ -195,7 +195,7 @@ class _Runner:
         from gpumagic.launch.plan import LaunchPlan, place_on
         from gpumagic.launch.rank_side.memory_cap import MEMORY_LIMIT_VARIABLE
 
-        ddp = spec.get("ddp")
+        ddp = spec.ddp
         nprocs = ddp or 1
         uuids = [g.uuid for g in gpus]
         placed = place_on(  # the queue gave the job a multiple of its ranks
@@ -203,12 +203,12 @@ class _Runner:
             nprocs,
             len(uuids) // nprocs,
             simulated=any(g.simulated for g in gpus),
-            backend=spec.get("backend"),
+            backend=spec.backend,
             process_group=bool(ddp),
         )
         backend = placed.backend
-        reserve = spec["request"].get("min_free")
-        capped = spec.get("memory_limit") and reserve  # each rank capped at the job's reservation (--memory-limit)
+        reserve = spec.request.get("min_free")
+        capped = spec.memory_limit and reserve  # each rank capped at the job's reservation (--memory-limit)
         files = self.files
         make_launch_directories(files)
         listener = local.store_listener(files)
@@ -218,8 +218,8 @@ class _Runner:
             backend=backend,
             use_cuda=placed.use_cuda,
             master_port=local.loopback_port(None),
-            timeout_s=float(spec.get("timeout_s") or 1800.0),
-            hang_after_s=float(spec.get("hang_after_s", 0.0)) if ddp else 0.0,
+            timeout_s=float(spec.timeout_s or 1800.0),
+            hang_after_s=float(spec.hang_after_s or 0.0) if ddp else 0.0,
             extra_env={MEMORY_LIMIT_VARIABLE: str(int(reserve))} if capped else None,
         )
         records.update(

@@ -11,6 +11,7 @@ aborts a rank whose all_reduce sizes differ from its peers').
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpumagic.launch.records import Record
 from gpumagic.run_dirs import store
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.outcomes import read_json
@@ -31,6 +33,21 @@ ANSWER_WAIT_S = 1.5  # how long the report waits for every rank's answer
 LOOK_EVERY_S = 0.1  # the follower looks at most this often, however often its loop calls it
 _CELL = re.compile(r"^<.*?cell (.+)>$")
 _DURATION = re.compile(r"\b\d+(\.\d+)?s\b")
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class HangReport(Record):
+    """One hang report, read as the dict it is kept as in ``run.json`` (``hang``): when it was made, the
+    threshold (seconds), the ranks that waited past it, those that did not answer, each rank's line (by its
+    number as a string), the mismatches found, and ``text``: what the cell shows."""
+
+    time: float
+    after_s: float
+    waiting: list[int]
+    silent: list[int]
+    ranks: dict[str, str]
+    mismatches: list[str]
+    text: str
 
 
 def format_duration(seconds: float) -> str:
@@ -98,7 +115,7 @@ def _stack_lines(stack: list[dict[str, Any]]) -> list[str]:
 
 def compose(
     waiting: dict[int, dict[str, Any]], answers: dict[int, dict[str, Any]], world_size: int, after_s: float
-) -> dict[str, Any]:
+) -> HangReport:
     """The report: ``text`` (what the cell shows), ``ranks`` (each rank's line), ``mismatches``, ``waiting``,
     ``silent`` (ranks that did not answer), ``time``."""
     now = time.time()
@@ -136,15 +153,15 @@ def compose(
         lines.extend(f"  {'':>{width}}  {line}" for line in rest)
     lines.extend(f"  mismatch: {m}" for m in mismatches)
     lines.append("  (interrupt the cell to stop it; --hang-after D sets when this shows, 0 turns it off)")
-    return {
-        "time": now,
-        "after_s": after_s,
-        "waiting": late,
-        "silent": sorted(set(range(world_size)) - set(answers)),
-        "ranks": {str(r): t for r, t in ranks.items()},
-        "mismatches": mismatches,
-        "text": "\n".join(lines),
-    }
+    return HangReport(
+        time=now,
+        after_s=after_s,
+        waiting=late,
+        silent=sorted(set(range(world_size)) - set(answers)),
+        ranks={str(r): t for r, t in ranks.items()},
+        mismatches=mismatches,
+        text="\n".join(lines),
+    )
 
 
 def _ranks_label(ranks: list[int]) -> str:
@@ -255,7 +272,8 @@ def read_record(path: Path) -> dict[str, Any] | None:
 
 
 class HangFollower:
-    """Follows one run's ranks for hang notices; ``show(text)`` the report, ``record(report)`` keeps it."""
+    """Follows one run's ranks for hang notices; ``show(text)`` the report, ``record(report)`` keeps it (given it
+    as a plain dict, for JSON)."""
 
     def __init__(
         self,
@@ -270,7 +288,7 @@ class HangFollower:
         self.after_s = after_s
         self.show = show
         self.record = record
-        self.reports: list[dict[str, Any]] = []
+        self.reports: list[HangReport] = []
         self.quiet = False  # a debugger holds a rank: its peers wait for it, which is no hang
         self._stamp: int | None = None
         self._ranks = str(self.files.ranks)
@@ -286,7 +304,7 @@ class HangFollower:
             run_dir, world_size, after_s, show, record=lambda report: store.update_run(Path(run_dir), hang=report)
         )
 
-    def poll(self) -> dict[str, Any] | None:
+    def poll(self) -> HangReport | None:
         """One look (cheap while nothing waits); the report made now, if any. Never raises: a report that
         cannot be made (a full disk) must not end the cell it is about."""
         try:
@@ -295,7 +313,7 @@ class HangFollower:
             self._pending = None
             return None
 
-    def _look(self) -> dict[str, Any] | None:
+    def _look(self) -> HangReport | None:
         if self.after_s <= 0:
             return None
         now = time.monotonic()
@@ -317,9 +335,9 @@ class HangFollower:
         self._pending = None
         report = compose(waiting, answers, self.world_size, self.after_s)
         self.reports.append(report)
-        self.show(report["text"])
+        self.show(report.text)
         if self.record is not None:
-            self.record(report)
+            self.record(report.as_json())
         return report
 
     def _new_notices(self) -> dict[int, dict[str, Any]]:

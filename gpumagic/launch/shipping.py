@@ -186,6 +186,26 @@ def pickler_class() -> type:
     return _PICKLER
 
 
+def dumps_to_cpu(value: Any) -> bytes:
+    """``value`` pickled (cloudpickle: what the notebook's ranks defined travels by value) with every GPU
+    tensor copied to the CPU, so the kernel can load it without a GPU."""
+    # lazy: torch takes seconds to import; only rank processes call this
+    import torch
+
+    class ToCpu(pickler_class()):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+                copy = obj.detach().to("cpu")
+                if isinstance(obj, torch.nn.Parameter):
+                    copy = torch.nn.Parameter(copy, requires_grad=obj.requires_grad)
+                return copy.__reduce_ex__(self.proto)
+            return super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    ToCpu(buffer).dump(value)
+    return buffer.getvalue()
+
+
 def pack(payload: CellPayload | FunctionPayload) -> bytes:
     """The payload as the ranks receive it, pickled once (names that share objects keep sharing them).
 

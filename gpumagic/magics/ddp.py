@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from IPython.core.error import UsageError
@@ -124,7 +125,7 @@ class DdpMagics(Magics):
         if args is None or args.help:
             return Help(parser.format_help())
         try:
-            return getattr(self, f"_{name}")(args)
+            return self.SUBCOMMANDS[name](self, args)
         except GpumagicError as err:
             raise UsageError(f"{parser.prog}: {err}") from None
 
@@ -259,6 +260,19 @@ class DdpMagics(Magics):
         if not names:
             return Help("nothing to sync: no DDP model, optimizer, kept name or difference found")
         return Help(f"every rank now has rank {args.source}'s {', '.join(names)}")
+
+    SUBCOMMANDS: ClassVar[dict[str, Callable[[Any, argparse.Namespace], Any]]] = {  # one per parser in _PARSERS
+        "start": _start,
+        "stop": _stop,
+        "restart": _restart,
+        "status": _status,
+        "debug": _debug,
+        "free": _free,
+        "watch": _watch,
+        "kept": _kept,
+        "check": _check,
+        "sync": _sync,
+    }
 
     # --- the cell ----------------------------------------------------------------------------------------
 

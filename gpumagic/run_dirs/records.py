@@ -22,6 +22,7 @@ with what its executor sees of it now (``jobs.executors``: ``local``, ``slurm``)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import itertools
@@ -44,8 +45,35 @@ from gpumagic.run_dirs.signing import PayloadRejected, read_sealed, write_sealed
 ACTIVE = run_end.ACTIVE  # a job's, as every run's
 ENDED = ("finished", "failed", "killed", "cancelled", "lost")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.,=+-]{0,79}$")
-RUNNER_FIELDS = ("name", "submitted", "request", "ddp", "backend", "timeout_s", "after", "sys_path", "cwd")
-RUNNER_FIELDS += ("memory_limit", "hang_after_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """What the runner runs, as sealed in the job's ``job.json``: the job's id (its directory's name) and name,
+    when it was submitted, its GPU request (``jobs.queue.Request``'s JSON), its ranks (``ddp``; ``None``: one
+    process), backend, process group timeout (seconds), the jobs it waits for, the kernel's ``sys.path`` and
+    working directory, whether each rank is capped at its reservation, and the hang report threshold (seconds)."""
+
+    id: str
+    name: str
+    submitted: float
+    request: dict[str, Any]
+    ddp: int | None = None
+    backend: str | None = None
+    timeout_s: float | None = None
+    after: list[str] | None = None
+    sys_path: list[str] | None = None
+    cwd: str | None = None
+    memory_limit: bool | None = None
+    hang_after_s: float | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> JobSpec:
+        """The spec ``job.json`` holds (fields it lacks are ``None``)."""
+        return cls(**{f.name: data.get(f.name) for f in dataclasses.fields(cls)})
+
+
+RUNNER_FIELDS = tuple(f.name for f in dataclasses.fields(JobSpec) if f.name != "id")  # sealed in job.json
 RESERVE_BYTES = 64 << 10
 
 
@@ -147,7 +175,7 @@ def create(name: str, packed: bytes, reserve: bool = True, **fields: Any) -> Pat
     return path
 
 
-def read_spec(path: Path) -> dict[str, Any]:
+def read_spec(path: Path) -> JobSpec:
     """What the runner runs, from the sealed ``job.json`` of the job at ``path``.
 
     Raises:
@@ -157,7 +185,7 @@ def read_spec(path: Path) -> dict[str, Any]:
     spec = json.loads(read_sealed(where, f"the description of job {path.name} ({where})"))
     if spec.get("id") != path.name:
         raise PayloadRejected(f"{where} describes job {spec.get('id')!r}, not {path.name}; it will not be run")
-    return spec
+    return JobSpec.from_json(spec)
 
 
 def _reserve(path: Path) -> None:

@@ -288,10 +288,12 @@ def test_a_ranks_failure_report_starts_at_the_users_own_code(tmp_path):
         tmp_path,
         """
         import json, cloudpickle
+        from gpumagic.launch.messages import Exec
         from gpumagic.launch.shipping import CellPayload
 
         cell = CellPayload("x = 1\\nraise ValueError('bad batch')", "<cell In[1]>")
-        print(json.dumps(rank._handle("exec", 1, ["In[1]", cloudpickle.dumps(cell)])))
+        reply = rank._handle(Exec(1, "In[1]", cloudpickle.dumps(cell)))
+        print(json.dumps([reply.KIND, reply.ident, reply.report]))
         """,
     )
     kind, _, report = json.loads(ran.stdout.splitlines()[-1])

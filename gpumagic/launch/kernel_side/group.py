@@ -26,8 +26,9 @@ from gpumagic.devices import selection
 from gpumagic.devices.processes import is_running
 from gpumagic.devices.spec import parse_spec
 from gpumagic.errors import GpumagicError, InvalidArgument, ReportedError
+from gpumagic.launch import messages
 from gpumagic.launch.failures import LaunchError
-from gpumagic.launch.hang_reports import HangFollower, mismatch_after_failure
+from gpumagic.launch.hang_reports import HangFollower, HangReport, mismatch_after_failure
 from gpumagic.launch.kernel_side.ddp import place_ranks, stdout_writer
 from gpumagic.launch.kernel_side.group_members import (
     START_TIMEOUT_S,
@@ -48,6 +49,7 @@ from gpumagic.launch.options import GROUP_OPTIONS, LaunchOptions, check_hang_aft
 from gpumagic.launch.plan import LaunchPlan, check_timeout
 from gpumagic.launch.rank_side.debugging import LEFT, PROMPT
 from gpumagic.launch.rank_side.group_rank import sync_here
+from gpumagic.launch.records import MemoryFreed, RankStatus
 from gpumagic.launch.replay import Definition, definitions
 from gpumagic.launch.replicas import Divergence, compare, sync_plan
 from gpumagic.launch.shipping import FunctionPayload, dumps, pack, parse_cell, ship_cell, ship_function
@@ -251,10 +253,10 @@ class RankGroup:
         packed, digests = self._shipper.pack_for(payload, targets, namespace, hidden)
         found = definitions(code, filename, tree)
         with self._hang_threshold(after_s):
-            return self._run("exec", filename, packed, targets, self._deadline(timeout), digests, found)
+            return self._run(messages.Exec, filename, packed, targets, self._deadline(timeout), digests, found)
 
     @property
-    def hang_reports(self) -> list[dict[str, Any]]:
+    def hang_reports(self) -> list[HangReport]:
         """The hang reports of this group's cells, oldest first (each: ``text``, ``time``, ``ranks``, ...)."""
         return self.hangs.reports
 
@@ -275,7 +277,7 @@ class RankGroup:
         self.hangs.after_s = after_s
         for member in self.members:
             if member.alive:
-                member.send(("hang_after", 0, after_s))
+                member.send(messages.HangAfter(0, after_s))
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[int, Any]:
         """Call ``fn(*args, **kwargs)`` on every rank (in its namespace: globals it defines persist);
@@ -284,7 +286,9 @@ class RankGroup:
         packed = pack(ship_function(fn, args, kwargs, rank_first=False))
         self._recover_dead()
         targets = self._targets(None)
-        return self._run("call", getattr(fn, "__name__", "fn"), {m.rank: packed for m in targets}, targets, None, {})
+        return self._run(
+            messages.Call, getattr(fn, "__name__", "fn"), {m.rank: packed for m in targets}, targets, None, {}
+        )
 
     def pull(self, name: str, rank: int = 0) -> Any:
         """A copy of ``name`` from ``rank`` (tensors, modules and state_dicts on the CPU; a DDP model: its module)."""
@@ -292,8 +296,7 @@ class RankGroup:
         if not isinstance(name, str) or not name.isidentifier():
             raise InvalidArgument(f"pull needs a variable name, got {name!r}")
         (member,) = self._targets([rank])
-        reply = self._request(member, "pull", name)
-        return cloudpickle.loads(reply)
+        return cloudpickle.loads(self._request(member, messages.Pull, name=name))
 
     def push(self, **values: Any) -> None:
         """Set names on every rank (``push(lr=1e-3, batch=b)``); pushed names are the ranks' own from then on."""
@@ -304,26 +307,23 @@ class RankGroup:
             pack(FunctionPayload(dict, kwargs=values))
             raise
         self._recover_dead()
-        replies = self.members.ask(list(self.members), "push", packed)
+        replies = self.members.ask(list(self.members), messages.Push, packed=packed)
         for member in self.members:
-            if replies[member.rank][0] == "done":
+            if isinstance(replies[member.rank], messages.Done):
                 member.own.update(values)
                 member.present.update(values)
                 for name in values:
                     member.shipped.pop(name, None)
 
-    def status(self) -> list[dict[str, Any]]:
-        """Each rank: alive, pid, the cell it is running and since when, the collective it is in and since
-        when, GPU memory allocated and reserved (bytes; ``None`` on a CPU rank), resident memory."""
+    def status(self) -> list[RankStatus]:
+        """Each rank (a ``RankStatus``, read as a dict): alive, pid, the cell it is running and since when, the
+        collective it is in and since when, GPU memory allocated and reserved (bytes; ``None`` on a CPU rank),
+        resident memory."""
         self._check_open()
         members = list(self.members)
-        replies = ask_status([m for m in members if m.alive and is_running(m.pid)], 2.0)
-        rows = []
-        for member in members:
-            row = {"rank": member.rank, "pid": member.pid, "alive": member.alive and is_running(member.pid)}
-            row.update(replies.get(member.rank, {}))
-            rows.append(row)
-        return rows
+        states = ask_status([m for m in members if m.alive and is_running(m.pid)], 2.0)
+        alive = {m.rank: m.alive and is_running(m.pid) for m in members}
+        return [RankStatus(m.rank, m.pid, alive[m.rank], states.get(m.rank)) for m in members]
 
     def debug(self, rank: int) -> None:
         """A post-mortem debugger (pdb) on the frame where ``rank``'s last cell failed: its prompt and output
@@ -355,42 +355,43 @@ class RankGroup:
                 f"rank {rank} died in the last cell, so its frames are gone (a fresh rank took its place); the "
                 "cell's error shows its last Python stack"
             )
-        self.members.request(self.members[rank], "debug")
+        self.members.request(self.members[rank], messages.Debug)
 
     def _debug_io(self, member: Member, text: str, state: str | None) -> None:
         """A rank's debugger said something: show it; at its prompt, read the user's line and send it."""
         if state == PROMPT:
             self.hangs.quiet = True  # the peers wait for the rank in the debugger: no hang to report
             if self._stopping:  # an interrupted cell is being stopped: no prompt may hold it
-                member.send(("stdin", 0, None))
+                member.send(messages.Stdin(0, None))
                 return
             try:
                 line: str | None = self.read_line(text)
             except KeyboardInterrupt:  # the stop button: the debugger lets go, and the cell is interrupted
-                member.send(("stdin", 0, None))
+                member.send(messages.Stdin(0, None))
                 raise
             except (EOFError, Exception):  # noqa: BLE001 - no input box here
                 line = None
                 self.on_note(f"rank {member.rank}'s debugger cannot read a line here (no input); it goes on")
-            member.send(("stdin", 0, line))
+            member.send(messages.Stdin(0, line))
             return
         if text:
             self.write(text)
         if state == LEFT:
             self.hangs.quiet = False
 
-    def free(self) -> list[dict[str, Any]]:
-        """Collect garbage and empty the CUDA cache on every rank; per rank what was released."""
+    def free(self) -> list[MemoryFreed]:
+        """Collect garbage and empty the CUDA cache on every rank; per rank what was released (a ``MemoryFreed``,
+        read as a dict)."""
         self._check_open()
         self._recover_dead()
         self.failed_last = {}  # the ranks drop a failed cell's frames too
-        replies = self.members.ask(list(self.members), "free")
-        return [{"rank": r, **replies[r][2]} for r in sorted(replies) if replies[r][0] == "done"]
+        replies = self.members.ask(list(self.members), messages.Free)
+        return [reply.value for _, reply in sorted(replies.items()) if isinstance(reply, messages.Done)]
 
     def kept(self) -> list[str]:
         """The names registered with ``gpumagic.keep`` (rank 0's list)."""
         self._check_open()
-        return list(self._request(self.members[0], "kept"))
+        return list(self._request(self.members[0], messages.Kept))
 
     def check(self) -> Divergence:
         """Compare the replicas: their DistributedDataParallel models, the optimizers and schedulers of those,
@@ -402,12 +403,12 @@ class RankGroup:
         """
         self._check_open()
         self._recover_dead()
-        replies = self.members.ask(list(self.members), "describe", within=START_TIMEOUT_S)
-        refused = {r: reply[2] for r, reply in replies.items() if reply[0] != "done"}
+        replies = self.members.ask(list(self.members), messages.Describe, within=START_TIMEOUT_S)
+        refused = {r: reply.failure() for r, reply in replies.items() if not isinstance(reply, messages.Done)}
         if refused:
             rank, report = min(refused.items())
             raise GroupError(f"rank {rank} could not describe its state: {report.get('type')}: {report.get('message')}")
-        self.divergence = compare({r: reply[2] for r, reply in replies.items()})
+        self.divergence = compare({r: reply.value for r, reply in replies.items() if isinstance(reply, messages.Done)})
         return self.divergence
 
     def sync(self, source: int = 0, names: Iterable[str] | None = None) -> list[str]:
@@ -421,7 +422,7 @@ class RankGroup:
         """
         (member,) = self._targets([source])
         if names is None:
-            wanted = set(self._request(member, "replicated")) | set(self.divergence.names)
+            wanted = set(self._request(member, messages.Replicated)) | set(self.divergence.names)
         else:
             wanted = {names} if isinstance(names, str) else set(names)
             bad = sorted(repr(n) for n in wanted if not isinstance(n, str) or not n.isidentifier())
@@ -429,7 +430,10 @@ class RankGroup:
                 raise InvalidArgument(f"sync needs variable names, got {', '.join(bad)}")
         if not wanted:
             return []
-        kinds = {r: reply[2] for r, reply in self.members.ask(list(self.members), "kinds", sorted(wanted)).items()}
+        replies = self.members.ask(list(self.members), messages.Kinds, names=sorted(wanted))
+        kinds = {
+            r: reply.value if isinstance(reply, messages.Done) else reply.failure() for r, reply in replies.items()
+        }
         try:
             plan = sync_plan(sorted(wanted), kinds, source)
         except KeyError as err:
@@ -464,10 +468,12 @@ class RankGroup:
             return None
         return time.monotonic() + check_timeout(timeout, what="a cell timeout")
 
-    def _request(self, member: Member, kind: str, *args: Any) -> Any:
+    def _request(
+        self, member: Member, kind: type[messages.Pull | messages.Kept | messages.Replicated], **fields: Any
+    ) -> Any:
         """One request to one rank outside a cell, dead ranks replaced first (``GroupMembers.request``)."""
         self._recover_dead()
-        return self.members.request(member, kind, *args)
+        return self.members.request(member, kind, **fields)
 
     def _recover_dead(self) -> None:
         """Ranks that died between cells: replace them now, telling what they lost."""
@@ -479,7 +485,7 @@ class RankGroup:
 
     def _run(
         self,
-        kind: str,
+        kind: type[messages.Exec | messages.Call],
         label: str,
         packed: dict[int, bytes],
         targets: list[Member],
@@ -500,7 +506,7 @@ class RankGroup:
                 try:
                     for member in targets:
                         member.busy = label
-                        member.send((kind, ident, label, packed[member.rank]))
+                        member.send(kind(ident, label, packed[member.rank]))
                     replies = members.wait(ident, targets, deadline, stop_on_failure=True)
                 except (KeyboardInterrupt, ReplyTimeout) as stopped:
                     why = "interrupted" if isinstance(stopped, KeyboardInterrupt) else "timed out"
@@ -516,7 +522,7 @@ class RankGroup:
                     mismatches = mismatch_after_failure(RunFiles(self.run_dir), [m.rank for m in targets])
                     replies = recovery.recover(ident, targets, None, notes, members.partial)
                 else:
-                    if any(reply[0] == "interrupted" and reply[2] for reply in replies.values()):
+                    if any(isinstance(reply, messages.Interrupted) and reply.collective for reply in replies.values()):
                         replies = recovery.recover(ident, targets, None, notes, replies)
             except KeyboardInterrupt:  # interrupted again while recovering: the next call re-forms the group
                 recovery.needs_reform = True
@@ -527,10 +533,10 @@ class RankGroup:
         if steady and all(m.alive for m in members):
             self._check_collectives(replies, notes)
         self._shipper.received(targets, replies, digests)
-        recovery.replay.record(found or [], [r for r, reply in replies.items() if reply[0] == "done"])
-        failed = {r: m for r, m in replies.items() if m[0] in ("failed", "interrupted")}
+        recovery.replay.record(found or [], [r for r, reply in replies.items() if isinstance(reply, messages.Done)])
+        failed = {r: m for r, m in replies.items() if isinstance(m, (messages.Failed, messages.Interrupted))}
         dead = [m for m in targets if m.rank not in replies]
-        self.failed_last = {r: "failed" for r, m in replies.items() if m[0] == "failed"}
+        self.failed_last = {r: "failed" for r, m in replies.items() if isinstance(m, messages.Failed)}
         self.failed_last.update({m.rank: "died" for m in dead})
         if why is not None or failed or dead:
             notes.extend(self._replicas_after(replies, targets, point, quiet=why is None))
@@ -538,9 +544,9 @@ class RankGroup:
             raise CellInterrupted("; ".join([f"{why}: the cell was stopped on every rank", *notes]))
         if failed or dead:
             raise _failure(targets, replies, [*mismatches, *notes], RunFiles(self.run_dir))
-        return {rank: cloudpickle.loads(reply[2][0]) for rank, reply in sorted(replies.items())}
+        return {rank: cloudpickle.loads(_result(reply).value) for rank, reply in sorted(replies.items())}
 
-    def _check_collectives(self, replies: dict[int, tuple], notes: list[str]) -> None:
+    def _check_collectives(self, replies: dict[int, messages.Reply], notes: list[str]) -> None:
         """After a cell every rank finished: one rank that skipped a collective its peers made leaves the group
         out of step; it is re-formed, and the user told."""
         counts = {r: _collectives(reply) for r, reply in replies.items()}
@@ -552,19 +558,18 @@ class RankGroup:
             self.recovery.needs_reform = True
         told = ", ".join(f"rank {r}: {c}" for r, c in sorted(counts.items()))
         notes.insert(0, f"the ranks made different numbers of collectives ({told})")
-        if not any(reply[0] != "done" for reply in replies.values()):
+        if all(isinstance(reply, messages.Done) for reply in replies.values()):
             for note in notes:
                 self.on_note(note)
 
     def _replicas_after(
-        self, replies: dict[int, tuple], targets: list[Member], point: int | None, quiet: bool = False
+        self, replies: dict[int, messages.Reply], targets: list[Member], point: int | None, quiet: bool = False
     ) -> list[str]:
         """After an interrupt or a failure: are the replicas still alike? What to tell the user (``quiet``, after
         a failure: only that they differ)."""
-        together = point is not None and all(
-            len(r := replies.get(m.rank, ())) > 4 and r[0] == "interrupted" and r[4] is not None for m in targets
-        )
-        stopped_at = {replies[m.rank][4] for m in targets} if together else set()
+        stopped = {m.rank: r.stopped_at for m in targets if isinstance(r := replies.get(m.rank), messages.Interrupted)}
+        together = point is not None and len(stopped) == len(targets) and None not in stopped.values()
+        stopped_at = set(stopped.values()) if together else set()
         if len(stopped_at) > 1:
             together = False
         if self.nprocs < 2 or self.closed or not all(m.alive for m in self.members):
@@ -588,7 +593,9 @@ class RankGroup:
         return [f"the replicas are alike: {compared}"] if compared else []
 
 
-def _failure(targets: list[Member], replies: dict[int, tuple], notes: list[str], files: RunFiles) -> CellFailed:
+def _failure(
+    targets: list[Member], replies: dict[int, messages.Reply], notes: list[str], files: RunFiles
+) -> CellFailed:
     """The error of a cell that failed on some rank: every target's fate, the root cause first in time."""
     outcomes = [_outcome(member, replies.get(member.rank), files) for member in targets]
     deaths = [o for o in outcomes if o.phase == "process" and not o.stopped_by_launcher]
@@ -596,7 +603,7 @@ def _failure(targets: list[Member], replies: dict[int, tuple], notes: list[str],
     return CellFailed(outcomes, cause, "\n".join(notes))
 
 
-def _outcome(member: Member, reply: tuple | None, files: RunFiles) -> RankOutcome:
+def _outcome(member: Member, reply: messages.Reply | None, files: RunFiles) -> RankOutcome:
     """How a cell ended on one rank: done, failed (its report), died (with the Python stack a fatal signal left,
     read as a launch's rank's is), or freed by gpumagic (a peer failed)."""
     if reply is None and not member.alive:
@@ -606,11 +613,11 @@ def _outcome(member: Member, reply: tuple | None, files: RunFiles) -> RankOutcom
             )
         end = ProcessEnd(member.pid, member.exitcode, member.died_at, member.killed)
         return read_outcome(files, member.rank, 0, end)
-    if reply is None or (reply[0] == "interrupted" and member.alive):  # gpumagic freed it: a peer failed
+    if reply is None or (isinstance(reply, messages.Interrupted) and member.alive):  # gpumagic freed it: a peer failed
         return RankOutcome(member.rank, member.pid, -int(signal.SIGINT), stopped_by_launcher=True)
-    if reply[0] == "done":
+    if isinstance(reply, messages.Done):
         return RankOutcome(member.rank, member.pid, 0)
-    report = reply[2]
+    report = reply.failure()
     return RankOutcome(
         member.rank,
         member.pid,
@@ -628,12 +635,16 @@ def _nth(n: int) -> str:
     return f"{n:,}{suffix}"
 
 
-def _collectives(reply: tuple) -> int | None:
+def _collectives(reply: messages.Reply) -> int | None:
     """How many collectives the rank had made when it replied to a cell."""
-    if reply[0] == "done" and isinstance(reply[2], tuple) and len(reply[2]) > 3:
-        return reply[2][3]
-    if reply[0] == "failed" and isinstance(reply[2], dict):
-        return reply[2].get("collectives")
-    if reply[0] == "interrupted" and len(reply) > 3:
-        return reply[3]
+    if isinstance(reply, messages.Done):
+        return _result(reply).collectives
+    if isinstance(reply, (messages.Failed, messages.Interrupted)):
+        return reply.collectives
     return None
+
+
+def _result(reply: messages.Reply) -> messages.CellResult:
+    """What a cell's ``Done`` carries."""
+    assert isinstance(reply, messages.Done) and isinstance(reply.value, messages.CellResult), reply
+    return reply.value

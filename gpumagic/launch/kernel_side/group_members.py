@@ -19,16 +19,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpumagic.errors import GpumagicError
+from gpumagic.launch import messages
 from gpumagic.launch.kernel_side.process_set import Exit, ProcessSet
 from gpumagic.launch.kernel_side.rank_start import RankStarter
+from gpumagic.launch.messages import READY, STORE, Failed, Reply, ToKernel
 from gpumagic.launch.plan import LaunchPlan
 from gpumagic.launch.rank_side.group_rank import serve_group_rank
+from gpumagic.launch.records import RankState
 
 START_TIMEOUT_S = 120.0
-REPLIES = ("done", "failed", "interrupted")
-READY = 0  # the request number of a rank's "ready"
-STORE = -1  # and of the address of rank 0's store (``group_rank`` sends it so)
-DEBUG = -3  # and of a rank's debugger's output and prompts (``group_rank.DEBUG``)
+REPLIES: tuple[type[ToKernel], ...] = (Reply,)  # what ends a request: done, failed or interrupted
 
 
 class GroupError(GpumagicError):
@@ -108,10 +108,10 @@ class Member:
             with contextlib.suppress(OSError, AttributeError):
                 handle.close()
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: messages.ToRank) -> None:
         with whole_messages():
             try:
-                self.connection.send(message)
+                self.connection.send(messages.encode(message))
             except (OSError, ValueError):
                 pass  # it died: the pidfd says so
 
@@ -129,12 +129,12 @@ class GroupMembers:
         self.starter: RankStarter | None = None  # how its ranks start (the group's plan, the rank server)
         self.processes = ProcessSet([], groups=True)  # each rank leads its process group
         self.all: list[Member] = []
-        self.partial: dict[int, tuple] = {}  # the replies the last wait gathered, when it was cut short
+        self.partial: dict[int, ToKernel] = {}  # the replies the last wait gathered, when it was cut short
         self._ident = 0
-        self._mailbox: dict[tuple[int, int], tuple] = {}  # (rank, request) -> its reply
+        self._mailbox: dict[tuple[int, int], ToKernel] = {}  # (rank, request) -> its reply
         self.on_round: Callable[[], Any] | None = None  # called every round of a wait (the hang follower's look)
         self.on_debug: Callable[[Member, str, str | None], None] | None = None  # a rank's pdb: text, state
-        self._debug_messages: list[tuple[Member, tuple]] = []
+        self._debug_messages: list[tuple[Member, messages.DebugIO]] = []
 
     def __iter__(self) -> Iterator[Member]:
         return iter(self.all)
@@ -183,36 +183,36 @@ class GroupMembers:
         return fresh
 
     def await_ready(self, members: list[Member]) -> None:
-        replies = self.wait(READY, members, time.monotonic() + START_TIMEOUT_S, kinds=("ready", "failed"))
-        failed = {r: m for r, m in replies.items() if m[0] == "failed"}
+        replies = self.wait(READY, members, time.monotonic() + START_TIMEOUT_S, kinds=(messages.Ready, Failed))
+        failed = {r: m.report for r, m in replies.items() if isinstance(m, Failed)}
         if failed:
-            rank, message = min(failed.items())
-            raise GroupError(f"rank {rank} could not start: {message[2]['type']}: {message[2]['message']}")
+            rank, report = min(failed.items())
+            raise GroupError(f"rank {rank} could not start: {report['type']}: {report['message']}")
 
     def form(self) -> None:
         """Form a fresh process group: rank 0 serves a new store (``secure_store``), the others join it."""
         first, rest = self.all[0], self.all[1:]
         self._mailbox.pop((0, STORE), None)  # an address from a rendezvous that was cut short
         ident = self.next_ident()
-        first.send(("join", ident, ident, None))
-        reply = self.wait(STORE, [first], time.monotonic() + START_TIMEOUT_S, kinds=("store", "failed"), also=ident)
-        if reply[0][0] == "failed":
-            raise GroupError(f"rank 0 could not serve the rendezvous: {reply[0][2]['message']}")
-        address = reply[0][2]
+        first.send(messages.Join(ident, None))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        store = self.wait(STORE, [first], deadline, kinds=(messages.Store, Failed), also=ident)[0]
+        if isinstance(store, Failed):
+            raise GroupError(f"rank 0 could not serve the rendezvous: {store.report['message']}")
+        assert isinstance(store, messages.Store)
         for member in rest:
-            member.send(("join", ident, ident, address))
+            member.send(messages.Join(ident, store.address))
         replies = self.wait(ident, self.all, time.monotonic() + START_TIMEOUT_S)
-        failed = sorted(r for r, m in replies.items() if m[0] != "done")
+        failed = sorted(r for r, m in replies.items() if not isinstance(m, messages.Done))
         if failed:
-            raise GroupError(
-                f"rank {failed[0]} could not join the process group: {replies[failed[0]][2].get('message')}"
-            )
+            why = replies[failed[0]].failure().get("message")
+            raise GroupError(f"rank {failed[0]} could not join the process group: {why}")
 
     def close(self, within: float) -> None:
         """Ask the ranks to close (``within`` seconds), then end them and what they started (SIGTERM, SIGKILL
         after a second), and close the kernel's ends."""
         with contextlib.suppress(RankDied, ReplyTimeout, KeyboardInterrupt, OSError):
-            self.ask([m for m in self.all if m.alive], "close", within=within)
+            self.ask([m for m in self.all if m.alive], messages.Close, within=within)
         self.processes.stop(signal.SIGTERM, grace_s=1.0)
         for member in self.all:
             member.release()
@@ -229,7 +229,7 @@ class GroupMembers:
         """Shut the process group's connections on every living rank: whatever waits on a peer fails now."""
         for member in self.all:
             if member.alive:
-                member.send(("break", ident))
+                member.send(messages.Break(ident))
 
     def kill(self, member: Member) -> None:
         """SIGKILL a rank that stays stuck, with what it started (it leads its process group)."""
@@ -249,38 +249,42 @@ class GroupMembers:
             del self._mailbox[key]
         return self._ident
 
-    def ask(self, members: list[Member], kind: str, *args: Any, within: float | None = None) -> dict[int, tuple]:
-        """Send request ``kind`` to ``members`` and wait for their replies (``within`` seconds; ``None``: no limit).
+    def ask(
+        self, members: list[Member], kind: type[messages.Request], within: float | None = None, **fields: Any
+    ) -> dict[int, Reply]:
+        """Send request ``kind(ident, **fields)`` to ``members`` and wait for their replies (``within`` seconds;
+        ``None``: no limit).
 
         Raises:
             RankDied: a member died first. ReplyTimeout: ``within`` passed.
         """
         ident = self.next_ident()
+        request = kind(ident=ident, **fields)
         for member in members:
-            member.send((kind, ident, *args))
+            member.send(request)
         return self.wait(ident, members, None if within is None else time.monotonic() + within)
 
-    def request(self, member: Member, kind: str, *args: Any) -> Any:
+    def request(self, member: Member, kind: type[messages.Request], **fields: Any) -> Any:
         """One request to one rank, outside a cell (no interrupt handling beyond the kernel's own); its answer.
 
         Raises:
             GroupError: the rank refused it (the message says why), or died first.
         """
-        reply = self.ask([member], kind, *args)[member.rank]
-        if reply[0] != "done":
-            report = reply[2] or {}
+        reply = self.ask([member], kind, **fields)[member.rank]
+        if not isinstance(reply, messages.Done):
+            report = reply.failure()
             raise GroupError(f"rank {member.rank}: {report.get('type')}: {report.get('message')}")
-        return reply[2]
+        return reply.value
 
     def wait(
         self,
         ident: int,
         members: list[Member],
         deadline: float | None,
-        kinds: tuple[str, ...] = REPLIES,
+        kinds: tuple[type[ToKernel], ...] = REPLIES,
         also: int | None = None,
         stop_on_failure: bool = False,
-    ) -> dict[int, tuple]:
+    ) -> dict[int, ToKernel]:
         """The replies of ``members`` to request ``ident`` (or ``also``), streaming their output meanwhile.
 
         Raises:
@@ -288,7 +292,7 @@ class GroupMembers:
             RankFailed: ``stop_on_failure`` and a member failed while others are still busy.
         """
         waiting = {m.rank: m for m in members if m.alive}
-        replies: dict[int, tuple] = {}
+        replies: dict[int, ToKernel] = {}
         self.partial = replies
         if len(waiting) < len(members):
             raise RankDied([m.rank for m in members if not m.alive])
@@ -299,7 +303,7 @@ class GroupMembers:
                 raise RankDied(died)
             if self.on_round is not None:
                 self.on_round()
-            if stop_on_failure and waiting and any(reply[0] == "failed" for reply in replies.values()):
+            if stop_on_failure and waiting and any(isinstance(reply, Failed) for reply in replies.values()):
                 raise RankFailed()
             if deadline is not None and time.monotonic() >= deadline and waiting:
                 raise ReplyTimeout()
@@ -309,9 +313,9 @@ class GroupMembers:
         self,
         ident: int,
         busy: list[Member],
-        replies: dict[int, tuple],
+        replies: dict[int, ToKernel],
         within: float,
-        kinds: tuple[str, ...] = REPLIES,
+        kinds: tuple[type[ToKernel], ...] = REPLIES,
     ) -> list[Member]:
         """Wait up to ``within`` seconds for ``busy`` ranks' replies; those still busy (alive)."""
         deadline = time.monotonic() + within
@@ -327,9 +331,9 @@ class GroupMembers:
         self,
         timeout: float,
         waiting: dict[int, Member],
-        replies: dict[int, tuple],
+        replies: dict[int, ToKernel],
         idents: tuple[int | None, ...],
-        kinds: tuple[str, ...],
+        kinds: tuple[type[ToKernel], ...],
     ) -> list[int]:
         """One round: read output, messages (into the mailbox) and deaths; move the replies ``waiting`` ranks
         gave to ``idents`` into ``replies``. Returns the ranks among ``waiting`` that died."""
@@ -352,14 +356,14 @@ class GroupMembers:
             self._receive(member)  # what it said before it died
             self._bury(member, exit)
         while self._debug_messages:
-            member, (_, _, text, state) = self._debug_messages.pop(0)
+            member, said = self._debug_messages.pop(0)
             if self.on_debug is not None and member.alive:
-                self.on_debug(member, text, state)
+                self.on_debug(member, said.text, said.state)
         died = []
         for rank, member in list(waiting.items()):
             for ident in idents:
                 message = self._mailbox.get((rank, ident)) if ident is not None else None
-                if message is not None and message[0] in kinds:
+                if message is not None and isinstance(message, kinds):
                     replies[rank] = self._mailbox.pop((rank, ident))
                     waiting.pop(rank)
                     break
@@ -373,12 +377,15 @@ class GroupMembers:
         with whole_messages():  # an interrupt waits until the message is read whole and in the mailbox
             try:
                 while member.connection.poll():
-                    message = member.connection.recv()
-                    if message[0] == "debug_io":  # handled outside: answering a prompt waits for the user
+                    try:
+                        message = messages.decode(member.connection.recv(), ToKernel)
+                    except messages.MessageError:
+                        continue  # nothing the kernel asked for: never a reply
+                    if isinstance(message, messages.DebugIO):  # handled outside: answering waits for the user
                         self._debug_messages.append((member, message))
                         continue
-                    self._mailbox[(member.rank, message[1])] = message
-                    if message[0] in REPLIES:
+                    self._mailbox[(member.rank, message.ident)] = message
+                    if isinstance(message, REPLIES):
                         member.busy = None
             except (EOFError, OSError):
                 pass  # it is dying: the pidfd tells
@@ -408,30 +415,30 @@ class GroupMembers:
 
     def collectives_of(self, members: list[Member]) -> dict[int, tuple[str, float] | None]:
         """The collective each of ``members`` waits in (its name and since when), or ``None``."""
-        return {rank: row.get("collective") for rank, row in ask_status(members, 1.0).items()}
+        return {rank: state.collective for rank, state in ask_status(members, 1.0).items()}
 
 
-def ask_status(members: list[Member], within: float) -> dict[int, dict[str, Any]]:
+def ask_status(members: list[Member], within: float) -> dict[int, RankState]:
     """Each member's status through its status channel (safe from any thread: one request at a time each)."""
     ident = uuid.uuid4().hex
-    found: dict[int, dict[str, Any]] = {}
+    found: dict[int, RankState] = {}
     with contextlib.ExitStack() as held:
         for member in sorted(members, key=lambda m: m.rank):  # in rank order: no two callers deadlock
             held.enter_context(member.status_lock)
         asked = []
         for member in members:
             with contextlib.suppress(OSError, ValueError, AttributeError):
-                member.status_connection.send(ident)
+                member.status_connection.send(messages.encode(messages.StatusAsk(ident)))
                 asked.append(member)
         deadline = time.monotonic() + within
         for member in asked:
             try:
                 while member.status_connection.poll(max(0.0, deadline - time.monotonic())):
-                    answer, row = member.status_connection.recv()
-                    if answer == ident:
-                        found[member.rank] = row
+                    answer = messages.decode(member.status_connection.recv(), messages.StatusAnswer)
+                    if answer.ident == ident:
+                        found[member.rank] = answer.state
                         break
-            except (EOFError, OSError):
+            except (EOFError, OSError, messages.MessageError):
                 continue
     return found
 

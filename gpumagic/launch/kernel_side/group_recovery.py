@@ -18,6 +18,20 @@ from typing import Any
 
 from gpumagic.launch.kernel_side.group_members import START_TIMEOUT_S, GroupError, GroupMembers, Member, RankDied
 from gpumagic.launch.kernel_side.group_shipping import NameShipper
+from gpumagic.launch.messages import (
+    Done,
+    Export,
+    Interrupted,
+    Leave,
+    Pause,
+    Paused,
+    Restore,
+    Restored,
+    Rewrap,
+    StopAt,
+    ToKernel,
+    Wrapped,
+)
 from gpumagic.launch.replay import ReplayLog
 
 
@@ -34,7 +48,7 @@ class GroupRecovery:
         self.reformed = 0
         self.replaced = 0
 
-    def stop_together(self, ident: int, targets: list[Member], replies: dict[int, tuple]) -> int | None:
+    def stop_together(self, ident: int, targets: list[Member], replies: dict[int, ToKernel]) -> int | None:
         """Stop every busy rank at one sync point (``sync_points``): before the same collective or DDP training
         forward, so that the replicas stay in step. The point asked for, or ``None`` where the ranks cannot
         agree on one (a rank made no sync point in this cell, one finished it, one waits in a collective for a
@@ -46,15 +60,15 @@ class GroupRecovery:
         try:
             ask = self.members.next_ident()
             for member in busy:
-                member.send(("pause", ask, ident))
-            answers: dict[int, tuple] = {}
-            self.members.gather(ask, busy, answers, 1.0, kinds=("paused",))
-            where = {rank: answer[2] for rank, answer in answers.items()}
+                member.send(Pause(ask, ident))
+            answers: dict[int, ToKernel] = {}
+            self.members.gather(ask, busy, answers, 1.0, kinds=(Paused,))
+            where = {rank: answer.where for rank, answer in answers.items() if isinstance(answer, Paused)}
             if len(where) < len(busy) or any(not _may_stop_together(w) for w in where.values()):
                 return None
             point = max(w["made"] for w in where.values()) + 1
             for member in busy:
-                member.send(("stop_at", ask, ident, point))
+                member.send(StopAt(ask, ident, point))
         except KeyboardInterrupt:  # interrupted again: paused ranks wait for nobody, the signal frees them
             self.members.interrupt(busy)
             raise
@@ -63,8 +77,8 @@ class GroupRecovery:
         return point
 
     def recover(
-        self, ident: int, targets: list[Member], why: str | None, notes: list[str], replies: dict[int, tuple]
-    ) -> dict[int, tuple]:
+        self, ident: int, targets: list[Member], why: str | None, notes: list[str], replies: dict[int, ToKernel]
+    ) -> dict[int, ToKernel]:
         """Bring the group back after an interrupt, a timeout, a failure or a death; the replies gathered.
 
         Interrupted or timed out (``why``): busy ranks get SIGINT; those still busy after the grace period, the
@@ -92,7 +106,7 @@ class GroupRecovery:
             members.break_group(ident)
             broken = True
             busy = members.gather(ident, busy, replies, self.grace_s)
-        if any(r[0] == "interrupted" and r[2] for r in replies.values()):
+        if any(isinstance(r, Interrupted) and r.collective for r in replies.values()):
             broken = True  # a rank was interrupted inside a collective: its peers' sequence no longer matches
         for member in busy:
             members.kill(member)
@@ -122,8 +136,8 @@ class GroupRecovery:
         ident = members.next_ident()
         living = [m for m in members if m.alive]
         for member in living:
-            member.send(("leave", ident))
-        left: dict[int, tuple] = {}
+            member.send(Leave(ident))
+        left: dict[int, ToKernel] = {}
         stuck = members.gather(ident, living, left, self.grace_s)
         for member in stuck:  # cannot even leave: killed, replaced below
             members.kill(member)
@@ -142,15 +156,17 @@ class GroupRecovery:
             notes.append("the process group was re-formed on a fresh rendezvous; every rank kept its namespace")
         if dead:
             self._restore(dead, healthy, notes)
-        held = members.ask(list(members), "wrapped", within=START_TIMEOUT_S)
-        lists = [set(reply[2]) for reply in held.values() if reply[0] == "done"]
+        held = [
+            r.value for r in members.ask(list(members), Wrapped, within=START_TIMEOUT_S).values() if isinstance(r, Done)
+        ]
+        lists = [set(names) for names in held]
         everywhere = set.intersection(*lists) if len(lists) == len(members) else set()
         names = sorted(everywhere)
         if names:
-            members.ask(list(members), "rewrap", names, within=START_TIMEOUT_S)
+            members.ask(list(members), Rewrap, within=START_TIMEOUT_S, names=names)
             notes.append(f"re-wrapped {', '.join(names)} in DistributedDataParallel on the new group")
         self.needs_reform = False
-        stale = sorted({n for reply in held.values() if reply[0] == "done" for n in reply[2]} - everywhere)
+        stale = sorted({n for names in held for n in names} - everywhere)
         if stale:
             notes.append(
                 f"{', '.join(stale)}: DistributedDataParallel on the ended group, not on every rank; wrap it again "
@@ -163,12 +179,12 @@ class GroupRecovery:
         members = self.members
         fresh = [members[m.rank] for m in dead]
         source = healthy[0] if healthy else None
-        state, missing = members.request(source, "export") if source is not None else (None, [])
+        state, missing = members.request(source, Export) if source is not None else (None, [])
         ident = members.next_ident()
         sent: dict[int, dict[str, str]] = {}
         for member in fresh:
             names, sent[member.rank] = self.shipper.notebook_names(member.sent_before)
-            member.send(("restore", ident, names, self.replay.for_rank(member.rank), state))
+            member.send(Restore(ident, names, self.replay.for_rank(member.rank), state))
         try:
             restored = members.wait(ident, fresh, time.monotonic() + START_TIMEOUT_S)
         except RankDied as died:  # the fresh rank died too: the next call replaces it again
@@ -176,13 +192,14 @@ class GroupRecovery:
             raise GroupError(f"rank {died.ranks[0]} died while taking back its state; the next call retries") from None
         for member in fresh:
             reply = restored[member.rank]
-            if reply[0] != "done":
-                notes.append(f"rank {member.rank} could not take back its state: {reply[2].get('message')}")
+            if not isinstance(reply, Done):
+                why = reply.failure().get("message")
+                notes.append(f"rank {member.rank} could not take back its state: {why}")
                 continue
-            got = reply[2]
-            member.shipped = {n: d for n, d in sent[member.rank].items() if n in got["notebook"]}
-            member.own = set(got["replayed"]) | set(got["kept"]) | set(got["modules"])
-            member.present = member.own | set(got["notebook"])
+            got = reply.value
+            member.shipped = {n: d for n, d in sent[member.rank].items() if n in got.notebook}
+            member.own = set(got.replayed) | set(got.kept) | set(got.modules)
+            member.present = member.own | set(got.notebook)
             notes.extend(_restored_notes(member, got, source))
         if source is None and any(m.lost for m in fresh):
             notes.append("every rank was replaced: the kept state is lost with them")
@@ -190,16 +207,16 @@ class GroupRecovery:
             notes.append(f"kept names no longer defined on rank {source.rank}: {', '.join(missing)}")
 
 
-def _restored_notes(member: Member, got: dict[str, Any], source: Member | None) -> list[str]:
-    """What a fresh rank got back (``got``: its reply to ``restore``), what it lost, what it could not redo."""
+def _restored_notes(member: Member, got: Restored, source: Member | None) -> list[str]:
+    """What a fresh rank got back (``got``: its reply to ``Restore``), what it lost, what it could not redo."""
     notes = []
     parts = []
-    if got["kept"]:
-        parts.append(f"{_names(got['kept'])} (gpumagic.keep) from rank {source.rank if source else '?'}")
-    if got["replayed"]:
-        parts.append(f"{_names(got['replayed'])} (its cells' imports and definitions, run again)")
-    if got["notebook"]:
-        parts.append(f"{_names(got['notebook'])} (sent from the notebook)")
+    if got.kept:
+        parts.append(f"{_names(got.kept)} (gpumagic.keep) from rank {source.rank if source else '?'}")
+    if got.replayed:
+        parts.append(f"{_names(got.replayed)} (its cells' imports and definitions, run again)")
+    if got.notebook:
+        parts.append(f"{_names(got.notebook)} (sent from the notebook)")
     if parts:
         notes.append(f"restored on rank {member.rank}: " + "; ".join(parts))
     lost = sorted(member.lost - member.present - {"_"})  # a loop's throwaway is no loss
@@ -210,7 +227,7 @@ def _restored_notes(member: Member, got: dict[str, Any], source: Member | None) 
         notes.append(
             f"not sent to rank {member.rank} again (gone from the notebook, or no longer picklable): {_names(unsent)}"
         )
-    for name, why in sorted(got["failed"].items()):
+    for name, why in sorted(got.failed.items()):
         notes.append(f"rank {member.rank} could not define {name} again: {why}")
     return notes
 

@@ -11,6 +11,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from gpumagic.launch.kernel_side.group_members import Member
+from gpumagic.launch.messages import CellResult, Done, ToKernel
 from gpumagic.launch.shipping import CellPayload, ShippingError, dumps, pack
 from gpumagic.launch.value_keys import change_key, has_cheap_key
 
@@ -61,14 +62,13 @@ class NameShipper:
             member.sending = send
         return packed, digests
 
-    def received(self, targets: list[Member], replies: dict[int, tuple], digests: dict[str, str]) -> None:
+    def received(self, targets: list[Member], replies: dict[int, ToKernel], digests: dict[str, str]) -> None:
         """After a cell: what each rank that finished it holds now (its own names, every name present) and
         the digests of what it was sent."""
         for member in targets:
             reply = replies.get(member.rank)
-            if reply is not None and reply[0] == "done":
-                own, present = reply[2][1], reply[2][2]
-                member.own, member.present = set(own), set(present)
+            if isinstance(reply, Done) and isinstance(reply.value, CellResult):
+                member.own, member.present = set(reply.value.own), set(reply.value.present)
                 for name in member.sending:
                     if name in digests:  # a function's call sends no names
                         member.shipped[name] = digests[name]

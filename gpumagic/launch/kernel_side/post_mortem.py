@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import json
 import os
 import socket
 from collections.abc import Callable
 from typing import Any
 
+from gpumagic.launch.messages import DebugIO, MessageError, Stdin, from_json_line, to_json_line
 from gpumagic.launch.rank_side.debugging import PROMPT, peer_uid
 from gpumagic.run_dirs.layout import RunFiles
 
@@ -67,17 +67,16 @@ class PostMortems:
             self.write(f"[gpumagic] rank {rank} failed; --pdb: its debugger is here (q ends it and the launch)\n")
             for raw in stream:
                 try:
-                    message = json.loads(raw)
-                except ValueError:
+                    said = from_json_line(raw, DebugIO)
+                except MessageError:
                     return
-                text, state = str(message.get("text") or ""), message.get("state")
-                if state != PROMPT:
-                    if text:
-                        self.write(text)
+                if said.state != PROMPT:
+                    if said.text:
+                        self.write(said.text)
                     continue
                 try:
-                    line: str | None = self.read_line(text)
+                    line: str | None = self.read_line(said.text)
                 except (EOFError, KeyboardInterrupt, Exception):  # noqa: BLE001 - no input box: end the session
                     line = None
-                stream.write(json.dumps({"line": "q" if line is None else line}) + "\n")
+                stream.write(to_json_line(Stdin(0, "q" if line is None else line)))
                 stream.flush()

@@ -10,7 +10,6 @@ a persistent group's rank sends it over its pipe to the kernel (``GroupRank``), 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pdb
 import socket
@@ -18,6 +17,8 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from gpumagic.launch.messages import DebugIO, Stdin, from_json_line, to_json_line
 
 ACCEPT_TIMEOUT_S = 600.0  # how long a failed rank kept for --pdb waits for the notebook to connect
 PROMPT = "prompt"  # a console message's state: pdb waits for a line
@@ -117,14 +118,14 @@ def serve_post_mortem(path: Path, traceback: Any, timeout_s: float = ACCEPT_TIME
             stream = connection.makefile("rw", encoding="utf-8", newline="\n")
 
             def send(text: str, state: str | None) -> None:
-                stream.write(json.dumps({"text": text, "state": state}) + "\n")
+                stream.write(to_json_line(DebugIO(text, state)))
                 stream.flush()
 
             def receive() -> str | None:
                 line = stream.readline()
-                return json.loads(line).get("line") if line else None
+                return from_json_line(line, Stdin).line if line else None
 
-            with contextlib.suppress(OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError):  # ValueError: MessageError too
                 post_mortem(RemoteConsole(send, receive), traceback)
         return True
     finally:

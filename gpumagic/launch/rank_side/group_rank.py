@@ -3,9 +3,11 @@ runs what the kernel sends (cells, functions, pull/push, re-forming the process 
 persists, until the kernel closes the group or dies.
 
 Two threads. The main thread runs the user's code, so the kernel's interrupt (SIGINT) raises
-KeyboardInterrupt there. The control thread reads every message from the kernel: ``status`` and ``break``
-(shut the process group's connections so a collective stuck waiting for a peer fails at once) it answers
-itself, even while the main thread is busy; the rest it queues for the main thread.
+KeyboardInterrupt there. The control thread reads every message from the kernel (``launch.messages``): the
+control messages (``Break``: shut the process group's connections so a collective stuck waiting for a peer
+fails at once; ``Pause``, ``StopAt``, ``Stdin``, ``HangAfter``) it acts on itself, even while the main thread
+is busy (``CONTROLS``); the requests it queues for the main thread, which does each with its handler in
+``HANDLERS``. A third thread answers the status channel.
 
 Started from the rank server like a launch's ranks (``rank.run_local_rank``), with the same runtime and set-up
 (``runtime.RankRuntime``); imported there, so torch is imported only where it is used.
@@ -18,7 +20,6 @@ import dataclasses
 import functools
 import gc
 import importlib
-import io
 import os
 import queue
 import signal
@@ -26,11 +27,12 @@ import sys
 import threading
 import time
 import types
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import cloudpickle
 
-from gpumagic.launch import replay, replicas, secure_store
+from gpumagic.launch import messages, replay, replicas, secure_store
 from gpumagic.launch.plan import LaunchPlan
 from gpumagic.launch.rank_side.debugging import RemoteConsole, post_mortem, set_trace
 from gpumagic.launch.rank_side.failure_reports import failure_report
@@ -45,9 +47,9 @@ from gpumagic.launch.rank_side.process_group import (
 )
 from gpumagic.launch.rank_side.runtime import RankRuntime, RankSetup, become_rank, exit_rank, plan_setup
 from gpumagic.launch.rank_side.sync_points import SyncPoints, track_ddp_forwards
-from gpumagic.launch.shipping import dumps, pickler_class
+from gpumagic.launch.records import MemoryFreed, RankState
+from gpumagic.launch.shipping import dumps, dumps_to_cpu
 
-DEBUG = -3  # the request number of a debugger's messages (group_members.DEBUG)
 _kept: dict[str, None] = {}  # names registered with gpumagic.keep, in registration order
 _this_rank: GroupRank | None = None
 
@@ -87,7 +89,7 @@ class GroupRank(RankRuntime):
         super().__init__(dataclasses.replace(setup, backend=setup.backend or "gloo"))
         self.connection = connection
         self.status_connection = status_connection
-        self.jobs: queue.Queue[tuple] = queue.Queue()
+        self.jobs: queue.Queue[messages.Request] = queue.Queue()
         self.sending = threading.Lock()
         self.namespace: dict[str, Any] = {}
         self.provided: set[str] = set()  # the names the runtime put in the namespace (rank, device, ...)
@@ -110,46 +112,46 @@ class GroupRank(RankRuntime):
             self.set_up()
             self._open_namespace()
         except BaseException as err:  # noqa: BLE001 - the kernel must hear why the rank cannot serve
-            self.send(("failed", 0, failure_report(self.phase, err)))
+            self.send(messages.Failed(messages.READY, failure_report(self.phase, err), None))
             return 1
         _this_rank = self
         threading.Thread(target=self._control, name="gpumagic-control", daemon=True).start()
         threading.Thread(target=self._answer_status, name="gpumagic-status", daemon=True).start()
-        self.send(("ready", 0, os.getpid()))
+        self.send(messages.Ready(os.getpid()))
         while True:
             try:
-                message = self.jobs.get()
+                request = self.jobs.get()
             except KeyboardInterrupt:  # an interrupt that came after the cell it was meant for ended
                 continue
-            kind, ident, *args = message
-            if kind == "close":
-                self.send(("done", ident, None))
+            if isinstance(request, messages.Close):
+                self.send(messages.Done(request.ident, None))
                 return 0
-            reply = self._handle(kind, ident, args)
+            reply = self._handle(request)
             self.send(reply)
-            if reply[0] != "done":  # what the failed code held (DataLoader workers...) ends now, not mid-cell
+            if not isinstance(reply, messages.Done):  # what failed code held (DataLoader workers...) ends now
                 gc.collect()
 
-    def _handle(self, kind: str, ident: int, args: list[Any]) -> tuple:
-        """Do one request; the reply. An interrupt meant for the user's code that arrives late (while the
-        reply is made) is absorbed here: it must never end the loop."""
-        cell = kind in ("exec", "call")
+    def _handle(self, request: messages.Request) -> messages.Reply:
+        """Do one request (its handler in ``HANDLERS``); the reply. An interrupt meant for the user's code that
+        arrives late (while the reply is made) is absorbed here: it must never end the loop."""
+        ident = request.ident
+        cell = isinstance(request, (messages.Exec, messages.Call))
         if cell:
             self.sync.start_cell(ident)
             self._forget_failure()  # its frames go: a new cell runs
         while True:
             try:
                 try:
-                    return ("done", ident, getattr(self, f"do_{kind}")(*args))
+                    return messages.Done(ident, self.HANDLERS[type(request)](self, request))
                 except KeyboardInterrupt:
                     collective = self.collective
                     name = collective[0] if collective else None
-                    return ("interrupted", ident, name, self.collectives, self.sync.stopped_at)
+                    return messages.Interrupted(ident, name, self.collectives, self.sync.stopped_at)
                 except BaseException as err:  # noqa: BLE001 - every failure goes back to the kernel
                     self.executing = None
                     if cell:
                         self.failure = err.__traceback__
-                    return ("failed", ident, {**failure_report("user code", err), "collectives": self.collectives})
+                    return messages.Failed(ident, failure_report("user code", err), self.collectives)
                 finally:
                     self.executing = None  # before the reply: a late interrupt must not hit the loop
                     if self.recorder is not None:
@@ -161,12 +163,12 @@ class GroupRank(RankRuntime):
                     flush()
             except KeyboardInterrupt:
                 if cell:
-                    return ("interrupted", ident, None, self.collectives, None)
+                    return messages.Interrupted(ident, None, self.collectives, None)
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: messages.ToKernel) -> None:
         with self.sending:
             try:
-                self.connection.send(message)
+                self.connection.send(messages.encode(message))
             except (OSError, ValueError):  # the kernel is gone: so is this rank
                 end_own_group()
 
@@ -175,35 +177,41 @@ class GroupRank(RankRuntime):
         thread than the one running cells)."""
         while True:
             try:
-                ident = self.status_connection.recv()
-                self.status_connection.send((ident, self.status()))
+                asked = messages.decode(self.status_connection.recv(), messages.StatusAsk)
+                self.status_connection.send(messages.encode(messages.StatusAnswer(asked.ident, self.status())))
+            except messages.MessageError:
+                continue
             except (EOFError, OSError):
                 return
 
     def _control(self) -> None:
-        """Read the kernel's messages: ``break`` now, the rest queued for the main thread."""
+        """Read the kernel's messages: control messages (``CONTROLS``) now, requests queued for the main thread."""
         while True:
             try:
-                message = self.connection.recv()
+                raw = self.connection.recv()
             except (EOFError, OSError):
                 end_own_group()
                 return
-            if message[0] == "break":
-                self.break_group()
-            elif message[0] == "pause":  # ("pause", request, cell): where the rank is, held at its next point
-                where = self.sync.pause(message[2])
-                inside = self.collective  # (name, since): waiting there may be for a peer that never comes
-                if where is not None and inside is not None:
-                    where["inside"] = time.time() - inside[1]
-                self.send(("paused", message[1], where))
-            elif message[0] == "stop_at":  # ("stop_at", request, cell, point)
-                self.sync.stop_at(message[2], message[3])
-            elif message[0] == "stdin":  # ("stdin", request, line): the notebook's answer to this rank's pdb
-                self.lines.put(message[2])
-            elif message[0] == "hang_after":  # ("hang_after", request, seconds): a cell's own --hang-after
-                self.watch_hangs(message[2])
+            try:
+                message = messages.decode(raw, messages.ToRank)
+            except messages.MessageError as err:  # a request this rank cannot read fails, as one it cannot do would
+                ident = raw[1] if isinstance(raw, tuple) and len(raw) > 1 else None
+                if isinstance(ident, int) and ident > 0:
+                    self.send(messages.Failed(ident, failure_report("gpumagic", err), self.collectives))
+                continue
+            control = self.CONTROLS.get(type(message))
+            if control is not None:
+                control(self, message)
             else:
                 self.jobs.put(message)
+
+    def _on_pause(self, message: messages.Pause) -> None:
+        """Where the rank is in the cell, held at its next sync point."""
+        where = self.sync.pause(message.cell)
+        inside = self.collective  # (name, since): waiting there may be for a peer that never comes
+        if where is not None and inside is not None:
+            where["inside"] = time.time() - inside[1]
+        self.send(messages.Paused(message.ident, where))
 
     # --- set-up ----------------------------------------------------------------------------------------
 
@@ -234,7 +242,7 @@ class GroupRank(RankRuntime):
             line = self.lines.get()
             return unanswered if line is None else line
 
-        return RemoteConsole(lambda text, state: self.send(("debug_io", DEBUG, text, state)), receive)
+        return RemoteConsole(lambda text, state: self.send(messages.DebugIO(text, state)), receive)
 
     def _forget_failure(self) -> None:
         """Let the failed cell's frames go (and the memory their tensors hold)."""
@@ -246,7 +254,7 @@ class GroupRank(RankRuntime):
         if self.hang_watch is not None:
             self.hang_watch.debugging = "at the pdb prompt" if at else None
 
-    def do_debug(self) -> None:
+    def do_debug(self, request: messages.Debug) -> None:
         """``%ddp debug R``: pdb on the frame where this rank's last cell failed, until the user quits."""
         if self.failure is None:
             raise LookupError(f"rank {self.setup.rank} has no failed cell to debug")
@@ -279,7 +287,7 @@ class GroupRank(RankRuntime):
     def collective(self) -> tuple[str, float] | None:
         """The collective the rank is in (its name, since when), or ``None``."""
         call = self.recorder.current if self.recorder is not None else None
-        return (call[0], call[4]) if call is not None else None
+        return (call.op, call.since) if call is not None else None
 
     @property
     def collectives(self) -> int:
@@ -300,7 +308,7 @@ class GroupRank(RankRuntime):
 
     # --- the process group -----------------------------------------------------------------------------
 
-    def do_join(self, ident: int, address: str | None) -> str:
+    def do_join(self, request: messages.Join) -> str:
         """Join a fresh process group. Rank 0 serves its store (``secure_store``) on a new Unix socket in the
         run's private launch directory and reports the address first; the others are given it."""
         # lazy: torch, in rank processes only
@@ -309,10 +317,11 @@ class GroupRank(RankRuntime):
         if dist.is_initialized():  # the old group could not be left: joining would reuse it
             raise RuntimeError("this rank is still in its old process group; %ddp restart starts a fresh group")
         listener = None
+        address = request.address
         if address is None:
-            address = f"unix:{self.setup.files.group_store_socket(ident)}"
+            address = f"unix:{self.setup.files.group_store_socket(request.ident)}"
             listener = secure_store.listen(address)
-            self.send(("store", -1, address))  # group_members.STORE
+            self.send(messages.Store(address))
         os.environ[secure_store.VARIABLE] = address
         setup = self.setup
         self.group_sockets = join_tracking_sockets(
@@ -330,7 +339,7 @@ class GroupRank(RankRuntime):
             self.hang_watch.new_group()
         return address
 
-    def do_leave(self) -> None:
+    def do_leave(self, request: messages.Leave) -> None:
         """Leave the process group (broken first, so that no peer waits on this rank)."""
         # lazy: torch, in rank processes only
         import torch.distributed as dist
@@ -347,7 +356,7 @@ class GroupRank(RankRuntime):
         self.broken = True
         break_connections(self.setup.backend, self.group_sockets)
 
-    def do_wrapped(self) -> list[str]:
+    def do_wrapped(self, request: messages.Wrapped) -> list[str]:
         """The names of DistributedDataParallel models here (and kept ones a fresh rank is to wrap)."""
         # lazy: torch, in rank processes only
         from torch.nn.parallel import DistributedDataParallel
@@ -355,9 +364,10 @@ class GroupRank(RankRuntime):
         found = {n for n, v in self.namespace.items() if isinstance(v, DistributedDataParallel)}
         return sorted(found | set(self.to_wrap))
 
-    def do_rewrap(self, names: list[str]) -> list[str]:
+    def do_rewrap(self, request: messages.Rewrap) -> list[str]:
         """After the group was re-formed: the DistributedDataParallel models ``names`` wrapped anew on it (the old
         ones hold the ended group). A collective: every rank wraps the same names in the same order."""
+        names = request.names
         for name in names:
             old = self.namespace[name]
             if name in self.to_wrap:
@@ -369,24 +379,24 @@ class GroupRank(RankRuntime):
 
     # --- the user's code -------------------------------------------------------------------------------
 
-    def do_exec(self, label: str, packed: bytes) -> tuple[Any, list[str], list[str]]:
+    def do_exec(self, request: messages.Exec) -> messages.CellResult:
         """Run a shipped cell (``shipping.CellPayload``) in the namespace; its value (pickled), and the names the
         ranks now hold as their own and all the names they hold."""
-        payload = cloudpickle.loads(packed)
+        payload = cloudpickle.loads(request.packed)
         payload.prepare()
         self.receive(payload.names)
-        self._start(label)
+        self._start(request.label)
         value = payload.run(self._context(), self.namespace)
-        return (_dumps_to_cpu(value), *self.names(), self.collectives)
+        return messages.CellResult(dumps_to_cpu(value), *self.names(), self.collectives)
 
-    def do_call(self, label: str, packed: bytes) -> tuple[Any, list[str], list[str]]:
+    def do_call(self, request: messages.Call) -> messages.CellResult:
         """Call a shipped function (``shipping.FunctionPayload``)."""
-        payload = cloudpickle.loads(packed)
+        payload = cloudpickle.loads(request.packed)
         payload.prepare()
         fn = self._in_namespace(payload.fn)
-        self._start(label)
+        self._start(request.label)
         value = fn(*payload.args, **payload.kwargs)
-        return (_dumps_to_cpu(value), *self.names(), self.collectives)
+        return messages.CellResult(dumps_to_cpu(value), *self.names(), self.collectives)
 
     def receive(self, names: dict[str, Any]) -> None:
         """Take the notebook's names (their values as the kernel sent them) into the namespace."""
@@ -451,25 +461,26 @@ class GroupRank(RankRuntime):
         own = [n for n in present if self.shipped.get(n) != id(self.namespace[n])]
         return own, present
 
-    def do_pull(self, name: str) -> bytes:
+    def do_pull(self, request: messages.Pull) -> bytes:
         """A name's value, pickled with every tensor copied to the CPU (a DDP model: its module)."""
         # lazy: torch, in rank processes only
         from torch.nn.parallel import DistributedDataParallel
 
+        name = request.name
         if name not in self.namespace or _hidden(name):
             raise NameError(f"name {name!r} is not defined on rank {self.setup.rank}")
         value = self.namespace[name]
         if isinstance(value, DistributedDataParallel):
             value = value.module
-        return _dumps_to_cpu(value)
+        return dumps_to_cpu(value)
 
-    def do_push(self, packed: bytes) -> None:
-        values = cloudpickle.loads(packed)
+    def do_push(self, request: messages.Push) -> None:
+        values = cloudpickle.loads(request.packed)
         self.namespace.update(values)
         for name in values:
             self.shipped.pop(name, None)  # pushed: the rank's own from now on
 
-    def do_export(self) -> tuple[bytes, list[str]]:
+    def do_export(self, request: messages.Export) -> tuple[bytes, list[str]]:
         """The state registered with ``gpumagic.keep``, pickled together (DDP models as their modules), and
         the names it could not include."""
         # lazy: torch, in rank processes only
@@ -494,18 +505,18 @@ class GroupRank(RankRuntime):
         }
         return dumps((state, wrapped, list(_kept), modules)), missing
 
-    def do_restore(self, names: bytes, definitions: list[replay.Definition], state: bytes | None) -> dict[str, Any]:
+    def do_restore(self, request: messages.Restore) -> messages.Restored:
         """A fresh rank that replaces a dead one takes back what it can: the notebook's names the dead rank was
         sent (``names``, pickled), its cells' imports and definitions (``definitions``, run again), and the state
         another rank exported (``state``: the kept names, tensors landing on this rank's device, and that
         rank's imported modules). What it got, and why anything could not be redone."""
-        received = cloudpickle.loads(names)
+        received = cloudpickle.loads(request.names)
         self.receive(received)
-        replayed, failed, why = replay.replay(self.namespace, definitions)
+        replayed, failed, why = replay.replay(self.namespace, request.definitions)
         kept: list[str] = []
         modules: list[str] = []
-        if state is not None:
-            values, wrapped, registered, imported = cloudpickle.loads(state)
+        if request.state is not None:
+            values, wrapped, registered, imported = cloudpickle.loads(request.state)
             for name, module in imported.items():  # the healthy rank's imports: cheap to redo, never "lost"
                 with contextlib.suppress(ImportError):
                     self.namespace.setdefault(name, importlib.import_module(module))
@@ -517,30 +528,24 @@ class GroupRank(RankRuntime):
         if failed:  # a definition may need what the kept state brought (a default argument, a base class)
             again, failed, why = replay.replay(self.namespace, failed)
             replayed += again
-        return {
-            "notebook": sorted(received),
-            "replayed": sorted(set(replayed)),
-            "kept": kept,
-            "modules": sorted(set(modules)),
-            "failed": why,
-        }
+        return messages.Restored(sorted(received), sorted(set(replayed)), kept, sorted(set(modules)), why)
 
-    def do_describe(self) -> dict[str, Any]:
+    def do_describe(self, request: messages.Describe) -> dict[str, Any]:
         """This rank's fingerprints of the state replicas keep alike (``replicas.describe``)."""
         return replicas.describe(self.namespace, _kept, self.before)
 
-    def do_replicated(self) -> list[str]:
+    def do_replicated(self, request: messages.Replicated) -> list[str]:
         """The names of the state replicas keep alike here (models, optimizers, schedulers, kept names)."""
         return sorted(replicas.replicated(self.namespace, _kept))
 
-    def do_kinds(self, names: list[str]) -> dict[str, Any]:
+    def do_kinds(self, request: messages.Kinds) -> dict[str, Any]:
         """How this rank holds ``names`` (``replicas.plan_kinds``), for the kernel's sync plan."""
-        return replicas.plan_kinds(self.namespace, names)
+        return replicas.plan_kinds(self.namespace, request.names)
 
-    def do_kept(self) -> list[str]:
+    def do_kept(self, request: messages.Kept) -> list[str]:
         return list(_kept)
 
-    def do_free(self) -> dict[str, Any]:
+    def do_free(self, request: messages.Free) -> MemoryFreed:
         """Collect garbage and return cached GPU memory; what was released."""
         # lazy: torch, in rank processes only
         import torch
@@ -552,23 +557,50 @@ class GroupRank(RankRuntime):
         if cuda:
             torch.cuda.empty_cache()
         after = torch.cuda.memory_reserved() if cuda else 0
-        return {"collected": collected, "reserved_before": before, "reserved_after": after, "cuda": cuda}
+        return MemoryFreed(self.setup.rank, collected, before, after, cuda)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> RankState:
         # lazy: torch, in rank processes only
         import torch
 
         cuda = self.setup.use_cuda and torch.cuda.is_initialized()
-        return {
-            "rank": self.setup.rank,
-            "pid": os.getpid(),
-            "cell": self.executing,
-            "since": self.executing_since if self.executing else None,
-            "collective": self.collective,
-            "allocated": torch.cuda.memory_allocated() if cuda else None,
-            "reserved": torch.cuda.memory_reserved() if cuda else None,
-            "rss": _rss(),
-        }
+        return RankState(
+            rank=self.setup.rank,
+            pid=os.getpid(),
+            cell=self.executing,
+            since=self.executing_since if self.executing else None,
+            collective=self.collective,
+            allocated=torch.cuda.memory_allocated() if cuda else None,
+            reserved=torch.cuda.memory_reserved() if cuda else None,
+            rss=_rss(),
+        )
+
+    # what the main thread does for each request (``messages.Close`` ends the loop), and the control thread at once
+    HANDLERS: ClassVar[dict[type[messages.Request], Callable[[Any, Any], Any]]] = {
+        messages.Join: do_join,
+        messages.Leave: do_leave,
+        messages.Wrapped: do_wrapped,
+        messages.Rewrap: do_rewrap,
+        messages.Exec: do_exec,
+        messages.Call: do_call,
+        messages.Pull: do_pull,
+        messages.Push: do_push,
+        messages.Export: do_export,
+        messages.Restore: do_restore,
+        messages.Describe: do_describe,
+        messages.Replicated: do_replicated,
+        messages.Kinds: do_kinds,
+        messages.Kept: do_kept,
+        messages.Free: do_free,
+        messages.Debug: do_debug,
+    }
+    CONTROLS: ClassVar[dict[type[messages.Control], Callable[[Any, Any], None]]] = {
+        messages.Break: lambda rank, message: rank.break_group(),
+        messages.Pause: _on_pause,
+        messages.StopAt: lambda rank, message: rank.sync.stop_at(message.cell, message.point),
+        messages.Stdin: lambda rank, message: rank.lines.put(message.line),  # the notebook's answer to the rank's pdb
+        messages.HangAfter: lambda rank, message: rank.watch_hangs(message.seconds),  # a cell's own --hang-after
+    }
 
 
 def sync_here(source: int, plan: list[tuple[str, str]]) -> list[str]:
@@ -632,26 +664,6 @@ def _wrap_like(module: Any, old: Any, how: dict[str, Any] | None = None) -> Any:
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(module, **(how if how is not None else _wrapping_of(old)))
-
-
-def _dumps_to_cpu(value: Any) -> bytes:
-    """``value`` pickled (cloudpickle: what the notebook's ranks defined travels by value) with every GPU
-    tensor copied to the CPU, so the kernel can load it without a GPU."""
-    # lazy: torch, in rank processes only
-    import torch
-
-    class ToCpu(pickler_class()):
-        def reducer_override(self, obj: Any) -> Any:
-            if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-                copy = obj.detach().to("cpu")
-                if isinstance(obj, torch.nn.Parameter):
-                    copy = torch.nn.Parameter(copy, requires_grad=obj.requires_grad)
-                return copy.__reduce_ex__(self.proto)
-            return super().reducer_override(obj)
-
-    buffer = io.BytesIO()
-    ToCpu(buffer).dump(value)
-    return buffer.getvalue()
 
 
 def _rss() -> int | None:

@@ -9,6 +9,7 @@ Only the group's own processes are ever signalled.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -22,6 +23,8 @@ from gpumagic.errors import GpumagicError
 from gpumagic.launch.kernel_side.process_set import Exit, ProcessSet
 from gpumagic.launch.plan import LaunchPlan
 from gpumagic.launch.rank_side.group_rank import serve_group_rank
+
+_log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0
 REPLIES = ("done", "failed", "interrupted")
@@ -112,7 +115,7 @@ class Member:
             try:
                 self.connection.send(message)
             except (OSError, ValueError):
-                pass  # it died: the pidfd says so
+                _log.debug("rank %d died (its pidfd says so); a message to it is dropped", self.rank, exc_info=True)
 
 
 class GroupMembers:
@@ -382,7 +385,7 @@ class GroupMembers:
                     if message[0] in REPLIES:
                         member.busy = None
             except (EOFError, OSError):
-                pass  # it is dying: the pidfd tells
+                _log.debug("rank %d's connection failed: it is dying (its pidfd tells)", member.rank, exc_info=True)
 
     def _bury(self, member: Member, exit: Exit) -> None:
         """A rank ended: what it started ends with it (it led its process group); read the output it left."""
@@ -433,6 +436,7 @@ def ask_status(members: list[Member], within: float) -> dict[int, dict[str, Any]
                         found[member.rank] = row
                         break
             except (EOFError, OSError):
+                _log.debug("rank %d's status channel failed; no status from it", member.rank, exc_info=True)
                 continue
     return found
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import pdb
 import socket
@@ -18,6 +19,8 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+_log = logging.getLogger(__name__)
 
 ACCEPT_TIMEOUT_S = 600.0  # how long a failed rank kept for --pdb waits for the notebook to connect
 PROMPT = "prompt"  # a console message's state: pdb waits for a line
@@ -138,5 +141,6 @@ def peer_uid(connection: socket.socket) -> int | None:
     try:
         credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except OSError:
+        _log.debug("the debug socket's peer credentials are unreadable; the peer is refused", exc_info=True)
         return None
     return struct.unpack("3i", credentials)[1]

@@ -19,6 +19,7 @@ import functools
 import gc
 import importlib
 import io
+import logging
 import os
 import queue
 import signal
@@ -46,6 +47,8 @@ from gpumagic.launch.rank_side.process_group import (
 from gpumagic.launch.rank_side.runtime import RankRuntime, RankSetup, become_rank, exit_rank, plan_setup
 from gpumagic.launch.rank_side.sync_points import SyncPoints, track_ddp_forwards
 from gpumagic.launch.shipping import dumps, pickler_class
+
+_log = logging.getLogger(__name__)
 
 DEBUG = -3  # the request number of a debugger's messages (group_members.DEBUG)
 _kept: dict[str, None] = {}  # names registered with gpumagic.keep, in registration order
@@ -110,6 +113,7 @@ class GroupRank(RankRuntime):
             self.set_up()
             self._open_namespace()
         except BaseException as err:  # noqa: BLE001 - the kernel must hear why the rank cannot serve
+            _log.debug("the rank cannot serve; the kernel is told why", exc_info=True)
             self.send(("failed", 0, failure_report(self.phase, err)))
             return 1
         _this_rank = self
@@ -146,6 +150,7 @@ class GroupRank(RankRuntime):
                     name = collective[0] if collective else None
                     return ("interrupted", ident, name, self.collectives, self.sync.stopped_at)
                 except BaseException as err:  # noqa: BLE001 - every failure goes back to the kernel
+                    _log.debug("the %s message failed; the failure goes back to the kernel", kind, exc_info=True)
                     self.executing = None
                     if cell:
                         self.failure = err.__traceback__
@@ -178,6 +183,7 @@ class GroupRank(RankRuntime):
                 ident = self.status_connection.recv()
                 self.status_connection.send((ident, self.status()))
             except (EOFError, OSError):
+                _log.debug("the status channel closed; status answers stop", exc_info=True)
                 return
 
     def _control(self) -> None:
@@ -659,4 +665,5 @@ def _rss() -> int | None:
         with open("/proc/self/statm") as handle:
             return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
+        _log.debug("/proc/self/statm is unreadable; the rank's memory is unknown", exc_info=True)
         return None

@@ -14,9 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import gpumagic
 from gpumagic.launch.plan import command_environment, launch_environment
-from gpumagic.run_dirs.outcomes import read_json
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "gpumagic"
@@ -213,8 +211,9 @@ def test_a_swallowed_failure_prints_its_line_with_gpumagic_debug_only(tmp_path, 
     first = next(line for line in lines if "gpumagic.run_dirs.outcomes" in line)
     assert first.endswith(f"gpumagic.run_dirs.outcomes DEBUG: {bad} is unreadable or not JSON; taken as absent")
     assert "json.decoder.JSONDecodeError: Expecting property name enclosed in double quotes" in done.stderr
-    assert sum("a warning, as before" in line for line in lines) == 1
-    assert sum("once" in line for line in lines) == 2  # GPUMAGIC_DEBUG's own line, and the root's
+    assert sum(line.endswith("WARNING: a warning, as before") for line in lines) == 1
+    onces = [line for line in lines if line.endswith(": once")]  # GPUMAGIC_DEBUG's own line, and the root's
+    assert len(onces) == 2 and onces[0].endswith("gpumagic.elsewhere WARNING: once") and onces[1] == "root: once"
 
 
 def test_importing_gpumagic_quietly_leaves_logging_unimported(tmp_path):
@@ -232,17 +231,42 @@ def test_processes_gpumagic_starts_inherit_gpumagic_debug(monkeypatch):
     assert command_environment()["GPUMAGIC_DEBUG"] == "1"  # agents and job runners (python -m gpumagic...)
 
 
-def read_bad_json(path: str) -> None:
+RANKS = """
+import os, sys
+from pathlib import Path
+
+import gpumagic
+from gpumagic.run_dirs.outcomes import read_json
+
+
+def read_bad_json(path):
     assert read_json(Path(path)) is None
 
 
-def test_a_ranks_swallowed_failure_shows_with_gpumagic_debug(tmp_path, monkeypatch, capfd):
-    """The launch's environment decides in the rank, whatever the kernel (here quiet) or its rank server had."""
+if __name__ == "__main__":
+    gpumagic.launch_ddp(read_bad_json, 1, args=(sys.argv[1],), gpus="none", output="all")
+    print("--- GPUMAGIC_DEBUG=1 ---", flush=True)
+    os.environ["GPUMAGIC_DEBUG"] = "1"  # the rank server is running, quiet: the launch's environment decides
+    gpumagic.launch_ddp(read_bad_json, 1, args=(sys.argv[1],), gpus="none", output="all")
+"""
+
+
+def test_a_ranks_swallowed_failure_shows_with_gpumagic_debug_at_its_launch(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    monkeypatch.setenv("GPUMAGIC_DEBUG", "1")
-    gpumagic.launch_ddp(read_bad_json, 1, args=(str(bad),), gpus="none", output="all")
-    out, err = capfd.readouterr()
-    shown = [line for line in (out + err).splitlines() if "is unreadable or not JSON" in line]
-    assert len(shown) == 1 and shown[0].startswith("[rank 0]"), out + err
-    assert "gpumagic.run_dirs.outcomes DEBUG" in shown[0]
+    done = subprocess.run(
+        [sys.executable, "-c", RANKS, str(bad)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_environment(None),
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout
+    quiet, loud = done.stdout.split("--- GPUMAGIC_DEBUG=1 ---\n")
+    assert "DEBUG" not in quiet, quiet
+    shown = [line for line in loud.splitlines() if "is unreadable or not JSON" in line]
+    assert len(shown) == 1, loud
+    assert shown[0].startswith("[rank 0]") and "gpumagic.run_dirs.outcomes DEBUG" in shown[0], loud

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from gpumagic import debug_log as _debug_log  # noqa: F401 - GPUMAGIC_DEBUG=1: every process's lines on stderr
 from gpumagic.errors import (
     GpuLeasedError,
     GpumagicError,

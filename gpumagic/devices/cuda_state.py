@@ -10,8 +10,11 @@ itself: a driver call made before ``cuInit`` returns ``CUDA_ERROR_NOT_INITIALIZE
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import sys
+
+_log = logging.getLogger(__name__)
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_INITIALIZED = 3
@@ -35,7 +38,7 @@ def cuda_initialized() -> str | None:
             if torch.cuda.is_initialized():
                 return "torch has initialized CUDA in this kernel"
         except Exception:  # noqa: BLE001 - a half-imported torch must not break %gpu
-            pass
+            _log.debug("torch cannot say if CUDA is initialized; the loaded driver is asked", exc_info=True)
     for path in loaded_drivers():
         code = driver_status(path)
         if code is None or code in _NOT_STARTED:
@@ -54,6 +57,7 @@ def loaded_drivers() -> list[str]:
         with open("/proc/self/maps", "rb") as maps:
             lines = maps.read().splitlines()
     except OSError:  # not Linux
+        _log.debug("/proc/self/maps is unreadable; no CUDA driver counted as loaded", exc_info=True)
         return []
     paths: dict[str, None] = {}
     for line in lines:
@@ -70,6 +74,7 @@ def driver_status(path: str) -> int | None:
         driver = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
         device_count = driver.cuDeviceGetCount
     except (OSError, AttributeError):
+        _log.debug("the loaded driver %s cannot be asked; its state is taken as unknown", path, exc_info=True)
         return None
     count = ctypes.c_int(0)
     return int(device_count(ctypes.byref(count)))

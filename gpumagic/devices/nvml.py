@@ -8,12 +8,15 @@ newest that works is kept. Fields a GPU does not support come back as ``None``; 
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 from typing import Any
 
 from gpumagic.devices.model import GpuInfo, GpuProcess, Inventory
 from gpumagic.devices.processes import describe_process
+
+_log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _nvml: Any = None  # the pynvml module once initialized
@@ -107,7 +110,7 @@ def _shutdown_locked() -> None:
         try:
             _nvml.nvmlShutdown()
         except Exception:  # noqa: BLE001 - shutting down a broken driver must not fail the caller
-            pass
+            _log.debug("nvmlShutdown failed; NVML is dropped anyway", exc_info=True)
         _nvml = None
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import random
 import threading
@@ -29,6 +30,8 @@ from gpumagic.devices.lease_directory import PICK_NAME, lease_dir, list_names
 from gpumagic.devices.processes import process_start_time
 from gpumagic.devices.shared_files import Untrusted
 from gpumagic.errors import LeaseDirectoryError
+
+_log = logging.getLogger(__name__)
 
 PICK_LOCK_WAIT_S = 3.0  # how long a pick or a status waits for a busy lease directory before saying so
 STRANGER_HOLD_S = 10.0  # another user's pick lock held this long (as seen here) is passed over
@@ -78,6 +81,7 @@ class _PickLock:
         try:
             info = os.fstat(self._file[0])
         except OSError:
+            _log.debug("the pick lock's file cannot be stat'ed; this process is taken not to hold it", exc_info=True)
             return False
         return os.getpid() in holders.get((info.st_dev, info.st_ino), [])
 

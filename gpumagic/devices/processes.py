@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pwd
 import signal
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 import psutil
 
 from gpumagic.errors import KillRefused
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,10 @@ def read_stat(pid: int) -> tuple[bytes, list[bytes]] | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             head, _, rest = handle.read().rpartition(b")")
+    except (FileNotFoundError, ProcessLookupError):  # it has ended: the usual answer while /proc is listed
+        return None
     except OSError:
+        _log.debug("/proc/%d/stat is unreadable; the process is taken as unknown", pid, exc_info=True)
         return None
     return head, rest.split()
 

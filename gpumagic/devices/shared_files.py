@@ -17,6 +17,7 @@ import errno
 import fcntl
 import heapq
 import json
+import logging
 import math
 import os
 import pwd
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from gpumagic.errors import LeaseDirectoryError
+
+_log = logging.getLogger(__name__)
 
 MAX_RECORD_BYTES = 64 << 10  # a lease record or queue ticket is a few hundred bytes
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
@@ -205,6 +208,7 @@ def flock_holders() -> dict[tuple[int, int], list[int]]:
     try:
         text = Path("/proc/locks").read_text()
     except OSError:
+        _log.debug("/proc/locks is unreadable; no flock holders are known", exc_info=True)
         return holders
     for line in text.splitlines():
         fields = line.split()

@@ -12,6 +12,7 @@ its CPU use, so picking, queueing and dashboards behave as on a real server.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import threading
@@ -28,6 +29,8 @@ from gpumagic.devices.model import GpuInfo, GpuProcess, Inventory
 from gpumagic.devices.processes import read_stat
 from gpumagic.errors import InvalidArgument
 from gpumagic.units import GIB, parse_percent, parse_size
+
+_log = logging.getLogger(__name__)
 
 # Memory (GiB) and board power (W) of the models people name without a size.
 KNOWN_MODELS: dict[str, tuple[int, int]] = {
@@ -223,7 +226,7 @@ def _parse_cached(spec: str) -> tuple[SimulatedGpu, ...]:
         try:
             mtime = Path(spec).expanduser().stat().st_mtime
         except OSError:
-            pass
+            _log.debug("the simulation file %s cannot be stat'ed; read without its change time", spec, exc_info=True)
     key = (spec, mtime)
     with _cache_lock:
         if key not in _cache:
@@ -301,6 +304,7 @@ class _ProcessScan:
         try:
             names = os.listdir("/proc")
         except OSError:
+            _log.debug("/proc cannot be listed; no simulated GPU process is seen", exc_info=True)
             return live
         seen = set()
         for name in names:
@@ -350,7 +354,10 @@ def _visible_devices_of(pid: int) -> tuple[str, ...]:
     try:
         with open(f"/proc/{pid}/environ", "rb") as handle:
             environ = handle.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):  # ended, or another user's: the usual answers
+        return ()
     except OSError:
+        _log.debug("/proc/%d/environ is unreadable; the process is taken to see no simulated GPU", pid, exc_info=True)
         return ()
     marker = b"CUDA_VISIBLE_DEVICES="
     if marker not in environ:

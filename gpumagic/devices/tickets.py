@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import fcntl
 import json
+import logging
 import os
 import re
 import time
@@ -26,6 +27,8 @@ from gpumagic.devices import shared_files, ticket_checks
 from gpumagic.devices.lease_directory import TICKET_NAME, lease_dir, list_names
 from gpumagic.devices.pick_lock import pick_lock_seen_in
 from gpumagic.devices.shared_files import Untrusted
+
+_log = logging.getLogger(__name__)
 
 PROVISIONAL_S = 30.0  # how long a queue ticket counts before its job's runner locks it
 OTHERS_PROVISIONAL_S = 5.0  # ... another user's: a runner starts in a second; a forger's ticket soon stops counting
@@ -88,6 +91,7 @@ def claim_ticket(key: str) -> TicketFile | None:
         try:
             fd, _ = shared_files.open_regular(path, os.getuid())
         except (OSError, Untrusted):
+            _log.debug("the ticket %s cannot be opened; it is skipped", path, exc_info=True)
             continue
         deadline = time.monotonic() + 1.0  # another process's probe holds a lock for microseconds
         while True:
@@ -210,6 +214,7 @@ def _worth_reading(
         try:
             info = os.lstat(directory / name)
         except OSError:
+            _log.debug("the ticket %s cannot be stat'ed; it is skipped", name, exc_info=True)
             continue
         if info.st_uid == me:
             chosen.append(name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
+import logging
 import os
 import shutil
 import sys
@@ -29,6 +30,8 @@ from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.signing import read_sealed
 from gpumagic.run_dirs.store import Run
 from gpumagic.units import format_duration, parse_duration
+
+_log = logging.getLogger(__name__)
 
 KILL_GRACE_S = 5.0
 STATES = (*records.ACTIVE, *records.ENDED)  # every status a job can have
@@ -224,6 +227,7 @@ class Job:
         try:
             return f"Job({self.describe()})"
         except (OSError, ValueError, KeyError):
+            _log.debug("the job %s cannot be described; shown as removed", self.path.name, exc_info=True)
             return f"Job({self.path.name}: removed)"
 
     def __eq__(self, other: object) -> bool:
@@ -447,6 +451,7 @@ def select_jobs(names: str | Iterable[str] | None = None, states: str | Iterable
             if chosen.matches(info.get("name", path.name), executors.status(info) if chosen.states else None):
                 selected.append(Job(path))
         except (OSError, ValueError, KeyError):  # removed, or being written, meanwhile
+            _log.debug("the job %s cannot be read; left out of the selection", path, exc_info=True)
             continue
     return selected
 

@@ -14,6 +14,7 @@ import contextlib
 import csv
 import fnmatch
 import io
+import logging
 import math
 import operator
 import re
@@ -32,6 +33,8 @@ from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.store import RankReader, Run, Series, load_run
 from gpumagic.telemetry.metric_kinds import higher_is_better
 from gpumagic.units import format_duration
+
+_log = logging.getLogger(__name__)
 
 X_AXES = ("step", "elapsed", "time")
 SEED_KEY = "seed"
@@ -220,6 +223,7 @@ def _run_gpus(gpus: Any, status: str) -> str:
     try:
         index = {gpu.uuid: gpu.nvml_index for gpu in read_inventory().gpus}
     except Exception:  # noqa: BLE001 - no driver here: the count still says something
+        _log.debug("the GPU inventory cannot be read; GPUs are counted instead of named", exc_info=True)
         index = {}
     if all(uuid in index for uuid in uuids):
         return ",".join(str(index[uuid]) for uuid in uuids)

@@ -13,6 +13,7 @@ needs of ``launch/`` and ``jobs/`` is imported where it is used.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -30,6 +31,8 @@ from gpumagic.run_dirs import private, records, store
 from gpumagic.run_dirs.launch_files import make_launch_directories, remove_launch_directories
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.signing import PayloadRejected, read_sealed, write_sealed
+
+_log = logging.getLogger(__name__)
 
 
 def main(argv: list[str]) -> int:
@@ -93,6 +96,7 @@ class _Runner:
         except DiskFull:
             raise
         except BaseException as err:  # noqa: BLE001 - whatever happens, the job's record must say it
+            _log.debug("the job could not run; its record says why", exc_info=True)
             report = "".join(traceback.format_exception(err))
             self._write(self.files.error, "gpumagic could not run the job:\n" + report)
             self._finish("failed", f"gpumagic could not run the job: {type(err).__name__}: {err}")

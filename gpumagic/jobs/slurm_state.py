@@ -9,6 +9,7 @@ asked with a timeout; none of their output reaches the cell.
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 import subprocess
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpumagic.launch.allocation import parse_fields
+
+_log = logging.getLogger(__name__)
 
 COMMAND_TIMEOUT_S = 15.0
 # slurmstepd's line in a job's output when Slurm ends it: "*** JOB 12 ON n1 CANCELLED AT ... DUE TO TIME LIMIT ***"
@@ -56,6 +59,7 @@ def _run(*command: str) -> subprocess.CompletedProcess | None:
     try:
         return subprocess.run(command, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired):
+        _log.debug("%s failed to run; Slurm's answer is taken as unknown", command[0], exc_info=True)
         return None
 
 
@@ -104,6 +108,7 @@ def from_output(job_id: str, folder: Path | None) -> SlurmState:
         try:
             text = log.read_text(errors="replace")
         except OSError:
+            _log.debug("the Slurm log %s is unreadable; skipped", log, exc_info=True)
             continue
         found = ENDED_BY_SLURM.findall(text)
         if found:

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -34,6 +35,8 @@ from gpumagic.run_dirs.outcomes import rank_outcomes, read_json, root_cause
 from gpumagic.run_dirs.private import write_private
 from gpumagic.run_dirs.signing import read_sealed, write_sealed
 from gpumagic.run_dirs.store import record_end
+
+_log = logging.getLogger(__name__)
 
 STOP_LOOK_S = 0.25  # how often a rank looks for its attempt's stop file
 STOPPED_EXIT = 128 + signal.SIGTERM
@@ -174,6 +177,7 @@ def stop_requested(files: RunFiles, token: str) -> int | None:
         if path.name not in os.listdir(path.parent):
             return None
     except OSError:
+        _log.debug("the attempt's stop file cannot be looked for; no stop is taken as asked", exc_info=True)
         return None
     told = read_json(path) or {}
     return told["rank"] if isinstance(told.get("rank"), int) else -1

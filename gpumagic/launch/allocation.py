@@ -7,6 +7,7 @@ starts one agent per other node itself with ``srun --overlap`` (``launch.kernel_
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -16,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpumagic.errors import InvalidArgument
+
+_log = logging.getLogger(__name__)
 
 HOSTLIST_PART = re.compile(r"([^,\[]+)(?:\[([^\]]+)\])?(?:,|$)")
 
@@ -74,6 +77,7 @@ def job_fields(job_id: str) -> dict[str, str]:
             ["scontrol", "show", "job", "--oneliner", job_id], capture_output=True, text=True, timeout=10, check=False
         )
     except (OSError, subprocess.TimeoutExpired):
+        _log.debug("scontrol failed for job %s; its fields are taken as unknown", job_id, exc_info=True)
         return {}
     if done.returncode != 0:
         return {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import time
@@ -27,6 +28,8 @@ from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.outcomes import read_json
 from gpumagic.run_dirs.private import write_private
 from gpumagic.units import format_duration as _long_duration
+
+_log = logging.getLogger(__name__)
 
 DEFAULT_HANG_AFTER = "10s"
 ANSWER_WAIT_S = 1.5  # how long the report waits for every rank's answer
@@ -268,6 +271,7 @@ def read_record(path: Path) -> dict[str, Any] | None:
             "tensor": None if tensor == "None" else tensor,
         }
     except (OSError, ValueError, KeyError, IndexError):
+        _log.debug("the hang record %s cannot be read; it is taken as absent", path, exc_info=True)
         return None
 
 
@@ -310,6 +314,7 @@ class HangFollower:
         try:
             return self._look()
         except Exception:  # noqa: BLE001 - see above
+            _log.debug("a hang report could not be made; the cell goes on without it", exc_info=True)
             self._pending = None
             return None
 
@@ -344,6 +349,7 @@ class HangFollower:
         try:
             stamp = os.stat(self._ranks).st_mtime_ns
         except OSError:
+            _log.debug("the ranks' directory %s cannot be stat'ed; no new notice is read", self._ranks, exc_info=True)
             return {}
         if stamp == self._stamp:
             return {}

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import ast
 import linecache
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+_log = logging.getLogger(__name__)
 
 REPLAYED = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
@@ -100,6 +103,7 @@ def replay(namespace: dict[str, Any], found: list[Definition]) -> tuple[list[str
             try:
                 exec(definition.code(), namespace)
             except Exception as err:  # noqa: BLE001 - what cannot be redone is listed as lost
+                _log.debug("a definition of %s cannot be redone; listed as lost", definition.names, exc_info=True)
                 failed.append(definition)
                 why.update(dict.fromkeys(definition.names, f"{type(err).__name__}: {err}"))
                 continue

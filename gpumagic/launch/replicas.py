@@ -13,11 +13,14 @@ tensor lives), the numbers themselves. The kernel compares them and names what d
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpumagic.launch.shipping import dumps
+
+_log = logging.getLogger(__name__)
 
 COUNTERS = (int,)  # the plain numbers compared: step and epoch counters (a float like a running loss is per rank)
 
@@ -88,6 +91,7 @@ def describe(namespace: Mapping[str, Any], kept: Iterable[str], before: Mapping[
         try:
             state[name] = _digest(_fingerprint(namespace[name], kind))
         except Exception as err:  # noqa: BLE001 - a value that cannot be described is told, not fatal
+            _log.debug("the value %s cannot be fingerprinted; told as not comparable", name, exc_info=True)
             state[name] = f"cannot be compared: {type(err).__name__}"
     now = scalars_of(namespace, ())
     scalars = {n: (before.get(n), now.get(n)) for n in set(before) | set(now)}

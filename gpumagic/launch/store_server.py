@@ -62,7 +62,7 @@ from gpumagic.launch.secure_store import (
 MAX_PENDING = 1 << 16  # unproven connections at most, whatever the descriptor limit allows
 SPARE_DESCRIPTORS = 256  # left to the process itself (its ranks' pipes, gloo's sockets, files)
 ACCEPTS_PER_ROUND = 512  # then the waiting handshakes get their turn
-_log = logging.getLogger("gpumagic")
+_log = logging.getLogger(__name__)
 
 
 def pending_capacity() -> int:
@@ -164,7 +164,7 @@ class StoreServer:
             self.counts.tampered += 1
             _log.debug("gpumagic store %s: dropped a session (%s)", self.address, err)
         except (OSError, ConnectionError, struct.error):
-            pass  # the client left
+            _log.debug("a session of %s ended: the client left", self.address, exc_info=True)
         finally:
             self._sessions.discard(connection)
             connection.close()

@@ -6,6 +6,7 @@ the elastic agents' notebook read them here. Independent of how the processes we
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import signal
@@ -19,6 +20,8 @@ import cloudpickle
 
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.signing import read_sealed
+
+_log = logging.getLogger(__name__)
 
 FATAL_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}  # faulthandler's
 GPUMAGIC_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # gpumagic's frames: machinery
@@ -155,7 +158,10 @@ def read_json(path: Path) -> dict[str, Any] | None:
     """A JSON file a rank wrote whole (``write_private``), or ``None`` if it is missing or not JSON."""
     try:
         return json.loads(path.read_text())
+    except FileNotFoundError:  # not written (yet): the usual answer
+        return None
     except (OSError, ValueError):
+        _log.debug("%s is unreadable or not JSON; taken as absent", path, exc_info=True)
         return None
 
 
@@ -166,7 +172,10 @@ def _fatal_stack(path: Path) -> tuple[str, float] | None:
         if not status.st_size:
             return None
         return _tidy_stack(path.read_text(errors="replace")), status.st_mtime
+    except FileNotFoundError:  # not recorded: the usual answer
+        return None
     except OSError:
+        _log.debug("the fatal-signal stack %s is unreadable; taken as absent", path, exc_info=True)
         return None
 
 

@@ -13,6 +13,7 @@ import contextlib
 import errno
 import grp
 import io
+import logging
 import os
 import pwd
 import stat
@@ -24,6 +25,8 @@ from pathlib import Path
 
 from gpumagic.errors import DiskFull, RunsDirectoryError
 from gpumagic.run_dirs.layout import runs_root
+
+_log = logging.getLogger(__name__)
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -82,6 +85,7 @@ def _why_unsafe(directory: Path) -> str | None:
     except FileNotFoundError:
         return None
     except OSError as err:
+        _log.debug("%s cannot be checked; it is refused", directory, exc_info=True)
         return f"{directory} cannot be checked ({err.strerror})"
     if info.st_uid not in (0, os.getuid()):
         return f"{directory} belongs to {_user_name(info.st_uid)}"
@@ -101,6 +105,7 @@ def _has_acl(directory: Path) -> bool:
     try:
         os.getxattr(directory, "system.posix_acl_access")
     except OSError:  # no ACL (ENODATA), or no xattrs here at all
+        _log.debug("%s has no readable ACL; taken as none", directory, exc_info=True)
         return False
     return True
 
@@ -170,6 +175,7 @@ def is_own_run(entry: os.DirEntry | Path) -> bool:
     try:
         info = entry.stat(follow_symlinks=False) if isinstance(entry, os.DirEntry) else os.lstat(entry)
     except OSError:
+        _log.debug("%s cannot be stat'ed; not taken as a run of this user's", entry, exc_info=True)
         return False
     return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
 
@@ -195,6 +201,7 @@ def out_of_space(path: Path | str, margin: int = 64 << 10) -> bool:
     try:
         space = os.statvfs(path)
     except OSError:
+        _log.debug("the free space at %s is unknown; taken as enough", path, exc_info=True)
         return False
     return space.f_bavail * space.f_frsize < margin
 

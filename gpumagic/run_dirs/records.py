@@ -27,6 +27,7 @@ import errno
 import fcntl
 import itertools
 import json
+import logging
 import os
 import re
 import shutil
@@ -41,6 +42,8 @@ from gpumagic.errors import DiskFull, InvalidArgument
 from gpumagic.run_dirs import private, run_end, store
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.signing import PayloadRejected, read_sealed, write_sealed
+
+_log = logging.getLogger(__name__)
 
 ACTIVE = run_end.ACTIVE  # a job's, as every run's
 ENDED = ("finished", "failed", "killed", "cancelled", "lost")
@@ -226,6 +229,7 @@ def all_jobs() -> list[Path]:
             try:
                 submitted = _submitted[path] = float(read(path).get("submitted", 0))
             except (OSError, ValueError):
+                _log.debug("the job %s cannot be read; left out", path, exc_info=True)
                 continue
         found.append((submitted, path.name, path))
     return [path for _, _, path in sorted(found)]

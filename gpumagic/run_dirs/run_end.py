@@ -12,6 +12,7 @@ RunEnd(status='failed', why='rank 1 raised ValueError', ended=5.0, brief='')
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpumagic.devices.processes import is_same_process
+
+_log = logging.getLogger(__name__)
 
 ACTIVE = ("queued", "running")
 KERNEL_KINDS = ("ddp", "ddp-group", "kernel")  # the runs a kernel carries, and records the end of
@@ -91,6 +94,7 @@ def pid_space() -> str:
             boot = handle.read().strip()
         return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
     except OSError:
+        _log.debug("the boot id or PID namespace is unreadable; the host name stands for them", exc_info=True)
         return socket.gethostname()
 
 

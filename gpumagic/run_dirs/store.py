@@ -48,7 +48,7 @@ _HEADER = struct.Struct("<I")
 FIELDS = 4  # time, step, name id, value
 MAX_BATCH = 1 << 22  # points in one batch; the writer splits larger ones, a reader takes a larger count as torn
 _update_lock = threading.Lock()
-_log = logging.getLogger("gpumagic")
+_log = logging.getLogger(__name__)
 
 
 def new_run(kind: str, ranks: int = 1, root: Path | None = None, **details: Any) -> Path:
@@ -159,6 +159,7 @@ def _rewrite_in_place(path: Path, data: bytes) -> bool:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
+        _log.debug("%s cannot be opened to rewrite in place", path, exc_info=True)
         return False
     try:
         if len(data) > os.fstat(fd).st_blocks * 512:
@@ -167,6 +168,7 @@ def _rewrite_in_place(path: Path, data: bytes) -> bool:
         os.ftruncate(fd, len(data))
         return True
     except OSError:
+        _log.debug("%s could not be rewritten in place", path, exc_info=True)
         return False
     finally:
         os.close(fd)
@@ -434,6 +436,7 @@ def list_runs() -> list[Run]:
         try:
             runs.append(Run(path, json.loads(RunFiles(path).record.read_text())).settle())
         except (OSError, ValueError):
+            _log.debug("the run %s cannot be read; left out", path, exc_info=True)
             continue
     # by creation time: names sort by the second only, then by their random part
     return sorted(runs, key=lambda run: (float(run.info.get("created") or 0.0), run.path.name))

@@ -21,7 +21,7 @@ from gpumagic.run_dirs import private, store
 from gpumagic.run_dirs.layout import RunFiles
 
 FLUSH_INTERVAL_S = 0.1
-_log = logging.getLogger("gpumagic")
+_log = logging.getLogger(__name__)
 
 
 class Recorder:

@@ -14,6 +14,7 @@ state where it was shown (the status line, the bars and the plots as HTML), and 
 from __future__ import annotations
 
 import html
+import logging
 import os
 import threading
 import time
@@ -26,6 +27,7 @@ from gpumagic.units import GIB
 from gpumagic.widgets.live import ERROR, TEXT, Frames, live_model, owned_box
 from gpumagic.widgets.plots import PALETTE, Forward, curve, forward_only, hover, load_colour, pick, styled_figure
 
+_log = logging.getLogger(__name__)
 COLUMNS = ("time", "elapsed", "used", "mine", "others", "total", "utilization", "temperature")
 
 
@@ -207,6 +209,7 @@ class GpuWatch:
             try:
                 _, samples = self.sampler.sample()
             except Exception:  # noqa: BLE001 - a failed read (driver hiccup) skips one sample
+                _log.debug("a GPU sample failed; skipped", exc_info=True)
                 continue
             self._record(samples)
 
@@ -219,6 +222,7 @@ class GpuWatch:
                     self.plots.catch_up_once()
                     self._frames.refresh()  # the still picture, where the rich view does not draw
             except Exception as err:  # noqa: BLE001 - one failed push is told, and the next one tries again
+                _log.debug("a push of the GPU watch failed; told in its header, the next tries again", exc_info=True)
                 self.problem = f"{type(err).__name__}: {err}"
                 self.header.value = self._header_text()
             if stopping:

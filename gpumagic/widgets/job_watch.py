@@ -13,6 +13,7 @@ into a static copy of its last state (table and plot) where it was shown.
 from __future__ import annotations
 
 import html
+import logging
 import threading
 import time
 from collections.abc import Iterable
@@ -28,6 +29,8 @@ from gpumagic.run_dirs.store import RankReader
 from gpumagic.widgets.job_table import job_row, status_html
 from gpumagic.widgets.live import ERROR, TEXT, Frames, live_model, owned_box, unsynced
 from gpumagic.widgets.plots import PALETTE, Smoothing, StepCurve, curve, hover, styled_figure
+
+_log = logging.getLogger(__name__)
 
 LOG_LINES = 30
 HEADINGS = ("name", "status", "GPUs", "elapsed", "latest / why")
@@ -121,7 +124,7 @@ class JobWatch:
         try:
             self.update()
         except Exception:  # noqa: BLE001 - the last look may fail (a job removed meanwhile): the buttons still go
-            pass
+            _log.debug("the job watch's last update failed; its buttons are disabled anyway", exc_info=True)
         for row in self.rows.values():
             row["kill"].disabled = True
         self.header.value = self._header_text(stopped=True)
@@ -154,6 +157,7 @@ class JobWatch:
                 self.plots.catch_up_once()
                 self._frames.refresh()  # the still picture, where the rich view does not draw
             except Exception as err:  # noqa: BLE001 - a hiccup (a job removed meanwhile) skips one update
+                _log.debug("an update of the job watch failed; told in it, the next tries again", exc_info=True)
                 self.message.value = f"<span style='{ERROR}'>{html.escape(f'{type(err).__name__}: {err}')}</span>"
 
     def update(self) -> None:
@@ -172,6 +176,7 @@ class JobWatch:
             try:
                 texts = self._texts_of(path, records.read(path))
             except (OSError, ValueError, KeyError):  # removed meanwhile
+                _log.debug("the job %s cannot be read; left out of this update", path, exc_info=True)
                 continue
             if texts is None:
                 continue
@@ -210,6 +215,7 @@ class JobWatch:
             try:
                 self._queue = places()
             except Exception:  # noqa: BLE001 - a busy or unreadable lease directory: the why's first line instead
+                _log.debug("the machine's queue cannot be read; no places shown", exc_info=True)
                 self._queue = {}
         return self._queue.get(name)
 
@@ -329,6 +335,7 @@ class JobWatch:
                 job.kill()
                 self.message.value = html.escape(f"{job.name}: {job.status} ({job.reason})")
             except Exception as err:  # noqa: BLE001 - shown in the widget
+                _log.debug("killing the job %s failed; told in the widget", path, exc_info=True)
                 self.message.value = f"<span style='{ERROR}'>{html.escape(str(err))}</span>"
 
         self.message.value = "stopping…"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 import time
 from collections import deque
@@ -51,6 +52,7 @@ from gpumagic.widgets.plots import (
     styled_figure,
 )
 
+_log = logging.getLogger(__name__)
 RESOURCE_WIDTH, RESOURCE_HEIGHT = 300, 130  # each resource plot beside the metrics, px
 MARKS = 500  # cells marked on the metric plots: the latest ones
 RESOURCE_INTERVAL = 0.5  # s at least between samples of the ranks' resources, whatever the push interval
@@ -172,8 +174,10 @@ class LaunchDashboard:
         # the ranks on other nodes: their agents sample them into the run directory (bytes read so far)
         self._remote_usage = {rank: 0 for rank, pid in enumerate(self.pids) if pid is None}
         self._attached_epoch = time.time()
-        with contextlib.suppress(Exception):  # a dashboard hiccup must never break the launch
+        try:  # a dashboard hiccup must never break the launch
             self._push_resources(self._processes)  # now, while the ranks surely live: a launch of 0.1 s has one
+        except Exception:  # noqa: BLE001
+            _log.debug("the dashboard's first look at the ranks failed; the loop looks again", exc_info=True)
         self._thread = threading.Thread(target=self._loop, name="gpumagic-launch-dashboard", daemon=True)
         self._thread.start()
 
@@ -275,19 +279,22 @@ class LaunchDashboard:
                         self.plots.catch_up_once()
                     changed = self._push_resources(self._processes, moved=changed) or changed
                 except Exception:  # noqa: BLE001 - a dashboard hiccup must never break the launch
-                    pass
+                    _log.debug("a dashboard update failed; the next one tries again", exc_info=True)
                 if self._show_status(changed):
-                    with contextlib.suppress(Exception):
+                    try:
                         self._draw_held()  # the ranks' resources up to when the group went quiet, once
+                    except Exception:  # noqa: BLE001
+                        _log.debug("the dashboard's held resources could not be drawn", exc_info=True)
                 if self._frame is not None:
                     self._frame.refresh()  # the still picture, where the rich view does not draw
         except Exception:  # noqa: BLE001 - a dashboard hiccup must never break the launch
+            _log.debug("the dashboard's loop failed; it waits for the launch to end", exc_info=True)
             self._stop.wait()
         finally:
             try:
                 self._conclude()
             except Exception:  # noqa: BLE001
-                pass
+                _log.debug("the dashboard could not conclude; it stays as it is", exc_info=True)
 
     def _show_status(self, changed: bool) -> bool:
         """Set the status line where what it says changed. While something changes it counts the seconds; once
@@ -315,7 +322,7 @@ class LaunchDashboard:
             self._push_resources(self._processes, moved=self._push_metrics())
             self._draw_held()  # the copy's resources run to its end
         except Exception:  # noqa: BLE001 - the copy shows what there is
-            pass
+            _log.debug("the dashboard's last push failed; the copy shows what there is", exc_info=True)
         self._idle_since = None  # the copy says how long it ran
         if self.status is not None:
             self.status.value = self._status_text()
@@ -528,7 +535,10 @@ class LaunchDashboard:
                 with open(files.rank_usage(rank), "rb") as handle:
                     handle.seek(offset)
                     data = handle.read()
+            except FileNotFoundError:  # no sample yet
+                continue
             except OSError:
+                _log.debug("rank %d's usage file is unreadable; looked at again later", rank, exc_info=True)
                 continue
             complete = data[: data.rfind(b"\n") + 1]  # a line being written waits for the next look
             self._remote_usage[rank] = offset + len(complete)
@@ -608,7 +618,10 @@ def _duration(seconds: float) -> str:
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
+    except FileNotFoundError:  # nothing logged yet
+        return 0
     except OSError:
+        _log.debug("%s cannot be stat'ed; its size taken as 0", path, exc_info=True)
         return 0
 
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "gpumagic"
 
 FLOORS = (  # lowest first; a module imports only from its own floor or a lower one
-    ("gpumagic.errors",),
+    ("gpumagic.errors", "gpumagic.debug_log"),
     ("gpumagic.units",),
     ("gpumagic.devices",),
     ("gpumagic.run_dirs",),

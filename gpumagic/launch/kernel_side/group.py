@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import shutil
 import signal
 import sys
@@ -59,6 +60,8 @@ from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.outcomes import ProcessEnd, RankOutcome, read_outcome, root_cause
 from gpumagic.units import parse_duration
 
+_log = logging.getLogger(__name__)
+
 DEFAULT_GRACE_S = 5.0
 CLOSE_GRACE_S = 5.0
 
@@ -79,8 +82,10 @@ def close_open_groups(status: str = "finished") -> int:
     """Close every group of ranks this process has open (the kernel is ending); how many were open."""
     groups = list(_open_groups)
     for group in groups:
-        with contextlib.suppress(Exception):
+        try:
             group.close(status)
+        except Exception:  # noqa: BLE001
+            _log.debug("a group could not be closed as the kernel ends; the others still are", exc_info=True)
     return len(groups)
 
 
@@ -370,6 +375,7 @@ class RankGroup:
                 member.send(messages.Stdin(0, None))
                 raise
             except (EOFError, Exception):  # noqa: BLE001 - no input box here
+                _log.debug("rank %d's debugger cannot read a line here; it goes on", member.rank, exc_info=True)
                 line = None
                 self.on_note(f"rank {member.rank}'s debugger cannot read a line here (no input); it goes on")
             member.send(messages.Stdin(0, line))

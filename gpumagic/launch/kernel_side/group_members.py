@@ -9,6 +9,7 @@ Only the group's own processes are ever signalled.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -26,6 +27,8 @@ from gpumagic.launch.messages import READY, STORE, Failed, Reply, ToKernel
 from gpumagic.launch.plan import LaunchPlan
 from gpumagic.launch.rank_side.group_rank import serve_group_rank
 from gpumagic.launch.records import RankState
+
+_log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0
 REPLIES: tuple[type[ToKernel], ...] = (Reply,)  # what ends a request: done, failed or interrupted
@@ -113,7 +116,7 @@ class Member:
             try:
                 self.connection.send(messages.encode(message))
             except (OSError, ValueError):
-                pass  # it died: the pidfd says so
+                _log.debug("rank %d died (its pidfd says so); a message to it is dropped", self.rank, exc_info=True)
 
 
 class GroupMembers:
@@ -388,7 +391,7 @@ class GroupMembers:
                     if isinstance(message, REPLIES):
                         member.busy = None
             except (EOFError, OSError):
-                pass  # it is dying: the pidfd tells
+                _log.debug("rank %d's connection failed: it is dying (its pidfd tells)", member.rank, exc_info=True)
 
     def _bury(self, member: Member, exit: Exit) -> None:
         """A rank ended: what it started ends with it (it led its process group); read the output it left."""
@@ -439,6 +442,7 @@ def ask_status(members: list[Member], within: float) -> dict[int, RankState]:
                         found[member.rank] = answer.state
                         break
             except (EOFError, OSError, messages.MessageError):
+                _log.debug("rank %d's status channel failed; no status from it", member.rank, exc_info=True)
                 continue
     return found
 

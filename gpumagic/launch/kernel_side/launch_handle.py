@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
+
+_log = logging.getLogger(__name__)
 
 Outcome = Any  # ``{rank: value}``, or the exception the launch raised
 
@@ -44,6 +47,7 @@ class LaunchHandle:
         try:
             outcome = self._result = self._run()
         except BaseException as err:  # noqa: BLE001 - handed to on_end and join()
+            _log.debug("the launch on its thread failed; the error goes to join() and on_end", exc_info=True)
             outcome = self._error = err
         if self._on_end is not None:
             self._on_end(outcome)

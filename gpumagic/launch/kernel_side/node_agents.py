@@ -10,6 +10,7 @@ stop file first, so each node stops its own ranks; then signals).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -24,6 +25,8 @@ from gpumagic.launch.plan import command_environment
 from gpumagic.launch.rank_side.agent import AgentError, read_events
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.private import open_private
+
+_log = logging.getLogger(__name__)
 
 NODE_TIMEOUT_VARIABLE = "GPUMAGIC_NODE_TIMEOUT"
 NODE_TIMEOUT_S = 120.0  # for srun to start a node's agent and the agent to start (it imports torch)
@@ -195,5 +198,6 @@ def last_line(path: Path) -> str:
     try:
         lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
     except OSError:
+        _log.debug("the log %s is unreadable; shown as '(no log)'", path, exc_info=True)
         return "(no log)"
     return lines[-1] if lines else "(empty)"

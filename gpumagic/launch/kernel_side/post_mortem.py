@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import logging
 import os
 import socket
 from collections.abc import Callable
@@ -16,6 +17,8 @@ from typing import Any
 from gpumagic.launch.messages import DebugIO, MessageError, Stdin, from_json_line, to_json_line
 from gpumagic.launch.rank_side.debugging import PROMPT, peer_uid
 from gpumagic.run_dirs.layout import RunFiles
+
+_log = logging.getLogger(__name__)
 
 
 def read_user_line(prompt: str) -> str:
@@ -48,7 +51,10 @@ class PostMortems:
             path = self.files.rank_debug_socket(rank)
             try:
                 info = os.lstat(path)
+            except FileNotFoundError:  # no debugger (yet): the usual answer
+                continue
             except OSError:
+                _log.debug("rank %d's debug socket cannot be stat'ed; looked for again later", rank, exc_info=True)
                 continue
             self.done.add(rank)
             if info.st_uid != os.getuid():  # not the rank's: nothing of another user's is talked to
@@ -77,6 +83,7 @@ class PostMortems:
                 try:
                     line: str | None = self.read_line(said.text)
                 except (EOFError, KeyboardInterrupt, Exception):  # noqa: BLE001 - no input box: end the session
+                    _log.debug("no line can be read for rank %d's debugger; its session ends", rank, exc_info=True)
                     line = None
                 stream.write(to_json_line(Stdin(0, "q" if line is None else line)))
                 stream.flush()

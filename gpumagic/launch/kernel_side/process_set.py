@@ -9,6 +9,7 @@ persistent group also kills one process that stays stuck and puts a fresh one in
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import signal
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpumagic.devices.processes import Escalation, end_processes, is_running, signal_processes
+
+_log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 3.0
 
@@ -192,4 +195,5 @@ def _pidfd(pid: int) -> int | None:
     try:
         return os.pidfd_open(pid)
     except (AttributeError, OSError):
+        _log.debug("no pidfd for process %d; it is watched without one", pid, exc_info=True)
         return None

@@ -18,6 +18,7 @@ import argparse
 import datetime
 import ipaddress
 import json
+import logging
 import os
 import shlex
 import signal
@@ -39,6 +40,8 @@ from gpumagic.run_dirs.launch_files import read_spec, store_key
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.private import open_private
 from gpumagic.run_dirs.signing import read_sealed
+
+_log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0  # to reach the rendezvous: it listens from before the run directory exists
 
@@ -134,6 +137,7 @@ def run_agent(
     try:
         result = agent.run()
     except Exception as err:  # noqa: BLE001 - e.g. the rendezvous closed or timed out: say it, exit non-zero
+        _log.debug("the elastic agent failed; the error is recorded and the agent exits 1", exc_info=True)
         events.write("error", message=f"{type(err).__name__}: {err}")
         sys.stderr.write(f"gpumagic agent: {type(err).__name__}: {err}\n")
         return 1

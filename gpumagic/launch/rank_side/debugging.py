@@ -10,6 +10,7 @@ a persistent group's rank sends it over its pipe to the kernel (``GroupRank``), 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pdb
 import socket
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from gpumagic.launch.messages import DebugIO, Stdin, from_json_line, to_json_line
+
+_log = logging.getLogger(__name__)
 
 ACCEPT_TIMEOUT_S = 600.0  # how long a failed rank kept for --pdb waits for the notebook to connect
 PROMPT = "prompt"  # a console message's state: pdb waits for a line
@@ -139,5 +142,6 @@ def peer_uid(connection: socket.socket) -> int | None:
     try:
         credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except OSError:
+        _log.debug("the debug socket's peer credentials are unreadable; the peer is refused", exc_info=True)
         return None
     return struct.unpack("3i", credentials)[1]

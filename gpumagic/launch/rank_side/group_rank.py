@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import gc
 import importlib
+import logging
 import os
 import queue
 import signal
@@ -50,6 +51,7 @@ from gpumagic.launch.rank_side.sync_points import SyncPoints, track_ddp_forwards
 from gpumagic.launch.records import MemoryFreed, RankState
 from gpumagic.launch.shipping import dumps, dumps_to_cpu
 
+_log = logging.getLogger(__name__)
 _kept: dict[str, None] = {}  # names registered with gpumagic.keep, in registration order
 _this_rank: GroupRank | None = None
 
@@ -112,6 +114,7 @@ class GroupRank(RankRuntime):
             self.set_up()
             self._open_namespace()
         except BaseException as err:  # noqa: BLE001 - the kernel must hear why the rank cannot serve
+            _log.debug("the rank cannot serve; the kernel is told why", exc_info=True)
             self.send(messages.Failed(messages.READY, failure_report(self.phase, err), None))
             return 1
         _this_rank = self
@@ -148,6 +151,7 @@ class GroupRank(RankRuntime):
                     name = collective[0] if collective else None
                     return messages.Interrupted(ident, name, self.collectives, self.sync.stopped_at)
                 except BaseException as err:  # noqa: BLE001 - every failure goes back to the kernel
+                    _log.debug("a %s failed; its failure goes to the kernel", type(request).__name__, exc_info=True)
                     self.executing = None
                     if cell:
                         self.failure = err.__traceback__
@@ -182,6 +186,7 @@ class GroupRank(RankRuntime):
             except messages.MessageError:
                 continue
             except (EOFError, OSError):
+                _log.debug("the status channel closed; status answers stop", exc_info=True)
                 return
 
     def _control(self) -> None:
@@ -671,4 +676,5 @@ def _rss() -> int | None:
         with open("/proc/self/statm") as handle:
             return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
+        _log.debug("/proc/self/statm is unreadable; the rank's memory is unknown", exc_info=True)
         return None

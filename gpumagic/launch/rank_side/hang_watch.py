@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import mmap
 import os
 import pickle
@@ -40,6 +41,8 @@ from gpumagic.launch.rank_side.process_group import replace_in_torch_distributed
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.outcomes import read_json
 from gpumagic.run_dirs.private import write_private
+
+_log = logging.getLogger(__name__)
 
 RECORDER_ENTRIES = "2000"  # torch's flight recorder: the last collectives kept (a few hundred bytes each)
 RECORD_BYTES = 4096
@@ -207,6 +210,7 @@ def _sequence_number() -> int | None:
             return None
         return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
     except Exception:  # noqa: BLE001 - a backend without one: only the Python calls are watched
+        _log.debug("the process group has no sequence number; only the Python calls are watched", exc_info=True)
         return None
 
 
@@ -221,6 +225,7 @@ def _flight_recorder(only_active: bool) -> list[dict[str, Any]]:
         raw = dump(includeCollectives=True, includeStackTraces=False, onlyActive=only_active)
         return list(pickle.loads(raw).get("entries", []))  # torch's own dump, of this process
     except Exception:  # noqa: BLE001 - no recorder (no group yet, an older torch): nothing known
+        _log.debug("torch's flight recorder cannot be read; nothing known from it", exc_info=True)
         return []
 
 
@@ -304,8 +309,10 @@ class HangWatch:
     def _run(self) -> None:
         while True:
             time.sleep(self.period_s)
-            with contextlib.suppress(Exception):  # a watch must never harm the rank it watches
+            try:  # a watch must never harm the rank it watches
                 self.look()
+            except Exception:  # noqa: BLE001
+                _log.debug("a look of the hang watch failed; the next one tries again", exc_info=True)
 
     def look(self) -> None:
         """One look: tell the launcher of a collective waiting too long; answer its request."""
@@ -344,7 +351,10 @@ class HangWatch:
     def _answer(self) -> None:
         try:
             stamp = os.stat(self.files.hang_request).st_mtime_ns
+        except FileNotFoundError:  # none asked: the usual answer
+            return
         except OSError:
+            _log.debug("the hang request cannot be stat'ed; none is answered now", exc_info=True)
             return
         if stamp == self._request_seen:
             return

@@ -4,6 +4,7 @@ ending the rank's whole process group (what its code started) when the kernel is
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import threading
@@ -11,6 +12,8 @@ import time
 from multiprocessing import forkserver
 
 from gpumagic.devices.processes import is_running
+
+_log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 
@@ -43,7 +46,7 @@ def die_with_parent(how: int = signal.SIGKILL) -> None:
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, how, 0, 0, 0)
     except (OSError, AttributeError):
-        pass
+        _log.debug("prctl(PR_SET_PDEATHSIG) failed; this process may outlive its parent", exc_info=True)
 
 
 def _release_forkserver() -> None:
@@ -55,6 +58,6 @@ def _release_forkserver() -> None:
         try:
             os.close(fd)
         except OSError:
-            pass
+            _log.debug("the forkserver's alive pipe could not be closed; it is forgotten anyway", exc_info=True)
         server._forkserver_alive_fd = None
         server._forkserver_address = None

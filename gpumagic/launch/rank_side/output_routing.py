@@ -4,12 +4,15 @@ printed and logged written out before it exits without interpreter teardown."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+_log = logging.getLogger(__name__)
 
 
 def route_output(local_rank: int, outputs: list[Any]) -> None:
@@ -58,9 +61,9 @@ def flush() -> None:
         try:
             telemetry.flush()
         except (OSError, ValueError):
-            pass
+            _log.debug("the telemetry's last points could not be written", exc_info=True)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
-            pass
+            _log.debug("a stream could not be flushed; what it held may be lost", exc_info=True)

@@ -10,6 +10,7 @@ import functools
 import gc
 import hashlib
 import inspect
+import logging
 import os
 import socket
 import stat
@@ -23,6 +24,8 @@ from gpumagic.launch import secure_store
 from gpumagic.launch.store_server import serve_and_connect
 from gpumagic.run_dirs.launch_files import publish_store, published_store, store_key
 from gpumagic.run_dirs.layout import RunFiles
+
+_log = logging.getLogger(__name__)
 
 _STORE_SERVERS: list[Any] = []  # the stores this rank serves: alive while the rank runs (or until left)
 _USERS_STORE: list[Any] = []  # the store of the groups the user's own code makes (``spawn``)
@@ -198,13 +201,14 @@ def break_connections(backend: str, sockets: dict[int, int]) -> None:
 
             distributed_c10d._abort_process_group()
         except Exception:  # noqa: BLE001 - the kernel kills the rank if it stays stuck
-            pass
+            _log.debug("the process group could not be aborted; the kernel kills a stuck rank", exc_info=True)
     for fd, inode in sockets.items():
         try:
             if os.stat(f"/proc/self/fd/{fd}").st_ino != inode:
                 continue
             connection = socket.socket(fileno=fd)
         except OSError:
+            _log.debug("socket %d cannot be taken over; it is left as it is", fd, exc_info=True)
             continue
         try:
             if connection.family in (socket.AF_INET, socket.AF_INET6) and not connection.getsockopt(
@@ -212,7 +216,7 @@ def break_connections(backend: str, sockets: dict[int, int]) -> None:
             ):
                 connection.shutdown(socket.SHUT_RDWR)  # the store's connections are Unix sockets: they stay
         except OSError:
-            pass
+            _log.debug("socket %d could not be shut down; it is left as it is", fd, exc_info=True)
         finally:
             connection.detach()
 
@@ -227,7 +231,7 @@ def leave_broken_group() -> None:
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - an aborted group may refuse; it is left behind either way
-        pass
+        _log.debug("the broken process group could not be destroyed; it is left behind", exc_info=True)
     # Unlike a launch's (keep_ended_process_groups), a group left here is broken first: no collective of it is
     # in flight, so its destructor has no worker to wait for. Released, a re-form leaks nothing (kept, each
     # cost rank 0 four threads and 14 descriptors).
@@ -243,6 +247,7 @@ def _socket_inodes() -> dict[int, int]:
         try:
             status = os.stat(f"/proc/self/fd/{entry}")
         except OSError:
+            _log.debug("descriptor %s cannot be stat'ed; not counted as a socket", entry, exc_info=True)
             continue
         if stat.S_ISSOCK(status.st_mode):
             found[int(entry)] = status.st_ino

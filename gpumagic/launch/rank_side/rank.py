@@ -11,6 +11,7 @@ torch is imported only where it is used.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sys
@@ -41,6 +42,8 @@ from gpumagic.run_dirs.private import write_private
 from gpumagic.run_dirs.signing import read_sealed, write_sealed
 from gpumagic.run_dirs.store import RUN_DIR_VARIABLE
 
+_log = logging.getLogger(__name__)
+
 
 class Rank(RankRuntime):
     """Set-up, execute, report, teardown of one rank; ``run`` does them in order and returns the exit code."""
@@ -57,6 +60,7 @@ class Rank(RankRuntime):
             self.report(value)
             self.tear_down()
         except BaseException as err:  # noqa: BLE001 - every way a rank ends must be reported
+            _log.debug("the rank failed in %s; the failure is reported", self.phase, exc_info=True)
             return self.report_failure(name_memory_limit(err))
         finally:
             flush()
@@ -119,6 +123,7 @@ def run_rank(run_dir: Path) -> int:
         try:
             spec = read_spec(files)
         except BaseException as err:  # noqa: BLE001 - a changed or missing description is setup's failure
+            _log.debug("the launch description cannot be read; reported as setup's failure", exc_info=True)
             return report_failure(files.rank_error(rank, attempt), rank, "setup", err)
         sys.path[:0] = [p for p in spec.get("sys_path", []) if p not in sys.path]  # the notebook's modules
         use_cuda = bool(spec.get("use_cuda"))

@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import ctypes
 import functools
+import logging
 import multiprocessing
 import os
 import signal
@@ -31,6 +32,8 @@ from multiprocessing import forkserver, resource_tracker, util
 from typing import Any
 
 from gpumagic.devices.processes import is_running, parent_pid, signal_processes
+
+_log = logging.getLogger(__name__)
 
 BASE_PRELOAD = (
     "torch",
@@ -244,6 +247,7 @@ def _server_has() -> frozenset[str]:
         with open(_report or "") as handle:
             return frozenset(handle.read().split())
     except OSError:
+        _log.debug("the rank server's report %s is unreadable; taken as nothing imported", _report, exc_info=True)
         return frozenset()
 
 

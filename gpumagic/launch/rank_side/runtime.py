@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import faulthandler
 import importlib
+import logging
 import multiprocessing
 import os
 import sys
@@ -23,6 +24,7 @@ from typing import Any, NoReturn
 
 import cloudpickle
 
+from gpumagic import debug_log
 from gpumagic.launch.plan import LaunchPlan
 from gpumagic.launch.rank_side.hang_watch import CollectiveRecorder, HangWatch, enable_flight_recorder
 from gpumagic.launch.rank_side.lifeline import die_with
@@ -39,6 +41,8 @@ from gpumagic.launch.seeding import DETERMINISTIC_VARIABLE, SEED_VARIABLE, seed
 from gpumagic.launch.shipping import dumps
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.private import open_private
+
+_log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 1800.0
 
@@ -230,6 +234,7 @@ def record_fatal_signals(path: Path) -> Any:
         handle = open_private(path)
         handle.truncate(0)
     except OSError:
+        _log.debug("the fatal-signal file %s cannot be opened; fatal signals are not recorded", path, exc_info=True)
         return None
     faulthandler.enable(file=handle, all_threads=True)
     os.register_at_fork(after_in_child=faulthandler.disable)  # a worker's crash is not the rank's death
@@ -245,6 +250,7 @@ def set_environment(environment: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(preloaded)
     os.environ.update(environment)
+    debug_log.configure()  # the launch's GPUMAGIC_DEBUG, not the forkserver's
 
 
 def _initial_environment() -> set[str] | None:
@@ -253,5 +259,6 @@ def _initial_environment() -> set[str] | None:
         with open("/proc/self/environ", "rb") as handle:
             entries = handle.read().split(b"\0")
     except OSError:
+        _log.debug("/proc/self/environ is unreadable; the initial environment is unknown", exc_info=True)
         return None
     return {entry.split(b"=", 1)[0].decode(errors="replace") for entry in entries if b"=" in entry}

@@ -8,8 +8,8 @@ names for its process and its GPU's utilization.
 
 from __future__ import annotations
 
-import contextlib
 import json
+import logging
 import socket
 import threading
 import time
@@ -22,6 +22,8 @@ from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.outcomes import read_rank_start
 from gpumagic.run_dirs.private import open_private
 from gpumagic.units import MIB
+
+_log = logging.getLogger(__name__)
 
 SAMPLE_INTERVAL_S = 1.0
 
@@ -47,8 +49,10 @@ class _Sampler:
 
     def run(self, stop: threading.Event, interval_s: float) -> None:
         while not stop.wait(interval_s):
-            with contextlib.suppress(Exception):  # sampling must never end the agent
+            try:  # sampling must never end the agent
                 self.sample()
+            except Exception:  # noqa: BLE001
+                _log.debug("a sample of the node's ranks failed; skipped", exc_info=True)
 
     def _local_ranks(self) -> dict[int, int]:
         """rank -> pid of the ranks whose latest start was on this node."""
@@ -85,9 +89,11 @@ class _Sampler:
         from gpumagic.devices.inventory import read_inventory
 
         use = {}
-        with contextlib.suppress(Exception):
+        try:
             for gpu in read_inventory().gpus:
                 for process in gpu.processes:
                     if process.gpu_memory is not None:
                         use[process.pid] = (process.gpu_memory / MIB, float(gpu.utilization or 0.0))
+        except Exception:  # noqa: BLE001
+            _log.debug("the GPU inventory cannot be read; the ranks' GPU use is left out", exc_info=True)
         return use

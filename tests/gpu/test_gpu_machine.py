@@ -129,7 +129,7 @@ for step in range(300):
 def test_launch_ddp_trains_with_nccl_on_the_gpu_and_the_dashboard_shows_its_memory(start_kernel):
     kernel = start_kernel()
     kernel.ok(
-        "%load_ext gpumagic\nimport gpumagic, torch\nfrom gpumagic.magics.launch import LaunchMagics\n%gpu pick 1"
+        "%load_ext gpumagic\nimport gpumagic, torch\nfrom gpumagic.launch.kernel_side.session import SESSION\n%gpu pick 1"
     )
     kernel.ok(TRAIN_ON_THE_GPU, timeout=240)
     backend, device, parameters, allocated_mib = kernel.ok("print(*out[0])").stdout.split()
@@ -138,7 +138,7 @@ def test_launch_ddp_trains_with_nccl_on_the_gpu_and_the_dashboard_shows_its_memo
     count, first, last = losses.stdout.split()
     assert int(count) == 300 and float(last) < float(first) / 4
     dashboard = kernel.ok(
-        "d = LaunchMagics.last_dashboard\nprint(d.state)\nprint(d.resource_figures[0].title.text)\n"
+        "d = SESSION.last_dashboard\nprint(d.state)\nprint(d.resource_figures[0].title.text)\n"
         "print(max(d.resource_sources[0].data['memory']))"
     ).stdout.splitlines()
     assert dashboard[0] == "finished" and dashboard[1].startswith("GPU memory per rank")

@@ -256,15 +256,15 @@ def test_a_hang_across_nodes_is_reported_with_each_nodes_rank_and_line(allocatio
 def test_the_dashboard_draws_the_resources_of_every_nodes_ranks(allocation, start_kernel):
     """No rank runs on the kernel's machine here: each node's agent samples its ranks into the run directory."""
     kernel = start_kernel(**allocation)
-    kernel.ok("%load_ext gpumagic\nfrom gpumagic.magics.launch import LaunchMagics")
+    kernel.ok("%load_ext gpumagic\nfrom gpumagic.launch.kernel_side.session import SESSION")
     cell = kernel.ok(
         "%%launch_ddp -n 1 --nnodes 2 --gpus none\nimport time\nheld = bytearray(200 * 2**20)\ntime.sleep(4)",
         timeout=120,
     )
     assert "application/vnd.jupyter.widget-view+json" in cell.mimetypes
-    kernel.ok("LaunchMagics.last_dashboard.join()")
+    kernel.ok("SESSION.last_dashboard.join()")
     drawn = kernel.ok(
-        "d = LaunchMagics.last_dashboard\n"
+        "d = SESSION.last_dashboard\n"
         "print({r: (len(d.resource_sources[r].data['memory']), max(d.resource_sources[r].data['memory'])) "
         "for r in (0, 1)})"
     ).stdout.strip()

@@ -15,6 +15,7 @@ from gpumagic.jobs.slurm_task import torchrun_environment
 from gpumagic.launch.kernel_side.ddp import check_launch
 from gpumagic.launch.kernel_side.group import RankGroup
 from gpumagic.launch.kernel_side.launch_handle import LaunchHandle
+from gpumagic.launch.kernel_side.session import SESSION
 from gpumagic.launch.options import LaunchOptions
 from gpumagic.launch.plan import TORCHRUN_VARIABLES, LaunchPlan
 
@@ -149,7 +150,7 @@ def test_launch_ddp_without_waiting_sets_its_variable_through_the_shared_handle(
     monkeypatch.setattr(launch_magic, "launch_packed", launch)
     shell.user_ns.pop("later", None)
     shell.run_cell_magic("launch_ddp", "-n 2 --gpus none --no-wait --no-dashboard -o later", "rank")
-    handle = shell.magics_manager.registry["LaunchMagics"].last_launch
+    handle = SESSION.last_launch
     assert isinstance(handle, LaunchHandle)
     with pytest.raises(SystemExit) if isinstance(outcome, BaseException) else contextlib.nullcontext():
         handle.join(10)

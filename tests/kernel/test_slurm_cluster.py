@@ -171,7 +171,7 @@ def test_a_requeued_job_says_so_and_keeps_the_earlier_attempts_files(on_cluster)
         time.sleep(600 if attempt == 0 else 1)
         return attempt
 
-    job = gpumagic.submit(attempts, name="R1", executor="slurm", gpus=0, slurm={"time": "10m"})
+    job = gpumagic.jobs_with(name="R1", executor="slurm", gpus=0, slurm={"time": "10m"}).submit(attempts)
     job_id = job.info["slurm_job_id"]
     wait_for(lambda: "attempt 0" in job.logs(), 60, "the first attempt's output")
     on_cluster.run("scontrol", "requeue", job_id)
@@ -201,7 +201,7 @@ def _nodes_idle(cluster) -> bool:
 
 
 def test_a_job_cancelled_from_a_shell_reads_killed_and_its_end_survives_the_controller(on_cluster):
-    job = gpumagic.submit(time.sleep, 600, name="S1", executor="slurm", gpus=0, slurm={"time": "10m"})
+    job = gpumagic.jobs_with(name="S1", executor="slurm", gpus=0, slurm={"time": "10m"}).submit(time.sleep, 600)
     job_id, folder = job.info["slurm_job_id"], job.info["slurm_folder"]
     wait_for(lambda: job.status == "running", 60, "the job runs")
     on_cluster.run("scancel", job_id)

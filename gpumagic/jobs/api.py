@@ -11,7 +11,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from gpumagic.errors import InvalidArgument, KillRefused, ReportedError
 from gpumagic.jobs import executors
 from gpumagic.jobs.executors import Entry, Submission, executor_of
 from gpumagic.launch.kernel_side.output import RankOutput
-from gpumagic.launch.option_table import MAX_RANKS, default
+from gpumagic.launch.option_table import default, on, option
 from gpumagic.launch.options import LaunchOptions
 from gpumagic.launch.shipping import pack, ship_cell, ship_function
 from gpumagic.run_dirs import records
@@ -249,8 +249,9 @@ class JobRequest:
     launch: LaunchOptions = field(default_factory=LaunchOptions)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.memory_limit, bool):
-            raise InvalidArgument(f"memory_limit is True or False, got {self.memory_limit!r}")
+        for entry in on("job"):  # the table's checks of the options it holds (its launch checks its own)
+            if entry.check is not None and entry.name in _HELD:
+                entry.check(getattr(self, entry.name))
         if self.memory_limit and self.min_free is None:
             raise InvalidArgument(
                 "memory_limit caps a job at the memory it declares: give min_free too (--min-free 20GB)"
@@ -272,14 +273,16 @@ class JobRequest:
         Raises:
             InvalidArgument: a malformed option, named.
         """
-        if ddp is not None and not _is_rank_count(ddp):
-            raise InvalidArgument(f"ddp is the number of ranks, a whole number from 1 to {MAX_RANKS}, got {ddp!r}")
+        option("job", "ddp").check(ddp)
         return cls(launch=LaunchOptions(ddp, backend=backend, timeout=timeout, hang_after=hang_after), **request)
 
     @property
     def ddp(self) -> int | None:
         """The number of ranks of its DDP group; ``None``: a single process."""
         return self.launch.nprocs
+
+
+_HELD = tuple(f.name for f in fields(JobRequest) if f.name != "launch")  # its options, not its launch's
 
 
 @dataclass(frozen=True)
@@ -503,10 +506,6 @@ def _create(entries: list[Entry], request: JobRequest, description: str) -> list
         request.launch.hang_after_s,
     )
     return [Job(path) for path in runs_on.submit(entries, resources, submission)]
-
-
-def _is_rank_count(ddp: Any) -> bool:
-    return not isinstance(ddp, bool) and isinstance(ddp, int) and 1 <= ddp <= MAX_RANKS
 
 
 def _dependencies(after: Any) -> list[str]:

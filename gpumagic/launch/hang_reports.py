@@ -26,7 +26,6 @@ from gpumagic.run_dirs.outcomes import read_json
 from gpumagic.run_dirs.private import write_private
 from gpumagic.units import format_duration as _long_duration
 
-DEFAULT_HANG_AFTER = "10s"
 ANSWER_WAIT_S = 1.5  # how long the report waits for every rank's answer
 LOOK_EVERY_S = 0.1  # the follower looks at most this often, however often its loop calls it
 _CELL = re.compile(r"^<.*?cell (.+)>$")

@@ -59,6 +59,18 @@ def check_hang_after(value: str | float) -> float:
     return parse_duration(value, at_most=7 * 86400, what="--hang-after")
 
 
+def check_ddp(ddp: object) -> None:
+    """Raises InvalidArgument unless ``ddp`` is ``None`` (one process) or a number of ranks."""
+    if ddp is not None and not _whole(ddp, 1, MAX_RANKS):
+        raise InvalidArgument(f"ddp is the number of ranks, a whole number from 1 to {MAX_RANKS}, got {ddp!r}")
+
+
+def check_memory_limit(memory_limit: object) -> None:
+    """Raises InvalidArgument unless ``memory_limit`` is a bool."""
+    if not isinstance(memory_limit, bool):
+        raise InvalidArgument(f"memory_limit is True or False, got {memory_limit!r}")
+
+
 def check_start_method(start_method: object) -> None:
     """Raises InvalidArgument unless ``start_method`` is one of ``START_METHODS``."""
     if start_method not in START_METHODS:
@@ -150,9 +162,17 @@ OPTIONS: tuple[Option, ...] = (
         "job",
         flag=True,
         switch=True,
+        check=check_memory_limit,
     ),
     _option(
-        "ddp", "int | None", None, "run as a DDP group of N ranks (process group ready)", "job", flag=True, metavar="N"
+        "ddp",
+        "int | None",
+        None,
+        "run as a DDP group of N ranks (process group ready)",
+        "job",
+        flag=True,
+        metavar="N",
+        check=check_ddp,
     ),
     _option(
         "after",

@@ -46,9 +46,11 @@ def test_help_shows_the_real_signature_and_docstring():
     assert "min_free: 'str | int | None' = None" in pydoc.render_doc(gpumagic.pick)
     shown = pydoc.render_doc(gpumagic.launch_ddp)
     assert "timeout: 'str | float' = '30m'" in shown and "hang_after: 'str | float' = '10s'" in shown
-    for name in ("spawn", "ranks", "why", "sweep", "jobs_with"):
+    for name in ("spawn", "ranks", "why", "jobs_with"):
         kinds = {p.kind for p in inspect.signature(getattr(gpumagic, name)).parameters.values()}
         assert inspect.Parameter.VAR_KEYWORD not in kinds, f"{name} hides options in **kwargs"
+    sweep = inspect.signature(gpumagic.sweep).parameters  # its job options by name; **fixed goes to fn
+    assert {"name", "min_free", "ddp", "after"} <= set(sweep) and sweep["fixed"].kind is inspect.Parameter.VAR_KEYWORD
     submit = inspect.signature(gpumagic.submit).parameters
     assert [p.kind for p in submit.values()] == [
         inspect.Parameter.POSITIONAL_ONLY,

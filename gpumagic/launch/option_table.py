@@ -25,7 +25,7 @@ OUTPUT_MODES = ("all", "rank0", "none")
 MULTI_NODE = "multi-node and elastic (torch.distributed.elastic; docs/multi-node.md)"
 
 
-def _whole(value: object, lowest: int, highest: int | None) -> bool:
+def is_whole(value: object, lowest: int, highest: int | None) -> bool:
     """Whether ``value`` is an int (not a bool) from ``lowest`` to ``highest`` (``None``: no end)."""
     if isinstance(value, bool) or not isinstance(value, int):
         return False
@@ -34,7 +34,7 @@ def _whole(value: object, lowest: int, highest: int | None) -> bool:
 
 def check_nprocs(nprocs: object) -> None:
     """Raises InvalidArgument unless ``nprocs`` is a number of ranks gpumagic starts (1 to ``MAX_RANKS``)."""
-    if not _whole(nprocs, 1, MAX_RANKS):
+    if not is_whole(nprocs, 1, MAX_RANKS):
         raise InvalidArgument(f"the number of ranks must be a whole number from 1 to {MAX_RANKS}, got {nprocs!r}")
 
 
@@ -46,7 +46,7 @@ def check_output(output: object) -> None:
 
 def check_gpus_per_rank(gpus_per_rank: object) -> None:
     """Raises InvalidArgument unless ``gpus_per_rank`` is a whole number of at least 1."""
-    if not _whole(gpus_per_rank, 1, None):
+    if not is_whole(gpus_per_rank, 1, None):
         raise InvalidArgument(f"gpus_per_rank must be a whole number of at least 1, got {gpus_per_rank!r}")
 
 
@@ -61,7 +61,7 @@ def check_hang_after(value: str | float) -> float:
 
 def check_ddp(ddp: object) -> None:
     """Raises InvalidArgument unless ``ddp`` is ``None`` (one process) or a number of ranks."""
-    if ddp is not None and not _whole(ddp, 1, MAX_RANKS):
+    if ddp is not None and not is_whole(ddp, 1, MAX_RANKS):
         raise InvalidArgument(f"ddp is the number of ranks, a whole number from 1 to {MAX_RANKS}, got {ddp!r}")
 
 
@@ -79,7 +79,7 @@ def check_start_method(start_method: object) -> None:
 
 def check_port(port: object) -> None:
     """Raises InvalidArgument unless ``port`` is ``None`` (a free one) or a TCP port."""
-    if port is not None and not _whole(port, 1, 65535):
+    if port is not None and not is_whole(port, 1, 65535):
         raise InvalidArgument(f"port must be a whole number from 1 to 65535, got {port!r}")
 
 

@@ -16,17 +16,12 @@ from typing import Any
 from gpumagic.errors import InvalidArgument
 from gpumagic.launch.allocation import Allocation, check_srun, current
 from gpumagic.launch.option_table import (
-    MAX_RANKS,
-    OUTPUT_MODES,
-    START_METHODS,
-    _whole,
-    check_hang_after,
-    check_nprocs,
+    check_hang_after,  # noqa: F401 (kernel_side/group.py imports it from here)
     default,
+    is_whole,
     on,
 )
 
-__all__ = ["MAX_RANKS", "OUTPUT_MODES", "START_METHODS", "LaunchOptions", "check_hang_after", "check_nprocs"]
 MAX_NODES = 1024
 MAX_RESTARTS = 100
 RDZV_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
@@ -159,7 +154,7 @@ class LaunchOptions:
             raise InvalidArgument("spawn runs on this machine only; use launch_ddp for a multi-node or elastic run")
         if self.port is not None:
             raise InvalidArgument("with an elastic launch the port is --rdzv-endpoint's; leave out --port")
-        if not _whole(self.nnodes, 1, MAX_NODES):
+        if not is_whole(self.nnodes, 1, MAX_NODES):
             raise InvalidArgument(f"nnodes must be a whole number from 1 to {MAX_NODES}, got {self.nnodes!r}")
         if self.nnodes > 1 and self.rdzv_endpoint is None:
             self._check_allocation()
@@ -170,7 +165,7 @@ class LaunchOptions:
             )
         _, port = self.rendezvous_address()
         if self.node_rank is not None:
-            if not _whole(self.node_rank, 0, self.nnodes - 1):
+            if not is_whole(self.node_rank, 0, self.nnodes - 1):
                 raise InvalidArgument(f"node_rank must be from 0 to {self.nnodes - 1}, got {self.node_rank!r}")
             if self.rdzv_id is not None:
                 raise InvalidArgument("give --node-rank (fixed node numbers) or --rdzv-id (c10d rendezvous), not both")
@@ -178,7 +173,7 @@ class LaunchOptions:
             raise InvalidArgument(
                 f"rdzv_id is 1-100 letters, digits and _ . - (starting with one of the first two), got {self.rdzv_id!r}"
             )
-        if not _whole(self.max_restarts, 0, MAX_RESTARTS):
+        if not is_whole(self.max_restarts, 0, MAX_RESTARTS):
             raise InvalidArgument(
                 f"max_restarts must be a whole number from 0 to {MAX_RESTARTS}, got {self.max_restarts!r}"
             )

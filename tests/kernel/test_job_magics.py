@@ -191,7 +191,9 @@ def test_a_replaced_or_closed_jobs_watch_keeps_its_last_picture(start_kernel, si
     from tests.unit.test_widgets import WIDGET, outputs
 
     kernel = start_kernel(GPUMAGIC_SIMULATE=simulated)
-    kernel.ok("%load_ext gpumagic\nimport gpumagic\ngpumagic.submit(sum, [1], gpus=0, name='A-1').wait('30s')")
+    kernel.ok(
+        "%load_ext gpumagic\nimport gpumagic\ngpumagic.jobs_with(gpus=0, name='A-1').submit(sum, [1]).wait('30s')"
+    )
     first = outputs(kernel, "%jobs watch 'A-*' --interval 0.2")
     frames = [display_id for kind, display_id, data in first if kind == "display_data" and WIDGET in data]
     assert len(frames) == 1  # the frame (then its plain copy, for a front end with no widgets)

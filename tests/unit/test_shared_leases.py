@@ -338,7 +338,9 @@ def test_queued_jobs_of_two_users_are_served_round_robin(server):
     alice, bob, _, _ = server
     one_gpu = {"GPUMAGIC_SIMULATE": "1xA100-80GB"}
     assert alice.json(QUEUE_BEHIND_A_HOLDER, timeout=60, **one_gpu) == {}
-    assert bob.json('import gpumagic, json\ngpumagic.submit(lambda: 1, name="b1")\nprint("{}")', **one_gpu) == {}
+    assert (
+        bob.json('import gpumagic, json\ngpumagic.jobs_with(name="b1").submit(lambda: 1)\nprint("{}")', **one_gpu) == {}
+    )
     (alice.home / "stop").touch()
     starts = {**alice.json(STARTS, timeout=150, **one_gpu), **bob.json(STARTS, timeout=150, **one_gpu)}
     assert {status for status, _ in starts.values()} == {"finished"}

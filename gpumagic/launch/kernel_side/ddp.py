@@ -26,8 +26,8 @@ from gpumagic.launch.kernel_side.launch_handle import LaunchHandle
 from gpumagic.launch.kernel_side.local import loopback_port, run_local, store_listener
 from gpumagic.launch.kernel_side.output import RankOutput, progress_lines
 from gpumagic.launch.kernel_side.post_mortem import PostMortems
-from gpumagic.launch.option_table import default
-from gpumagic.launch.options import USER_OPTIONS, LaunchOptions, check_nprocs
+from gpumagic.launch.option_table import check_nprocs, default
+from gpumagic.launch.options import USER_OPTIONS, LaunchOptions
 from gpumagic.launch.plan import LaunchPlan, assign_gpus
 from gpumagic.launch.shipping import pack, ship_cell, ship_function
 from gpumagic.run_dirs import store

@@ -106,24 +106,24 @@ def still_picture_cost(seconds: float) -> None:
     )
     results = {}
     with measured_kernel(env) as kernel:
-        kernel.run("%load_ext gpumagic\nimport gpumagic\nfrom gpumagic.magics.launch import LaunchMagics")
+        kernel.run("%load_ext gpumagic\nimport gpumagic\nfrom gpumagic.launch.kernel_side.session import SESSION")
         for case in ("rich view only", "with the picture"):
             kernel.run(STILL_LAUNCH)
             deadline = time.monotonic() + 60
-            while ask(kernel, "LaunchMagics.last_dashboard.plots is not None") != "True":
+            while ask(kernel, "SESSION.last_dashboard.plots is not None") != "True":
                 if time.monotonic() > deadline:
                     raise SystemExit("the launch's dashboard never went live")
                 time.sleep(0.2)
             if case == "rich view only":  # what ipywidgets does with the page's answer (FRAME_JS)
-                kernel.run("LaunchMagics.last_dashboard._frame.answer.set_state({'value': 'rich'})")
+                kernel.run("SESSION.last_dashboard._frame.answer.set_state({'value': 'rich'})")
             time.sleep(2.0)
-            before = int(ask(kernel, "LaunchMagics.last_dashboard._frame.stills"))
+            before = int(ask(kernel, "SESSION.last_dashboard._frame.stills"))
             cpu = kernel.cpu_percent_over(seconds)
-            drawn = int(ask(kernel, "LaunchMagics.last_dashboard._frame.stills")) - before
-            points = ask(kernel, "LaunchMagics.last_dashboard.points")
+            drawn = int(ask(kernel, "SESSION.last_dashboard._frame.stills")) - before
+            points = ask(kernel, "SESSION.last_dashboard.points")
             results[case] = (cpu, drawn, points)
-            kernel.run("LaunchMagics.last_dashboard.cancel.set()")
-            while ask(kernel, "LaunchMagics.last_dashboard.running") != "False":
+            kernel.run("SESSION.last_dashboard.cancel.set()")
+            while ask(kernel, "SESSION.last_dashboard.running") != "False":
                 time.sleep(0.2)
     print(f"a launch dashboard, 2 ranks logging 100 steps/s each: kernel CPU, % of one core, over {seconds:g} s")
     for case, (cpu, drawn, points) in results.items():

@@ -48,7 +48,7 @@ def submit_to_code(repeats: int) -> None:
     returned, running = [], []
     for _ in range(repeats):
         began = time.time()
-        job = gpumagic.submit(first_line, name=None)
+        job = gpumagic.jobs_with(name=None).submit(first_line)
         returned.append(time.time() - began)
         job.wait("2m")
         running.append(job.result() - began)
@@ -146,7 +146,7 @@ def hold(seconds):
 
 if __name__ == "__main__":
     began = time.time()
-    jobs = [gpumagic.submit(hold, float(sys.argv[1]), min_free="1.25GB", name=f"share{n}") for n in range(4)]
+    jobs = [gpumagic.jobs_with(min_free="1.25GB", name=f"share{n}").submit(hold, float(sys.argv[1])) for n in range(4)]
     for job in jobs:
         job.wait("5m")
     print(json.dumps({"starts": [job.info["started"] - began for job in jobs],

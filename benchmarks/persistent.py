@@ -145,7 +145,7 @@ def long_session(options: argparse.Namespace) -> None:
         run("%load_ext gpumagic\nimport gpumagic, threading")
         run(f"%ddp start -n 2{' --no-dashboard' if options.no_dashboard else ''}")
         run("%%ddp\nseen = []")
-        dashboard = "gpumagic.magics.ddp.DdpMagics.dashboard"
+        dashboard = "gpumagic.launch.kernel_side.session.SESSION.group_dashboard"
         thread = run(f"d = {dashboard}\nprint(d._thread.native_id if d is not None else '')").strip()
         thread_id = int(thread) if thread else None
         run(TIMING_HOOKS)

@@ -450,7 +450,7 @@ def todays_path(repeats: int) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {k: [] for k in ("returns", "runner", "leased", "first")}
     for _ in range(repeats):
         began = time.time()
-        job = gpumagic.submit(first_line, name=None)
+        job = gpumagic.jobs_with(name=None).submit(first_line)
         out["returns"].append(time.time() - began)
         job.wait("2m")
         first = job.result()

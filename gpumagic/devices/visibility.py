@@ -11,6 +11,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gpumagic.devices.inventory import read_inventory
 from gpumagic.devices.model import GpuInfo, Inventory
 
 VISIBLE = "CUDA_VISIBLE_DEVICES"
@@ -124,3 +125,12 @@ def _remember_original() -> None:
     if not _original:
         for name in (VISIBLE, ORDER):
             _original[name] = os.environ.get(name, _UNSET)
+
+
+def visible_gpus() -> Visibility:
+    """Which GPU each ``cuda:N`` of this kernel is, given ``CUDA_VISIBLE_DEVICES`` now (``gpumagic.visible_gpus``).
+
+    Raises:
+        InvalidArgument: ``CUDA_VISIBLE_DEVICES`` or ``GPUMAGIC_SIMULATE`` is malformed.
+    """
+    return current_visibility(read_inventory())

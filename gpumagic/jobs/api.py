@@ -12,7 +12,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,9 @@ import cloudpickle
 from gpumagic.errors import InvalidArgument, KillRefused, ReportedError
 from gpumagic.jobs import executors
 from gpumagic.jobs.executors import Entry, Submission, executor_of
-from gpumagic.launch.hang_reports import DEFAULT_HANG_AFTER
 from gpumagic.launch.kernel_side.output import RankOutput
-from gpumagic.launch.options import MAX_RANKS, LaunchOptions
+from gpumagic.launch.option_table import default, on, option
+from gpumagic.launch.options import LaunchOptions
 from gpumagic.launch.shipping import pack, ship_cell, ship_function
 from gpumagic.run_dirs import records
 from gpumagic.run_dirs.layout import RunFiles
@@ -244,17 +244,18 @@ class JobRequest:
     (``after``), where it runs (``executor``, ``slurm``), and the launch options of its DDP group (``launch``:
     ``nprocs`` ranks, ``backend``, ``timeout``); ``JobRequest.of`` takes them as ``submit`` does."""
 
-    gpus: int | str | None = None
-    min_free: str | int | None = None
-    memory_limit: bool = False
-    after: Any = None
-    executor: str = "local"
-    slurm: Mapping[str, Any] | None = None
+    gpus: int | str | None = default("job", "gpus")
+    min_free: str | int | None = default("job", "min_free")
+    memory_limit: bool = default("job", "memory_limit")
+    after: Any = default("job", "after")
+    executor: str = default("job", "executor")
+    slurm: Mapping[str, Any] | None = default("job", "slurm")
     launch: LaunchOptions = field(default_factory=LaunchOptions)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.memory_limit, bool):
-            raise InvalidArgument(f"memory_limit is True or False, got {self.memory_limit!r}")
+        for entry in on("job"):  # the table's checks of the options it holds (its launch checks its own)
+            if entry.check is not None and entry.name in _HELD:
+                entry.check(getattr(self, entry.name))
         if self.memory_limit and self.min_free is None:
             raise InvalidArgument(
                 "memory_limit caps a job at the memory it declares: give min_free too (--min-free 20GB)"
@@ -264,10 +265,10 @@ class JobRequest:
     def of(
         cls,
         *,
-        ddp: int | None = None,
-        backend: str | None = None,
-        timeout: str | float = "30m",
-        hang_after: str | float = DEFAULT_HANG_AFTER,
+        ddp: int | None = default("job", "ddp"),
+        backend: str | None = default("job", "backend"),
+        timeout: str | float = default("job", "timeout"),
+        hang_after: str | float = default("job", "hang_after"),
         **request: Any,
     ) -> JobRequest:
         """A request from ``submit``'s keywords: ``ddp`` (ranks), ``backend``, ``timeout`` and ``hang_after`` make
@@ -276,8 +277,7 @@ class JobRequest:
         Raises:
             InvalidArgument: a malformed option, named.
         """
-        if ddp is not None and not _is_rank_count(ddp):
-            raise InvalidArgument(f"ddp is the number of ranks, a whole number from 1 to {MAX_RANKS}, got {ddp!r}")
+        option("job", "ddp").check(ddp)
         return cls(launch=LaunchOptions(ddp, backend=backend, timeout=timeout, hang_after=hang_after), **request)
 
     @property
@@ -286,27 +286,49 @@ class JobRequest:
         return self.launch.nprocs
 
 
-JOB_OPTIONS = (
-    "gpus",
-    "min_free",
-    "memory_limit",
-    "ddp",
-    "after",
-    "backend",
-    "timeout",
-    "hang_after",
-    "executor",
-    "slurm",
-)
+_HELD = tuple(f.name for f in fields(JobRequest) if f.name != "launch")  # its options, not its launch's
 
 
-def submit(fn: Callable[..., Any], *args: Any, name: str | None = None, **options: Any) -> Job:
-    """Run ``fn(*args, **kwargs)`` as a background job; returns its ``Job`` at once.
+@dataclass(frozen=True)
+class JobSubmitter:
+    """Job options kept apart from the function's arguments (as submitit's executor and ``concurrent.futures``
+    keep theirs): ``jobs_with(gpus=2, name="A1").submit(train, cfg, lr=1e-3)``. Made by ``jobs_with``."""
 
-    ``fn`` may be defined in the notebook (it is shipped by value). The job waits in this machine's queue
-    until its GPUs are free, then runs detached from the kernel: it survives interrupts, restarts and the
-    kernel's end, and ``gpumagic.job(name)`` finds it from any kernel. Keywords other than ``name`` and the
-    options below (``JOB_OPTIONS``) go to ``fn``.
+    request: JobRequest
+    name: str | None = None
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Job:
+        """Run ``fn(*args, **kwargs)`` as a background job with these options; returns its ``Job`` at once. Every
+        keyword goes to ``fn``, ``name``, ``gpus`` or ``timeout`` included.
+
+        Raises:
+            InvalidArgument: an unknown ``after`` job, a name already taken, more GPUs than the machine has.
+            ShippingError: something ``fn`` needs cannot be pickled (named).
+        """
+        packed = pack(ship_function(fn, tuple(args), kwargs, rank_first=False))
+        base = getattr(fn, "__name__", "job")
+        return _create([Entry(self.name, base, packed, {})], self.request, f"{base}()")[0]
+
+
+def jobs_with(
+    *,
+    name: str | None = default("job", "name"),
+    gpus: int | str | None = default("job", "gpus"),
+    min_free: str | int | None = default("job", "min_free"),
+    memory_limit: bool = default("job", "memory_limit"),
+    ddp: int | None = default("job", "ddp"),
+    after: str | Job | Iterable[str | Job] | None = default("job", "after"),
+    backend: str | None = default("job", "backend"),
+    timeout: str | float = default("job", "timeout"),
+    hang_after: str | float = default("job", "hang_after"),
+    executor: str = default("job", "executor"),
+    slurm: Mapping[str, Any] | None = default("job", "slurm"),
+) -> JobSubmitter:
+    """Background jobs with these options: ``.submit(fn, /, *args, **kwargs)`` runs one, every keyword going to
+    ``fn``. A job waits in this machine's queue until its GPUs are free, then runs detached from the kernel: it
+    survives interrupts, restarts and the kernel's end, and ``gpumagic.job(name)`` finds it from any kernel.
+
+    >>> gpumagic.jobs_with(gpus=1, name="A1", min_free="20GB").submit(train, cfg, lr=1e-3)  # doctest: +SKIP
 
     Args:
         name: the job's name (default: the function's, made unique).
@@ -319,21 +341,40 @@ def submit(fn: Callable[..., Any], *args: Any, name: str | None = None, **option
             (``torch.cuda.set_per_process_memory_fraction``); an overrun fails naming the limit.
         ddp: run as a DDP group of this many ranks (process group initialized, as ``launch_ddp``).
         after: name(s) or Job(s) that must finish first; if one fails, this job is cancelled.
-        backend, timeout: of the process group with ``ddp`` (default ``"30m"``).
+        backend, timeout: of the process group with ``ddp``.
         hang_after: with ``ddp``, a collective waiting this long writes who is stuck where to the job's log
-            (default ``"10s"``; 0: off).
+            (0: off).
         executor: ``"local"`` (this machine's queue) or ``"slurm"``: submitted through submitit with the
             options in ``slurm`` (``partition``, ``time``, ``nodes``, ``tasks_per_node``, ``gres`` ...: see
             ``gpumagic.jobs.slurm.parameters``); every task is a rank of one DDP group; ``gpus`` is per node.
 
     Raises:
-        InvalidArgument: a malformed option, an unknown ``after`` job, a name already taken, more GPUs than
-            the machine has. ShippingError: something ``fn`` needs cannot be pickled (named).
+        InvalidArgument: a malformed option (named).
     """
-    request = JobRequest.of(**{key: options.pop(key) for key in JOB_OPTIONS if key in options})
-    packed = pack(ship_function(fn, tuple(args), options, rank_first=False))
-    base = getattr(fn, "__name__", "job")
-    return _create([Entry(name, base, packed, {})], request, f"{base}()")[0]
+    request = JobRequest.of(
+        gpus=gpus,
+        min_free=min_free,
+        memory_limit=memory_limit,
+        ddp=ddp,
+        after=after,
+        backend=backend,
+        timeout=timeout,
+        hang_after=hang_after,
+        executor=executor,
+        slurm=slurm,
+    )
+    return JobSubmitter(request, name)
+
+
+def submit(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Job:
+    """Run ``fn(*args, **kwargs)`` as a background job with the default options (one GPU, this machine's queue);
+    returns its ``Job`` at once. Every keyword goes to ``fn``; job options go to ``jobs_with``:
+    ``gpumagic.jobs_with(gpus=0, name="A1").submit(fn, *args, **kwargs)``.
+
+    Raises:
+        InvalidArgument: more GPUs than the machine has. ShippingError: ``fn`` cannot be pickled (named).
+    """
+    return jobs_with().submit(fn, *args, **kwargs)
 
 
 def submit_cell(
@@ -470,10 +511,6 @@ def _create(entries: list[Entry], request: JobRequest, description: str) -> list
         request.launch.hang_after_s,
     )
     return [Job(path) for path in runs_on.submit(entries, resources, submission)]
-
-
-def _is_rank_count(ddp: Any) -> bool:
-    return not isinstance(ddp, bool) and isinstance(ddp, int) and 1 <= ddp <= MAX_RANKS
 
 
 def _dependencies(after: Any) -> list[str]:

@@ -201,7 +201,7 @@ def _request(gpus: int | str | None, min_free: str | int | None, ddp: int | None
     if not inventory.gpus:
         why = f" ({inventory.problem})" if inventory.problem else ""
         raise InvalidArgument(
-            f"this machine has no GPU{why}; submit with gpus=0 (--gpus 0) to run on the CPU, "
+            f"this machine has no GPU{why}; submit with jobs_with(gpus=0) (--gpus 0) to run on the CPU, "
             "or set GPUMAGIC_SIMULATE=4xA100-80GB to try the queue with simulated GPUs"
         )
     if spec is not None:

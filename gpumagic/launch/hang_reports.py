@@ -30,8 +30,6 @@ from gpumagic.run_dirs.private import write_private
 from gpumagic.units import format_duration as _long_duration
 
 _log = logging.getLogger(__name__)
-
-DEFAULT_HANG_AFTER = "10s"
 ANSWER_WAIT_S = 1.5  # how long the report waits for every rank's answer
 LOOK_EVERY_S = 0.1  # the follower looks at most this often, however often its loop calls it
 _CELL = re.compile(r"^<.*?cell (.+)>$")

@@ -15,15 +15,15 @@ from typing import Any
 
 from gpumagic.errors import InvalidArgument
 from gpumagic.launch.allocation import Allocation, check_srun, current
-from gpumagic.launch.hang_reports import DEFAULT_HANG_AFTER
-from gpumagic.launch.plan import check_backend, check_timeout
-from gpumagic.units import parse_duration
+from gpumagic.launch.option_table import (
+    check_hang_after,  # noqa: F401 (kernel_side/group.py imports it from here)
+    default,
+    is_whole,
+    on,
+)
 
-MAX_RANKS = 256
 MAX_NODES = 1024
 MAX_RESTARTS = 100
-START_METHODS = ("forkserver", "spawn")
-OUTPUT_MODES = ("all", "rank0", "none")
 RDZV_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 LOCAL_ENDPOINT = "127.0.0.1:0"  # an elastic launch on this machine alone: loopback, a free port
 # what a launch on this machine alone, without restarts, has; anything else makes it elastic
@@ -51,31 +51,32 @@ class LaunchOptions:
     60.0
     """
 
-    nprocs: int | None = None
-    gpus: str | None = None
-    gpus_per_rank: int = 1
-    backend: str | None = None
-    port: int | None = None
-    timeout: str | float = "30m"
-    start_method: str = "forkserver"
-    output: str = "all"
-    nnodes: int = 1
-    rdzv_endpoint: str | None = None
-    node_rank: int | None = None
-    rdzv_id: str | None = None
-    max_restarts: int = 0
-    runs_dir: str | None = None
+    nprocs: int | None = default("launch", "nprocs")
+    gpus: str | None = default("launch", "gpus")
+    gpus_per_rank: int = default("launch", "gpus_per_rank")
+    backend: str | None = default("launch", "backend")
+    port: int | None = default("launch", "port")
+    timeout: str | float = default("launch", "timeout")
+    start_method: str = default("launch", "start_method")
+    output: str = default("launch", "output")
+    nnodes: int = default("launch", "nnodes")
+    rdzv_endpoint: str | None = default("launch", "rdzv_endpoint")
+    node_rank: int | None = default("launch", "node_rank")
+    rdzv_id: str | None = default("launch", "rdzv_id")
+    max_restarts: int = default("launch", "max_restarts")
+    runs_dir: str | None = default("launch", "runs_dir")
     process_group: bool = True
-    hang_after: str | float = DEFAULT_HANG_AFTER
-    pdb: bool = False
+    hang_after: str | float = default("launch", "hang_after")
+    pdb: bool = default("launch", "pdb")
     timeout_s: float = field(init=False, repr=False, compare=False)
     hang_after_s: float = field(init=False, repr=False, compare=False)
     # the Slurm allocation whose nodes a multi-node launch without an endpoint runs on (srun starts their agents)
     allocation: Allocation | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "timeout_s", self._check())
-        object.__setattr__(self, "hang_after_s", check_hang_after(self.hang_after))
+        timeout_s, hang_after_s = self._check()
+        object.__setattr__(self, "timeout_s", timeout_s)
+        object.__setattr__(self, "hang_after_s", hang_after_s)
 
     @classmethod
     def of(cls, nprocs: int | None, options: Mapping[str, Any], *, process_group: bool = True) -> LaunchOptions:
@@ -90,37 +91,28 @@ class LaunchOptions:
         return cls(nprocs, process_group=process_group, **options)
 
     @classmethod
-    def for_group(
-        cls,
-        nprocs: int | None = None,
-        *,
-        gpus: str | None = None,
-        gpus_per_rank: int = 1,
-        backend: str | None = None,
-        timeout: str | float = "30m",
-        output: str = "rank0",
-        hang_after: str | float = DEFAULT_HANG_AFTER,
-        **others: Any,
-    ) -> LaunchOptions:
-        """The options of a group that lives across cells (``%ddp start``, ``gpumagic.ranks``): those it takes,
-        with its own default output (rank 0's).
+    def for_group(cls, nprocs: int | None = None, **options: Any) -> LaunchOptions:
+        """The options of a group that lives across cells (``%ddp start``, ``gpumagic.ranks``): those of the option
+        table's ``group`` surface, with its defaults (rank 0's output).
 
         Raises:
             InvalidArgument: an option a group does not take (a port, a start method, several nodes: named), or a
             bad value.
         """
-        if others.get("nnodes", 1) != 1:
+        if options.get("nnodes", 1) != 1:
             raise InvalidArgument(
                 "a group that lives across cells runs its ranks on this machine; for one DDP group across several "
                 "nodes run the cell with %%launch_ddp --nnodes N (launch_ddp(fn, n, nnodes=N))"
             )
-        others.pop("nnodes", None)
+        options.pop("nnodes", None)
+        others = set(options) - set(GROUP_OPTIONS)
         if others:
             raise InvalidArgument(
-                f"a group of ranks does not take {', '.join(sorted(others))}; it takes nprocs, gpus, gpus_per_rank, "
-                "backend, timeout, output and hang_after"
+                f"a group of ranks does not take {', '.join(sorted(others))}; it takes {', '.join(GROUP_OPTIONS[:-1])} "
+                f"and {GROUP_OPTIONS[-1]}"
             )
-        return cls(nprocs, gpus, gpus_per_rank, backend, timeout=timeout, output=output, hang_after=hang_after)
+        chosen = {name: default("group", name) for name in GROUP_OPTIONS[1:]}
+        return cls(nprocs, **{**chosen, **options})
 
     @property
     def elastic(self) -> bool:
@@ -144,23 +136,13 @@ class LaunchOptions:
         """(host, port) of ``endpoint``; port 0: any free one."""
         return parse_endpoint(self.endpoint or "", free_port=True)
 
-    def _check(self) -> float:
-        """Every option, in the order a user meets them; the timeout in seconds."""
-        if self.start_method not in START_METHODS:
-            raise InvalidArgument(f"start method must be one of {', '.join(START_METHODS)}, got {self.start_method!r}")
-        check_output(self.output)
-        check_gpus_per_rank(self.gpus_per_rank)
-        check_backend(self.backend)
-        timeout_s = check_timeout(self.timeout)
-        if self.port is not None and not _whole(self.port, 1, 65535):
-            raise InvalidArgument(f"port must be a whole number from 1 to 65535, got {self.port!r}")
-        if self.nprocs is not None:
-            check_nprocs(self.nprocs)
-        if not isinstance(self.pdb, bool):
-            raise InvalidArgument(f"pdb is True or False, got {self.pdb!r}")
+    def _check(self) -> tuple[float, float]:
+        """Every option, each by the table's check, in the table's order (the magic's help shows them so); the
+        timeout and the hang report's threshold in seconds."""
+        seconds = {o.name: o.check(getattr(self, o.name)) for o in on("launch") if o.check is not None}
         if self.elastic:
             self._check_elastic()
-        return timeout_s
+        return seconds["timeout"], seconds["hang_after"]
 
     def _check_elastic(self) -> None:
         if self.pdb:
@@ -172,7 +154,7 @@ class LaunchOptions:
             raise InvalidArgument("spawn runs on this machine only; use launch_ddp for a multi-node or elastic run")
         if self.port is not None:
             raise InvalidArgument("with an elastic launch the port is --rdzv-endpoint's; leave out --port")
-        if not _whole(self.nnodes, 1, MAX_NODES):
+        if not is_whole(self.nnodes, 1, MAX_NODES):
             raise InvalidArgument(f"nnodes must be a whole number from 1 to {MAX_NODES}, got {self.nnodes!r}")
         if self.nnodes > 1 and self.rdzv_endpoint is None:
             self._check_allocation()
@@ -183,7 +165,7 @@ class LaunchOptions:
             )
         _, port = self.rendezvous_address()
         if self.node_rank is not None:
-            if not _whole(self.node_rank, 0, self.nnodes - 1):
+            if not is_whole(self.node_rank, 0, self.nnodes - 1):
                 raise InvalidArgument(f"node_rank must be from 0 to {self.nnodes - 1}, got {self.node_rank!r}")
             if self.rdzv_id is not None:
                 raise InvalidArgument("give --node-rank (fixed node numbers) or --rdzv-id (c10d rendezvous), not both")
@@ -191,7 +173,7 @@ class LaunchOptions:
             raise InvalidArgument(
                 f"rdzv_id is 1-100 letters, digits and _ . - (starting with one of the first two), got {self.rdzv_id!r}"
             )
-        if not _whole(self.max_restarts, 0, MAX_RESTARTS):
+        if not is_whole(self.max_restarts, 0, MAX_RESTARTS):
             raise InvalidArgument(
                 f"max_restarts must be a whole number from 0 to {MAX_RESTARTS}, got {self.max_restarts!r}"
             )
@@ -217,25 +199,9 @@ class LaunchOptions:
         object.__setattr__(self, "allocation", allocation)
 
 
-GROUP_OPTIONS = (
-    "nprocs",
-    "gpus",
-    "gpus_per_rank",
-    "backend",
-    "timeout",
-    "output",
-    "hang_after",
-)  # what for_group takes
 USER_OPTIONS = tuple(f.name for f in fields(LaunchOptions) if f.init and f.name not in ("nprocs", "process_group"))
-
-
-def check_hang_after(value: str | float) -> float:
-    """``--hang-after``: how long a collective may wait before the cell says who is stuck where (0: never).
-
-    >>> check_hang_after("10s"), check_hang_after(0)
-    (10.0, 0.0)
-    """
-    return parse_duration(value, at_most=7 * 86400, what="--hang-after")
+# what for_group takes: the group surface's launch options, one node's (nnodes is there to say so)
+GROUP_OPTIONS = tuple(o.name for o in on("group") if o.name in ("nprocs", *USER_OPTIONS) and o.name != "nnodes")
 
 
 def parse_endpoint(endpoint: str, free_port: bool = False) -> tuple[str, int]:
@@ -253,28 +219,3 @@ def parse_endpoint(endpoint: str, free_port: bool = False) -> tuple[str, int]:
             + (" (0: any free port)" if free_port else "")
         )
     return host, int(port)
-
-
-def check_nprocs(nprocs: object) -> None:
-    """Raises InvalidArgument unless ``nprocs`` is a number of ranks gpumagic starts (1 to ``MAX_RANKS``)."""
-    if not _whole(nprocs, 1, MAX_RANKS):
-        raise InvalidArgument(f"the number of ranks must be a whole number from 1 to {MAX_RANKS}, got {nprocs!r}")
-
-
-def check_output(output: object) -> None:
-    """Raises InvalidArgument unless ``output`` says whose output to show (``OUTPUT_MODES``)."""
-    if output not in OUTPUT_MODES:
-        raise InvalidArgument(f"output must be one of {', '.join(OUTPUT_MODES)}, got {output!r}")
-
-
-def check_gpus_per_rank(gpus_per_rank: object) -> None:
-    """Raises InvalidArgument unless ``gpus_per_rank`` is a whole number of at least 1."""
-    if not _whole(gpus_per_rank, 1, None):
-        raise InvalidArgument(f"gpus_per_rank must be a whole number of at least 1, got {gpus_per_rank!r}")
-
-
-def _whole(value: object, lowest: int, highest: int | None) -> bool:
-    """Whether ``value`` is an int (not a bool) from ``lowest`` to ``highest`` (``None``: no end)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        return False
-    return lowest <= value and (highest is None or value <= highest)

@@ -14,8 +14,10 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from gpumagic.errors import GpumagicError
 from gpumagic.launch.kernel_side.group import CellFailed, CellInterrupted, RankGroup
 from gpumagic.launch.kernel_side.output import cell_number, in_kernel
-from gpumagic.launch.options import OUTPUT_MODES, LaunchOptions
-from gpumagic.magics.parsing import Help, Parser, parse, parse_cell_line, subcommand
+from gpumagic.launch.kernel_side.session import SESSION
+from gpumagic.launch.option_table import default
+from gpumagic.launch.options import LaunchOptions
+from gpumagic.magics.parsing import Help, Parser, add_options, given_options, parse, parse_cell_line, subcommand
 from gpumagic.units import MIB
 from gpumagic.widgets.launch_dashboard import LaunchDashboard
 
@@ -26,23 +28,8 @@ def _parsers() -> dict[str, Parser]:
         "Start N ranks with their process group ready; %%ddp cells then run on them, each rank keeping its\n"
         "namespace (rank, world_size, device, dist defined). Example: %ddp start -n 4 --gpus auto",
     )
-    start.add_argument("-n", "--nprocs", type=int, metavar="N", help="ranks (default: one per GPU, else 2)")
-    start.add_argument("--gpus", metavar="SPEC", help="GPUs to lease: auto (pick free ones), 0,2, GPU:*, none")
-    start.add_argument("--gpus-per-rank", type=int, default=1, metavar="K", help="GPUs per rank (1)")
-    start.add_argument("--backend", help="nccl with GPUs, gloo without (default)")
-    start.add_argument("--timeout", default="30m", metavar="DURATION", help="the process group's timeout (30m)")
-    start.add_argument(
-        "--grace", default="5s", metavar="DURATION", help="how long an interrupted rank may stay stuck (5s)"
-    )
-    start.add_argument("--output", default="rank0", choices=OUTPUT_MODES, help="whose output cells show (rank0)")
+    add_options(start, "group")
     start.add_argument("--no-dashboard", action="store_true", help="no live dashboard under this cell")
-    start.add_argument(
-        "--hang-after",
-        default="10s",
-        metavar="DURATION",
-        help="a collective waiting this long shows who is stuck where (10s; 0: off)",
-    )
-    start.add_argument("--nnodes", type=int, default=1, metavar="N", help="nodes: 1 (across nodes: %%launch_ddp)")
     simple = {
         "stop": "End the ranks and their processes, release the group's GPUs.",
         "restart": "Stop the group and start a fresh one with the same options (every namespace is lost).",
@@ -80,13 +67,8 @@ def _cell_parser() -> Parser:
         "the notebook are sent once and again only when they change; names the ranks made stay theirs.\n"
         "The interrupt button stops the cell on every rank, namespaces kept.",
     )
-    parser.add_argument("--ranks", metavar="R", help="only these ranks: 0 or 0,2")
+    add_options(parser, "cell")
     parser.add_argument("-o", metavar="VAR", help="store {rank: value of the last expression} in VAR")
-    parser.add_argument("--timeout", metavar="DURATION", help="stop the cell after this long (as an interrupt)")
-    parser.add_argument("--output", choices=OUTPUT_MODES, help="whose output to show (the group's default)")
-    parser.add_argument(
-        "--hang-after", metavar="DURATION", help="this cell's hang report threshold (the group's; 0: off)"
-    )
     return parser
 
 
@@ -95,7 +77,8 @@ _CELL_PARSER = _cell_parser()
 _OVERVIEW = (
     "%ddp SUBCOMMAND — a DDP group that lives across cells.\n\n"
     "  %ddp start [-n N] [--gpus SPEC|auto] [--gpus-per-rank K] [--backend B] [--timeout D] [--grace D]\n"
-    "             [--hang-after D]     a collective waiting D (10s) shows who is stuck where; 0: off\n"
+    f"             [--hang-after D]     a collective waiting D ({default('group', 'hang_after')}) shows who is stuck "
+    "where; 0: off\n"
     "  %%ddp [--ranks 0] [-o VAR] [--timeout D] [--hang-after D]   run the cell on every rank (or some)\n"
     "  %ddp check                          are the replicas alike (models, optimizers, step counters)?\n"
     "  %ddp sync [--from R] [NAME ...]     make them alike again, from rank R (0)\n"
@@ -109,9 +92,8 @@ _OVERVIEW = (
 class DdpMagics(Magics):
     """``%ddp``/``%%ddp``: one persistent group of ranks per kernel."""
 
-    group: Any = None
-    dashboard: Any = None
-    start_options: ClassVar[dict[str, Any]] = {}  # _start_group's arguments, for %ddp restart
+    # the group, its dashboard and how it was started are the kernel's session's (SESSION), which
+    # gpumagic.ddp_group() reads too
 
     @line_cell_magic
     def ddp(self, line: str, cell: str | None = None) -> Any:
@@ -134,17 +116,9 @@ class DdpMagics(Magics):
     def _start(self, args: argparse.Namespace) -> None:
         if self._running() is not None:
             raise UsageError("%ddp start: a group is running already; %ddp restart for a fresh one, or %ddp stop")
-        launch = LaunchOptions.for_group(
-            args.nprocs,
-            gpus=args.gpus,
-            gpus_per_rank=args.gpus_per_rank,
-            backend=args.backend,
-            timeout=args.timeout,
-            output=args.output,
-            hang_after=args.hang_after,
-            nnodes=args.nnodes,
-        )
-        self._start_group(launch, args.grace, dashboard=not args.no_dashboard)
+        options = given_options(args, "group")
+        grace = options.pop("grace")
+        self._start_group(LaunchOptions.for_group(**options), grace, dashboard=not args.no_dashboard)
 
     def _start_group(self, launch: LaunchOptions, grace: str | None = None, dashboard: bool = True) -> None:
         """Start the group ``launch`` asks for (``grace``: ``RankGroup``'s, ``None`` its default)."""
@@ -153,8 +127,8 @@ class DdpMagics(Magics):
             group = RankGroup(launch, **({} if grace is None else {"grace": grace}))
         except KeyboardInterrupt:
             raise UsageError("%ddp start interrupted; no group was started") from None
-        DdpMagics.group = group
-        DdpMagics.start_options = {"launch": launch, "grace": grace, "dashboard": dashboard}
+        SESSION.group = group
+        SESSION.group_start = {"launch": launch, "grace": grace, "dashboard": dashboard}
         where = "CPU" if not group.use_cuda else f"GPUs {', '.join(g[0][:12] for g in group.rank_gpus if g)}"
         print(
             f"[gpumagic] {group.nprocs} ranks ready ({group.backend}, {where}) in {time.monotonic() - started:.1f}s; "
@@ -170,15 +144,15 @@ class DdpMagics(Magics):
             return
         pids = group.pids
         group.close()
-        if DdpMagics.dashboard is not None:
-            DdpMagics.dashboard.finish("finished")
-            DdpMagics.dashboard.join(5)  # its thread gone when the cell returns
-            DdpMagics.dashboard = None
-        DdpMagics.group = None
+        if SESSION.group_dashboard is not None:
+            SESSION.group_dashboard.finish("finished")
+            SESSION.group_dashboard.join(5)  # its thread gone when the cell returns
+            SESSION.group_dashboard = None
+        SESSION.group = None
         print(f"[gpumagic] stopped {len(pids)} ranks (pids {', '.join(map(str, pids))}) and what they started")
 
     def _restart(self, args: argparse.Namespace) -> None:
-        options = dict(DdpMagics.start_options)
+        options = dict(SESSION.group_start)
         if not options:
             raise UsageError("%ddp restart: no group was started in this kernel; %ddp start first")
         self._stop()
@@ -288,12 +262,12 @@ class DdpMagics(Magics):
                 self._start_group(LaunchOptions.for_group(), dashboard=in_kernel())
             except GpumagicError as err:
                 raise UsageError(f"%%ddp: {err}") from None
-            group = DdpMagics.group
+            group = SESSION.group
         saved = group.output
         if args.output is not None:
             group.output = args.output
-        if DdpMagics.dashboard is not None:
-            DdpMagics.dashboard.mark(f"In[{cell_number(self.shell)}]")
+        if SESSION.group_dashboard is not None:
+            SESSION.group_dashboard.mark(f"In[{cell_number(self.shell)}]")
         try:
             results = group.exec(
                 self.shell.transform_cell(cell),
@@ -310,8 +284,8 @@ class DdpMagics(Magics):
             raise UsageError(f"%%ddp: {err}") from None
         finally:
             group.output = saved
-            if DdpMagics.dashboard is not None and not group.closed:
-                DdpMagics.dashboard.follow(group.pids)  # a replaced rank is followed from now on
+            if SESSION.group_dashboard is not None and not group.closed:
+                SESSION.group_dashboard.follow(group.pids)  # a replaced rank is followed from now on
         if args.o is not None:
             self.shell.user_ns[args.o] = results
         return None
@@ -319,11 +293,7 @@ class DdpMagics(Magics):
     # --- helpers -----------------------------------------------------------------------------------------
 
     def _running(self) -> Any:
-        group = DdpMagics.group
-        if group is not None and group.closed:
-            DdpMagics.group = None
-            return None
-        return group
+        return SESSION.running_group()
 
     def _require(self) -> Any:
         group = self._running()
@@ -333,12 +303,12 @@ class DdpMagics(Magics):
 
     def _show_dashboard(self) -> None:
         group = self._require()
-        if DdpMagics.dashboard is not None:  # it keeps its last picture; the group goes on in the new one
-            DdpMagics.dashboard.finish("superseded")
-            DdpMagics.dashboard.join(5)
+        if SESSION.group_dashboard is not None:  # it keeps its last picture; the group goes on in the new one
+            SESSION.group_dashboard.finish("superseded")
+            SESSION.group_dashboard.join(5)
         dashboard = LaunchDashboard(title="%ddp group")
         dashboard.attach(group.run_dir, group.pids, rank_gpus=group.rank_gpus, use_gpus=group.use_cuda)
-        DdpMagics.dashboard = dashboard
+        SESSION.group_dashboard = dashboard
 
 
 def _ranks(text: str | None) -> list[int] | None:

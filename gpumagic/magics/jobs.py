@@ -20,7 +20,9 @@ from gpumagic.launch.kernel_side.output import cell_number, in_kernel
 from gpumagic.magics.parsing import (
     Help,
     Parser,
+    add_options,
     add_slurm_arguments,
+    given_options,
     parse,
     parse_cell_line,
     slurm_options,
@@ -41,26 +43,7 @@ def _launch_bg_parser() -> Parser:
         "uses are shipped by value; the value of its last expression is the job's result. %jobs follows it.\n"
         "Example: %%launch_bg --name A1 --gpus 1 --min-free 20GB",
     )
-    parser.add_argument("--name", help="the job's name (default: job, job-2, ...)")
-    parser.add_argument(
-        "--gpus", metavar="N|SPEC", help="how many GPUs (default 1, or one per rank; 0 = CPU), or a spec: GPU:1"
-    )
-    parser.add_argument(
-        "--min-free", metavar="SIZE", help="memory the job needs per GPU (20GB): reserved, may share a GPU with jobs"
-    )
-    parser.add_argument(
-        "--memory-limit", action="store_true", help="cap the job at its --min-free on each GPU (fails naming it)"
-    )
-    parser.add_argument("--ddp", metavar="N", help="run as a DDP group of N ranks (process group ready)")
-    parser.add_argument("--after", metavar="NAME", help="start after these jobs finish (A or A,B)")
-    parser.add_argument("--backend", help="process group backend with --ddp: nccl, gloo, mpi, ucc")
-    parser.add_argument("--timeout", default="30m", metavar="DURATION", help="process group timeout (30m)")
-    parser.add_argument(
-        "--hang-after",
-        default="10s",
-        metavar="DURATION",
-        help="with --ddp: a collective waiting this long writes who is stuck where to the log (10s; 0: off)",
-    )
+    add_options(parser, "job")
     add_slurm_arguments(parser, shape=True)
     return parser
 
@@ -165,18 +148,11 @@ def _job_request(args: argparse.Namespace) -> JobRequest:
     Raises:
         UsageError: --ddp is not a number. InvalidArgument: a bad option.
     """
-    ddp = None if args.ddp is None else whole_number(args.ddp, "%%launch_bg: --ddp needs a number of ranks")
-    return JobRequest.of(
-        gpus=args.gpus,
-        min_free=args.min_free,
-        memory_limit=args.memory_limit,
-        ddp=ddp,
-        after=args.after,
-        backend=args.backend,
-        timeout=args.timeout,
-        hang_after=args.hang_after,
-        **_executor(args, _LAUNCH_BG.prog),
-    )
+    options = given_options(args, "job")
+    del options["name"]  # the job's, not its request's
+    if args.ddp is not None:
+        options["ddp"] = whole_number(args.ddp, "%%launch_bg: --ddp needs a number of ranks")
+    return JobRequest.of(**options, **_executor(args, _LAUNCH_BG.prog))
 
 
 @magics_class

@@ -17,8 +17,18 @@ from gpumagic.launch.failures import LaunchError, LaunchInterrupted
 from gpumagic.launch.kernel_side.ddp import check_named_gpus, launch_packed, prepare_cell
 from gpumagic.launch.kernel_side.launch_handle import LaunchHandle, Outcome
 from gpumagic.launch.kernel_side.output import cell_number, in_kernel
-from gpumagic.launch.options import OUTPUT_MODES, START_METHODS, LaunchOptions
-from gpumagic.magics.parsing import Help, Parser, add_slurm_arguments, first_line, parse_cell_line, slurm_options
+from gpumagic.launch.kernel_side.session import SESSION
+from gpumagic.launch.options import LaunchOptions
+from gpumagic.magics.parsing import (
+    Help,
+    Parser,
+    add_options,
+    add_slurm_arguments,
+    first_line,
+    given_options,
+    parse_cell_line,
+    slurm_options,
+)
 from gpumagic.widgets.launch_dashboard import LaunchDashboard
 
 
@@ -31,43 +41,14 @@ def _launch_parser() -> Parser:
         "in, prefixed with its rank; a failing rank raises one error with its own traceback.\n"
         "Example: %%launch_ddp -n 2 -o results",
     )
-    parser.add_argument("-n", "--nprocs", type=int, help="number of ranks (default: one per visible GPU, or 2)")
-    parser.add_argument(
-        "--gpus", metavar="SPEC", help="GPUs for the ranks: a %%gpu use spec, or auto to pick free ones"
-    )
-    parser.add_argument("--gpus-per-rank", type=int, default=1, metavar="K", help="GPUs per rank (model parallel)")
-    parser.add_argument("--backend", help="process group backend: nccl, gloo, mpi, ucc")
-    parser.add_argument("--port", type=int, help="rendezvous port on 127.0.0.1 (default: a free one)")
-    parser.add_argument("--timeout", default="30m", metavar="DURATION", help="process group timeout (30m)")
-    parser.add_argument("--start-method", default="forkserver", choices=START_METHODS)
-    parser.add_argument("--output", default="all", choices=OUTPUT_MODES, help="whose output to show")
+    add_options(parser, "launch")
     parser.add_argument("-o", metavar="VAR", help="store {rank: value of the cell's last expression} in VAR")
-    parser.add_argument(
-        "--hang-after",
-        default="10s",
-        metavar="DURATION",
-        help="a collective waiting this long shows who is stuck where (10s; 0: off)",
-    )
-    parser.add_argument(
-        "--pdb", action="store_true", help="a rank that raises waits for a post-mortem debugger here (p x, up, q)"
-    )
     parser.add_argument("--no-dashboard", action="store_true", help="no live status, metric and resource plots")
     parser.add_argument(
         "--no-wait",
         action="store_true",
         help="return at once; the dashboard (with Stop) stays live and -o VAR is set when done",
     )
-    elastic = parser.add_argument_group("multi-node and elastic (torch.distributed.elastic; docs/multi-node.md)")
-    elastic.add_argument("--nnodes", type=int, default=1, metavar="N", help="nodes, each running -n ranks (1)")
-    elastic.add_argument(
-        "--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous on this machine's HOST:PORT (0: a free port)"
-    )
-    elastic.add_argument("--rdzv-id", metavar="ID", help="c10d rendezvous id (default: the run's id)")
-    elastic.add_argument("--node-rank", type=int, metavar="R", help="fixed node numbers: this node is R")
-    elastic.add_argument(
-        "--max-restarts", type=int, default=0, metavar="K", help="restart the whole group up to K times (0)"
-    )
-    elastic.add_argument("--runs-dir", metavar="DIR", help="make the run directory here: a filesystem all nodes share")
     add_slurm_arguments(parser, shape=False)
     return parser
 
@@ -77,32 +58,13 @@ _LAUNCH_PARSER = _launch_parser()
 
 def launch_options(args: argparse.Namespace) -> LaunchOptions:
     """The launch ``%%launch_ddp``'s arguments ask for, checked (``InvalidArgument``, one line)."""
-    return LaunchOptions(
-        nprocs=args.nprocs,
-        gpus=args.gpus,
-        gpus_per_rank=args.gpus_per_rank,
-        backend=args.backend,
-        port=args.port,
-        timeout=args.timeout,
-        start_method=args.start_method,
-        output=args.output,
-        nnodes=args.nnodes,
-        rdzv_endpoint=args.rdzv_endpoint,
-        node_rank=args.node_rank,
-        rdzv_id=args.rdzv_id,
-        max_restarts=args.max_restarts,
-        runs_dir=args.runs_dir,
-        hang_after=args.hang_after,
-        pdb=args.pdb,
-    )
+    return LaunchOptions(**given_options(args, "launch"))
 
 
 @magics_class
 class LaunchMagics(Magics):
-    """``%%launch_ddp``: run a cell on N DDP ranks. ``last_launch`` is the latest ``--no-wait`` launch."""
-
-    last_dashboard: Any = None
-    last_launch: LaunchHandle | None = None
+    """``%%launch_ddp``: run a cell on N DDP ranks. The kernel's session (``SESSION``) keeps the latest
+    ``--no-wait`` launch and the latest dashboard."""
 
     @cell_magic
     def launch_ddp(self, line: str, cell: str) -> Any:
@@ -121,7 +83,7 @@ class LaunchMagics(Magics):
         dashboard = None
         if not args.no_dashboard and in_kernel():
             dashboard = LaunchDashboard(stoppable=args.no_wait)
-            LaunchMagics.last_dashboard = dashboard
+            SESSION.last_dashboard = dashboard
         try:
             launch = launch_options(args)
             if args.no_wait:
@@ -215,7 +177,7 @@ class LaunchMagics(Magics):
                 namespace[variable] = outcome
 
         run = functools.partial(launch_packed, packed, launch, dashboard=dashboard)
-        LaunchMagics.last_launch = LaunchHandle(run, on_end=ended).start()
+        SESSION.last_launch = LaunchHandle(run, on_end=ended).start()
 
 
 LaunchMagics.launch_ddp.__doc__ = _LAUNCH_PARSER.format_help()

@@ -13,6 +13,8 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
+from gpumagic.launch.option_table import on
+
 SLURM_FLAGS = ("partition", "time", "nodes", "tasks_per_node", "gres", "account", "qos", "constraint")
 
 
@@ -144,6 +146,33 @@ def slurm_options(args: argparse.Namespace, prog: str) -> dict[str, Any] | None:
     if extra:
         given["additional"] = extra
     return given
+
+
+def add_options(parser: argparse.ArgumentParser, surface: str) -> None:
+    """The flags of every option of ``surface`` in the option table (``launch.option_table``), in its order, each
+    in its section of the help."""
+    sections: dict[str, Any] = {}
+    for entry in on(surface):
+        if not entry.flags:
+            continue  # the Python API's alone
+        target = parser
+        if entry.group is not None:
+            if entry.group not in sections:
+                sections[entry.group] = parser.add_argument_group(entry.group)
+            target = sections[entry.group]
+        more: dict[str, Any] = {"dest": entry.name, "help": entry.help_on(surface)}
+        if entry.switch:
+            more["action"] = "store_true"
+        else:
+            more.update(default=entry.default_on(surface), type=entry.parse, choices=entry.choices)
+            if entry.metavar is not None:
+                more["metavar"] = entry.metavar
+        target.add_argument(*entry.flags, **more)
+
+
+def given_options(args: argparse.Namespace, surface: str) -> dict[str, Any]:
+    """``{name: value}`` of the option table's flags of ``surface`` that a magic's line was parsed with."""
+    return {entry.name: getattr(args, entry.name) for entry in on(surface) if entry.flags}
 
 
 def first_line(err: BaseException) -> str:

@@ -311,7 +311,7 @@ LATE_JOBS = [
     "%load_ext gpumagic\nimport gpumagic",
     "def train(k):\n    import time\n    time.sleep(4)\n    for step in range(100000):\n"
     "        gpumagic.log(step=step, loss=k + 1.0 / (step + 1))\n        time.sleep(0.05)\n"
-    "jobs = [gpumagic.submit(train, k, gpus=0, name=f'late{k}') for k in range(2)]",
+    "jobs = [gpumagic.jobs_with(gpus=0, name=f'late{k}').submit(train, k) for k in range(2)]",
     "%jobs watch late* --interval 0.5",
 ]
 

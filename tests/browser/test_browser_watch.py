@@ -195,10 +195,10 @@ JOB_CELLS = [
     "%load_ext gpumagic\nimport gpumagic",
     "def train(k):\n    import time\n    for step in range(100000):\n"
     "        gpumagic.log(step=step, loss=k + 1.0 / (step + 1))\n        time.sleep(0.05)\n"
-    "jobs = [gpumagic.submit(train, k, gpus=0, name=f'variant{k}') for k in range(2)]\n"
-    "other = gpumagic.submit(train, 9, gpus=0, name='other')\n"
+    "jobs = [gpumagic.jobs_with(gpus=0, name=f'variant{k}').submit(train, k) for k in range(2)]\n"
+    "other = gpumagic.jobs_with(gpus=0, name='other').submit(train, 9)\n"
     "gpumagic.use('GPU:*')  # every GPU held by this kernel: the next job waits\n"
-    "waiting = gpumagic.submit(train, 2, gpus=2, name='variant2')",
+    "waiting = gpumagic.jobs_with(gpus=2, name='variant2').submit(train, 2)",
     "%jobs watch 'variant*' --state running,queued --interval 0.5",
     "%gpu",
     "%jobs",

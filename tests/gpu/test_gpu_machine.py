@@ -129,7 +129,8 @@ for step in range(300):
 def test_launch_ddp_trains_with_nccl_on_the_gpu_and_the_dashboard_shows_its_memory(start_kernel):
     kernel = start_kernel()
     kernel.ok(
-        "%load_ext gpumagic\nimport gpumagic, torch\nfrom gpumagic.magics.launch import LaunchMagics\n%gpu pick 1"
+        "%load_ext gpumagic\nimport gpumagic, torch\n"
+        "from gpumagic.launch.kernel_side.session import SESSION\n%gpu pick 1"
     )
     kernel.ok(TRAIN_ON_THE_GPU, timeout=240)
     backend, device, parameters, allocated_mib = kernel.ok("print(*out[0])").stdout.split()
@@ -138,7 +139,7 @@ def test_launch_ddp_trains_with_nccl_on_the_gpu_and_the_dashboard_shows_its_memo
     count, first, last = losses.stdout.split()
     assert int(count) == 300 and float(last) < float(first) / 4
     dashboard = kernel.ok(
-        "d = LaunchMagics.last_dashboard\nprint(d.state)\nprint(d.resource_figures[0].title.text)\n"
+        "d = SESSION.last_dashboard\nprint(d.state)\nprint(d.resource_figures[0].title.text)\n"
         "print(max(d.resource_sources[0].data['memory']))"
     ).stdout.splitlines()
     assert dashboard[0] == "finished" and dashboard[1].startswith("GPU memory per rank")
@@ -196,7 +197,7 @@ def train_on_the_gpu(steps: int) -> tuple:
 
 
 def test_a_background_job_trains_on_the_gpu_it_was_given():
-    job = gpumagic.submit(train_on_the_gpu, 200, gpus=1, name="on-gpu")
+    job = gpumagic.jobs_with(gpus=1, name="on-gpu").submit(train_on_the_gpu, 200)
     assert job.wait("3m") == "finished", job.logs()
     count, uuid, loss = job.result()
     assert count == 1 and job.info["gpu_uuids"] == [f"GPU-{uuid}"] and loss < 0.05
@@ -228,8 +229,8 @@ def hold_on_the_gpu(gib: int, seconds: float) -> str:
 
 def test_two_jobs_with_min_free_share_one_gpu():
     index = max(gpumagic.gpus().gpus, key=lambda g: g.memory_free or 0).nvml_index
-    first = gpumagic.submit(hold_on_the_gpu, 2, 15.0, gpus=f"GPU:{index}", min_free="4GB", name="share-1")
-    second = gpumagic.submit(hold_on_the_gpu, 2, 3.0, gpus=f"GPU:{index}", min_free="4GB", name="share-2")
+    first = gpumagic.jobs_with(gpus=f"GPU:{index}", min_free="4GB", name="share-1").submit(hold_on_the_gpu, 2, 15.0)
+    second = gpumagic.jobs_with(gpus=f"GPU:{index}", min_free="4GB", name="share-2").submit(hold_on_the_gpu, 2, 3.0)
     assert [first.wait("3m"), second.wait("3m")] == ["finished", "finished"], first.logs() + second.logs()
     one, two = first.info, second.info
     assert one["gpu_uuids"] == two["gpu_uuids"] and first.result() == second.result()
@@ -245,7 +246,9 @@ def test_four_jobs_declaring_memory_three_start_together_on_real_memory():
     declared = f"{(gpu.memory_free or 0) * 3 // 10 >> 20}MB"
     began = time.time()
     jobs = [
-        gpumagic.submit(hold_on_the_gpu, gib, 8.0, gpus=f"GPU:{gpu.nvml_index}", min_free=declared, name=f"r-{n}")
+        gpumagic.jobs_with(gpus=f"GPU:{gpu.nvml_index}", min_free=declared, name=f"r-{n}").submit(
+            hold_on_the_gpu, gib, 8.0
+        )
         for n in range(4)
     ]
     assert [j.wait("5m") for j in jobs] == ["finished"] * 4, "".join(j.logs() for j in jobs)
@@ -263,7 +266,7 @@ def grow_past(gib: int) -> None:
 
 
 def test_memory_limit_fails_a_job_that_outgrows_its_reservation_naming_it():
-    job = gpumagic.submit(grow_past, 1, min_free="1GB", memory_limit=True, name="capped")
+    job = gpumagic.jobs_with(min_free="1GB", memory_limit=True, name="capped").submit(grow_past, 1)
     assert job.wait("3m") == "failed"
     assert "ran out of its --memory-limit of 1.0 GiB" in job.reason + job.logs(), job.logs()
 

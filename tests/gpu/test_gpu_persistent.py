@@ -75,7 +75,7 @@ def test_a_kept_ddp_model_trains_on_the_gpu_through_an_aborted_collective_and_a_
     assert "re-formed 1 times" in kernel.ok("%ddp status").all_text
 
     # the rank killed: replaced on the GPU, its imports and definitions run again
-    pid = int(kernel.ok("print(gpumagic.magics.ddp.DdpMagics.group.pids[0])").stdout)
+    pid = int(kernel.ok("print(gpumagic.ddp_group().pids[0])").stdout)
     os.kill(pid, signal.SIGKILL)
     time.sleep(0.5)
     begun = time.monotonic()
@@ -107,7 +107,7 @@ def test_two_nccl_ranks_stop_together_recover_a_skipped_collective_and_replace_a
     print(f"2 ranks: a skipped collective re-formed {time.monotonic() - begun:.2f} s after the interrupt")
     assert "re-formed on a fresh rendezvous" in reply["evalue"], reply
 
-    pid = int(kernel.ok("print(gpumagic.magics.ddp.DdpMagics.group.pids[1])").stdout)
+    pid = int(kernel.ok("print(gpumagic.ddp_group().pids[1])").stdout)
     result = kernel.run(f"%%ddp\nif rank == 1:\n    os.kill({pid}, 9)\ndist.barrier()", timeout=120)
     assert "restored on rank 1: model, optimizer (gpumagic.keep) from rank 0" in result.error[1], result.error
     kernel.ok("%%ddp -o after\n" + STEPS)

@@ -86,7 +86,7 @@ def test_the_pictures_stop_once_the_page_says_its_plots_drew(kernel):
     assert wait_until(kernel, f"d.points > {points} + 50") == "True"  # the launch goes on drawing ...
     assert inspect(kernel, "d._frame.stills") == drawn  # ... and no picture is made any more
     assert inspect(kernel, "sent") == "[]"
-    kernel.ok("LaunchMagics.last_dashboard.cancel.set()")
+    kernel.ok("SESSION.last_dashboard.cancel.set()")
     assert wait_until(kernel, "not d.running") == "True"
 
 
@@ -100,17 +100,17 @@ def test_in_a_page_without_jupyter_bokeh_the_frames_picture_goes_on_alone(kernel
     assert wait_until(kernel, f"d._frame.stills >= {drawn + 2}") == "True"
     assert "<polyline" in inspect(kernel, "d._frame.still.value")
     assert inspect(kernel, "sent") == "[]"
-    kernel.ok("LaunchMagics.last_dashboard.cancel.set()")
+    kernel.ok("SESSION.last_dashboard.cancel.set()")
     assert wait_until(kernel, "not d.running") == "True"
 
 
 def test_an_idle_groups_dashboard_draws_no_picture_between_cells(kernel):
     """A %ddp group between cells changes nothing: no picture is drawn (nor sent) until the next cell logs."""
     kernel.ok("%ddp start -n 2 --gpus none")
-    kernel.ok("from gpumagic.magics.ddp import DdpMagics\nd = DdpMagics.dashboard")
+    kernel.ok("from gpumagic.launch.kernel_side.session import SESSION\nd = SESSION.group_dashboard")
     try:
         kernel.ok("%%ddp\nfor step in range(60):\n    gpumagic.log(step=step, loss=1.0 / (step + 1) + rank)")
-        group = "DdpMagics.dashboard"
+        group = "SESSION.group_dashboard"
         assert wait_until(kernel, f"{group}._frame.stills > 0 and 'idle since' in {group}.status.value") == "True"
         drawn = inspect(kernel, f"{group}._frame.stills")
         time.sleep(3)  # three times the picture's period

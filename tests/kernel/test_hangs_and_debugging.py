@@ -66,8 +66,7 @@ else:
     status = group.ok("%ddp status").all_text
     assert "the last hang report" in status and "time.sleep(8)" in status
     record = group.ok(
-        "print(json.dumps(json.load(open(os.path.join(gpumagic.magics.ddp.DdpMagics.group.run_dir, 'run.json')))"
-        "['hang']['ranks']))"
+        "print(json.dumps(json.load(open(os.path.join(gpumagic.ddp_group().run_dir, 'run.json')))['hang']['ranks']))"
     ).stdout
     assert "time.sleep(8)" in json.loads(record)["1"]
     group_works(group)

@@ -129,8 +129,8 @@ def wait_until(condition, timeout=30.0):
 def test_jobs_watch_chooses_jobs_by_name_pattern_and_state(shell, simulated):
     """`%jobs watch 'A-*' --state running` (and gpumagic.watch_jobs, which it calls) shows only the running jobs
     whose name matches; a job that leaves the state leaves the table and the plot; a colour per job."""
-    a1, b1 = (gpumagic.submit(forever, gpus=0, name=name) for name in ("A-1", "B-1"))
-    a2 = gpumagic.submit(sum, [1, 2], gpus=0, name="A-2")
+    a1, b1 = (gpumagic.jobs_with(gpus=0, name=name).submit(forever) for name in ("A-1", "B-1"))
+    a2 = gpumagic.jobs_with(gpus=0, name="A-2").submit(sum, [1, 2])
     assert a2.wait("30s") == "finished"
     assert wait_until(lambda: a1.status == b1.status == "running")
     table = jobs(shell, "watch 'A-*' --state running")  # no kernel: a table
@@ -161,7 +161,7 @@ def test_jobs_watch_chooses_jobs_by_name_pattern_and_state(shell, simulated):
 
 def test_the_watch_says_why_a_job_waits_in_one_line_with_its_place_in_the_queue(shell, simulated):
     gpumagic.use("GPU:*")  # every GPU held here: the jobs wait, in submission order
-    queued = [gpumagic.submit(sum, [1], gpus=2, name=f"Q{n}") for n in range(3)]
+    queued = [gpumagic.jobs_with(gpus=2, name=f"Q{n}").submit(sum, [1]) for n in range(3)]
     watch = gpumagic.watch_jobs("Q*", interval=0.2)
     try:
 
@@ -191,7 +191,9 @@ def test_a_replaced_or_closed_jobs_watch_keeps_its_last_picture(start_kernel, si
     from tests.unit.test_widgets import WIDGET, outputs
 
     kernel = start_kernel(GPUMAGIC_SIMULATE=simulated)
-    kernel.ok("%load_ext gpumagic\nimport gpumagic\ngpumagic.submit(sum, [1], gpus=0, name='A-1').wait('30s')")
+    kernel.ok(
+        "%load_ext gpumagic\nimport gpumagic\ngpumagic.jobs_with(gpus=0, name='A-1').submit(sum, [1]).wait('30s')"
+    )
     first = outputs(kernel, "%jobs watch 'A-*' --interval 0.2")
     frames = [display_id for kind, display_id, data in first if kind == "display_data" and WIDGET in data]
     assert len(frames) == 1  # the frame (then its plain copy, for a front end with no widgets)
@@ -315,7 +317,7 @@ def blocker(shell, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         for key, value in env.items():
             patch.setenv(key, value)
-        gpumagic.submit(sum, [1], gpus="GPU:0", min_free="5GB", name="blocker")
+        gpumagic.jobs_with(gpus="GPU:0", min_free="5GB", name="blocker").submit(sum, [1])
     yield env
     with pytest.MonkeyPatch.context() as patch:
         for key, value in env.items():

@@ -97,7 +97,7 @@ def test_jobs_watch_streams_every_jobs_curve_and_offers_actions(simulated):
             gpumagic.log(loss=k + 1.0 / (step + 1), acc=step / 6)
             time.sleep(0.1)
 
-    jobs = [gpumagic.submit(curve, k, name=f"v{k}") for k in range(3)]
+    jobs = [gpumagic.jobs_with(name=f"v{k}").submit(curve, k) for k in range(3)]
     watch = JobWatch(interval=0.2)
     try:
         assert [j.wait("1m") for j in jobs] == ["finished"] * 3
@@ -128,7 +128,7 @@ def test_jobs_watch_kill_button_stops_a_job(simulated):
         while True:
             time.sleep(0.1)
 
-    job = gpumagic.submit(forever, name="endless")
+    job = gpumagic.jobs_with(name="endless").submit(forever)
     watch = JobWatch(interval=0.2)
     try:
         deadline = time.monotonic() + 30

@@ -20,8 +20,8 @@ TRAIN = (
 )
 
 
-# what a kernel that looks at its launches' dashboards runs first (``inspect`` reads LaunchMagics.last_dashboard)
-DASHBOARD_KERNEL_SETUP = "%load_ext gpumagic\nimport gpumagic\nfrom gpumagic.magics.launch import LaunchMagics"
+# what a kernel that looks at its launches' dashboards runs first (``inspect`` reads SESSION.last_dashboard)
+DASHBOARD_KERNEL_SETUP = "%load_ext gpumagic\nimport gpumagic\nfrom gpumagic.launch.kernel_side.session import SESSION"
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def kernel(tmp_path_factory):
 
 
 def inspect(kernel, expression):
-    return kernel.ok(f"d = LaunchMagics.last_dashboard\nprint({expression})").stdout.strip()
+    return kernel.ok(f"d = SESSION.last_dashboard\nprint({expression})").stdout.strip()
 
 
 @pytest.mark.kernel
@@ -41,7 +41,7 @@ def test_the_dashboard_shows_each_ranks_metrics_and_resources(kernel):
     out = kernel.ok("STEPS = 150\n", timeout=60)
     out = kernel.ok("%%launch_ddp -n 2\n" + TRAIN, timeout=120)
     assert "application/vnd.jupyter.widget-view+json" in out.mimetypes
-    kernel.ok("LaunchMagics.last_dashboard.join()")  # its last update, made after the cell returned
+    kernel.ok("SESSION.last_dashboard.join()")  # its last update, made after the cell returned
     keys = inspect(kernel, "sorted(d.metric_sources)")
     assert keys == "[('loss', 0), ('loss', 1)]"
     counts = inspect(kernel, "[len(d.metric_sources[('loss', r)].data['value']) for r in (0, 1)]")
@@ -62,7 +62,7 @@ def test_the_dashboard_shows_each_ranks_metrics_and_resources(kernel):
 
 @pytest.mark.kernel
 def test_no_dashboard(kernel):
-    kernel.ok("LaunchMagics.last_dashboard = None")
+    kernel.ok("SESSION.last_dashboard = None")
     out = kernel.ok("%%launch_ddp -n 2 --no-dashboard\npass")
     assert "application/vnd.jupyter.widget-view+json" not in out.mimetypes
     assert inspect(kernel, "d") == "None"
@@ -91,7 +91,7 @@ def test_the_stop_button_stops_a_background_launch(kernel):
     kernel.ok("%%launch_ddp -n 2 --no-wait -o result\nimport time\ntime.sleep(60)")
     time.sleep(2.0)
     started = time.monotonic()
-    kernel.ok("LaunchMagics.last_dashboard.stop_button.click()")
+    kernel.ok("SESSION.last_dashboard.stop_button.click()")
     deadline = time.monotonic() + 15
     while inspect(kernel, "type(result).__name__") != "LaunchInterrupted" and time.monotonic() < deadline:
         time.sleep(0.2)

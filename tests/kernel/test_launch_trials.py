@@ -165,7 +165,7 @@ def kernel(tmp_path_factory):
     from conftest import cpu_kernel
 
     with cpu_kernel(
-        tmp_path_factory, "%load_ext gpumagic\nimport gpumagic\nfrom gpumagic.magics.launch import LaunchMagics"
+        tmp_path_factory, "%load_ext gpumagic\nimport gpumagic\nfrom gpumagic.launch.kernel_side.session import SESSION"
     ) as k:
         yield k
 
@@ -213,7 +213,7 @@ def test_progress_bars_update_in_place_and_lines_stay_whole(kernel, output, rank
 COUNT_WIDGETS = (  # once the last dashboard has made its last update
     "import time, warnings, ipywidgets\n"
     "deadline = time.monotonic() + 10\n"
-    "while LaunchMagics.last_dashboard.running and time.monotonic() < deadline:\n"
+    "while SESSION.last_dashboard.running and time.monotonic() < deadline:\n"
     "    time.sleep(0.05)\n"
     "with warnings.catch_warnings():\n"
     "    warnings.simplefilter('ignore')\n"
@@ -230,13 +230,13 @@ def test_dashboards_release_their_widgets(kernel):
     counts = []
     for _ in range(KEPT_FRAMES + 7):
         kernel.ok("%%launch_ddp -n 2 --gpus none\ngpumagic.log(loss=1.0)\ndist.barrier()\nrank")
-        kernel.ok("LaunchMagics.last_dashboard.join()")
+        kernel.ok("SESSION.last_dashboard.join()")
         widgets, comms = map(int, kernel.ok(COUNT_WIDGETS).stdout.split())
         counts.append((widgets, comms))
     print(f"\n(widgets, comms) after each launch: {counts}")
     assert counts[-1] == counts[KEPT_FRAMES + 1], f"(widgets, comms) grew past the kept frames: {counts}"
     assert counts[-1][0] <= counts[0][0] + 2 * KEPT_FRAMES, f"(widgets, comms) grew: {counts}"
-    d = "d = LaunchMagics.last_dashboard\n"
+    d = "d = SESSION.last_dashboard\n"
     assert kernel.ok(d + "print(d.state, 'finished' in d.snapshot)").stdout.split() == ["finished", "True"]
 
 

@@ -78,7 +78,7 @@ def test_a_long_session_costs_the_same_per_cell_and_leaves_an_idle_kernel(kernel
     kernel.ok("%%ddp\nseen = []")
     kernel.ok(CELL)
     live = kernel.ok(
-        "import time\nd = gpumagic.magics.ddp.DdpMagics.dashboard\n"
+        "import time\nd = gpumagic.launch.kernel_side.session.SESSION.group_dashboard\n"
         "deadline = time.time() + 20\n"
         "while not (d.metric_figures and d.cell_marks) and time.time() < deadline:\n"
         "    time.sleep(0.1)\n"

@@ -43,10 +43,10 @@ import time, gpumagic
 def done(): return 1
 def broken(): raise RuntimeError("an earlier failure")
 def long(): time.sleep(600)
-finished = gpumagic.submit(done, name="old-finished", gpus=0)
-failed = gpumagic.submit(broken, name="old-failed", gpus=0)
-killed = gpumagic.submit(long, name="old-killed", gpus=0)
-running = gpumagic.submit(long, name="old-running", gpus=0)
+finished = gpumagic.jobs_with(name="old-finished", gpus=0).submit(done)
+failed = gpumagic.jobs_with(name="old-failed", gpus=0).submit(broken)
+killed = gpumagic.jobs_with(name="old-killed", gpus=0).submit(long)
+running = gpumagic.jobs_with(name="old-running", gpus=0).submit(long)
 for job in (finished, failed):
     job.wait(timeout=120)
 killed.kill()

@@ -58,7 +58,7 @@ def group(kernel):
 
 
 def rank_pids(kernel) -> list[int]:
-    return [int(p) for p in kernel.ok("print(*gpumagic.magics.ddp.DdpMagics.group.pids)").stdout.split()]
+    return [int(p) for p in kernel.ok("print(*gpumagic.ddp_group().pids)").stdout.split()]
 
 
 def interrupt_after(kernel, cell: str, wait_s: float) -> tuple[dict, float]:
@@ -96,7 +96,7 @@ def test_kernel_names_travel_once_and_the_ranks_own_names_never(group):
 def test_pull_and_push_a_state_dict(group):
     group.ok("%%ddp\nimport torch\ntorch.manual_seed(rank)\nnet = torch.nn.Linear(3, 1)\n")
     out = group.ok(
-        "g = gpumagic.magics.ddp.DdpMagics.group\n"
+        "g = gpumagic.ddp_group()\n"
         "state = g.pull('net', rank=1).state_dict()\n"
         "print(type(state).__name__, sorted(state), state['weight'].device)"
     ).stdout
@@ -304,7 +304,7 @@ def test_a_kernel_that_used_torch_threads_can_start_a_group(start_kernel):
 
 def test_one_dashboard_per_group_follows_its_curves_across_cells(kernel):
     kernel.ok("%ddp start -n 2")
-    board = "gpumagic.magics.ddp.DdpMagics.dashboard"
+    board = "gpumagic.launch.kernel_side.session.SESSION.group_dashboard"
     prompts = [
         kernel.ok("%%ddp\nfor step in range(5):\n    gpumagic.log(loss=1.0 / (step + 1))").execution_count
         for _ in range(2)

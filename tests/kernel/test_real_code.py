@@ -189,7 +189,7 @@ def test_ranks_start_with_the_heavy_libraries_the_kernel_imported_and_no_other_m
 )
 def test_a_launch_refused_for_its_arguments_shows_only_its_one_line_error(kernel, line):
     """A refused %%launch_ddp is a one-line UsageError and displays nothing: no dashboard, no Stop button."""
-    kernel.ok("from gpumagic.magics.launch import LaunchMagics\nd = LaunchMagics.last_dashboard\nd and d.join()")
+    kernel.ok("from gpumagic.launch.kernel_side.session import SESSION\nd = SESSION.last_dashboard\nd and d.join()")
     out = kernel.run(f"%%launch_ddp {line}\nprint('ran')")
     assert out.status == "error" and out.error is not None and out.error[0] == "UsageError", out.error
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr

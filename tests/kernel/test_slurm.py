@@ -56,7 +56,7 @@ def test_a_failing_slurm_job_records_the_rank_traceback(local_slurm):
     def broken():
         raise KeyError("missing column")
 
-    job = gpumagic.submit(broken, executor="slurm", gpus=0, slurm={"time": "5m"})
+    job = gpumagic.jobs_with(executor="slurm", gpus=0, slurm={"time": "5m"}).submit(broken)
     assert job.wait(timeout="120s") == "failed"
     with pytest.raises(gpumagic.JobFailed) as caught:
         job.result()
@@ -70,7 +70,7 @@ def test_killing_a_local_slurm_job_stops_it(local_slurm):
         while True:
             time.sleep(0.1)
 
-    job = gpumagic.submit(forever, name="K1", executor="slurm", gpus=0, slurm={"time": "5m"})
+    job = gpumagic.jobs_with(name="K1", executor="slurm", gpus=0, slurm={"time": "5m"}).submit(forever)
     deadline = time.monotonic() + 60
     while "started" not in job.info and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -95,7 +95,7 @@ def test_a_rank_that_fails_stops_the_others_of_a_slurm_job_and_its_files_are_pri
         time.sleep(300)
 
     started = time.monotonic()
-    job = gpumagic.submit(rank_zero_fails, executor="slurm", gpus=0, ddp=2, slurm={"time": "10m"})
+    job = gpumagic.jobs_with(executor="slurm", gpus=0, ddp=2, slurm={"time": "10m"}).submit(rank_zero_fails)
     assert job.wait(timeout="120s") == "failed"
     took = time.monotonic() - started
     print(f"the job ended {took:.1f}s after it was submitted")
@@ -135,7 +135,7 @@ def test_a_slurm_rank_that_ends_after_the_others_is_recorded_not_lost(local_slur
             time.sleep(4)
         return dist.get_rank() * 10
 
-    job = gpumagic.submit(rank_one_is_late, executor="slurm", gpus=0, ddp=2, slurm={"time": "10m"})
+    job = gpumagic.jobs_with(executor="slurm", gpus=0, ddp=2, slurm={"time": "10m"}).submit(rank_one_is_late)
     assert job.wait(timeout="120s") == "finished"
     assert job.result() == {0: 0, 1: 10}
 
@@ -242,8 +242,8 @@ def test_the_slurm_path_builds_the_sbatch_script_and_follows_slurm(shell, slurm_
 
 
 def test_a_slurm_job_can_run_after_another_slurm_job(slurm_commands):
-    first = gpumagic.submit(print, name="first", executor="slurm", gpus=0)
-    gpumagic.submit(print, name="second", executor="slurm", gpus=0, after=first)
+    first = gpumagic.jobs_with(name="first", executor="slurm", gpus=0).submit(print)
+    gpumagic.jobs_with(name="second", executor="slurm", gpus=0, after=first).submit(print)
     assert "#SBATCH --dependency=afterok:4242" in (slurm_commands / "script.sh").read_text()
 
 
@@ -251,7 +251,7 @@ def test_without_slurm_the_error_says_how_to_try_it_locally(monkeypatch):
     monkeypatch.delenv("GPUMAGIC_SLURM", raising=False)
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(InvalidArgument, match="GPUMAGIC_SLURM=local"):
-        gpumagic.submit(print, executor="slurm", gpus=0)
+        gpumagic.jobs_with(executor="slurm", gpus=0).submit(print)
     assert gpumagic.list_jobs() == []  # nothing half-written: checked before the job directory exists
 
 

@@ -171,7 +171,7 @@ def test_a_requeued_job_says_so_and_keeps_the_earlier_attempts_files(on_cluster)
         time.sleep(600 if attempt == 0 else 1)
         return attempt
 
-    job = gpumagic.submit(attempts, name="R1", executor="slurm", gpus=0, slurm={"time": "10m"})
+    job = gpumagic.jobs_with(name="R1", executor="slurm", gpus=0, slurm={"time": "10m"}).submit(attempts)
     job_id = job.info["slurm_job_id"]
     wait_for(lambda: "attempt 0" in job.logs(), 60, "the first attempt's output")
     on_cluster.run("scontrol", "requeue", job_id)
@@ -201,7 +201,7 @@ def _nodes_idle(cluster) -> bool:
 
 
 def test_a_job_cancelled_from_a_shell_reads_killed_and_its_end_survives_the_controller(on_cluster):
-    job = gpumagic.submit(time.sleep, 600, name="S1", executor="slurm", gpus=0, slurm={"time": "10m"})
+    job = gpumagic.jobs_with(name="S1", executor="slurm", gpus=0, slurm={"time": "10m"}).submit(time.sleep, 600)
     job_id, folder = job.info["slurm_job_id"], job.info["slurm_folder"]
     wait_for(lambda: job.status == "running", 60, "the job runs")
     on_cluster.run("scancel", job_id)
@@ -256,15 +256,15 @@ def test_a_hang_across_nodes_is_reported_with_each_nodes_rank_and_line(allocatio
 def test_the_dashboard_draws_the_resources_of_every_nodes_ranks(allocation, start_kernel):
     """No rank runs on the kernel's machine here: each node's agent samples its ranks into the run directory."""
     kernel = start_kernel(**allocation)
-    kernel.ok("%load_ext gpumagic\nfrom gpumagic.magics.launch import LaunchMagics")
+    kernel.ok("%load_ext gpumagic\nfrom gpumagic.launch.kernel_side.session import SESSION")
     cell = kernel.ok(
         "%%launch_ddp -n 1 --nnodes 2 --gpus none\nimport time\nheld = bytearray(200 * 2**20)\ntime.sleep(4)",
         timeout=120,
     )
     assert "application/vnd.jupyter.widget-view+json" in cell.mimetypes
-    kernel.ok("LaunchMagics.last_dashboard.join()")
+    kernel.ok("SESSION.last_dashboard.join()")
     drawn = kernel.ok(
-        "d = LaunchMagics.last_dashboard\n"
+        "d = SESSION.last_dashboard\n"
         "print({r: (len(d.resource_sources[r].data['memory']), max(d.resource_sources[r].data['memory'])) "
         "for r in (0, 1)})"
     ).stdout.strip()

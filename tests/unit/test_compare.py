@@ -235,7 +235,7 @@ def test_a_live_job_is_shown_as_far_as_it_got_and_refresh_reads_on(tmp_path, mon
     with pytest.raises(gpumagic.InvalidArgument, match=r"^no runs or jobs to compare: you have no background jobs"):
         gpumagic.compare()
     gate = tmp_path / "gate"
-    job = gpumagic.submit(gated, str(gate), gpus=0, name="live")
+    job = gpumagic.jobs_with(gpus=0, name="live").submit(gated, str(gate))
     deadline = time.monotonic() + 30
     while len(job.metrics().get(0, {}).get("loss", ())) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -88,7 +88,7 @@ def train(stop_file, result_bytes=0):
 
 @pytest.mark.slow
 def test_a_job_whose_output_fills_the_disk_fails_saying_so_and_keeps_what_it_wrote(small_disk, tmp_path):
-    job = gpumagic.submit(train, str(tmp_path / "never"), gpus=0, name="filler")
+    job = gpumagic.jobs_with(gpus=0, name="filler").submit(train, str(tmp_path / "never"))
     wait_until(lambda: points(job) >= 2000)
     fill(small_disk)
     assert job.wait("60s") == "failed"
@@ -131,7 +131,7 @@ def long_lines(go_file):
 
 def test_output_log_keeps_whole_lines_when_the_disk_fills_in_the_middle_of_one(small_disk, tmp_path):
     go = tmp_path / "go"
-    job = gpumagic.submit(long_lines, str(go), gpus=0, name="long-lines")
+    job = gpumagic.jobs_with(gpus=0, name="long-lines").submit(long_lines, str(go))
     wait_until(lambda: job.path.joinpath("output.log").exists() and job.path.joinpath("output.log").stat().st_size)
     fill(small_disk)
     go.touch()
@@ -145,7 +145,7 @@ def test_output_log_keeps_whole_lines_when_the_disk_fills_in_the_middle_of_one(s
 
 def test_a_result_that_does_not_fit_fails_the_job_saying_so(small_disk, tmp_path):
     stop = tmp_path / "stop"
-    job = gpumagic.submit(train, str(stop), 3 << 20, gpus=0, name="big")  # 3 MB on a 2 MB disk
+    job = gpumagic.jobs_with(gpus=0, name="big").submit(train, str(stop), 3 << 20)  # 3 MB on a 2 MB disk
     wait_until(lambda: points(job) >= 100)
     stop.touch()
     assert job.wait("60s") == "failed"
@@ -159,7 +159,7 @@ def test_a_result_that_does_not_fit_fails_the_job_saying_so(small_disk, tmp_path
 def test_a_result_that_fits_on_the_disk_once_is_kept(small_disk, tmp_path):
     """The rank's copy of the value is gone before the job's is written: a disk with room for one keeps it."""
     stop = tmp_path / "stop"
-    job = gpumagic.submit(train, str(stop), 600 << 10, gpus=0, name="fits")
+    job = gpumagic.jobs_with(gpus=0, name="fits").submit(train, str(stop), 600 << 10)
     wait_until(lambda: points(job) >= 100)
     filler = fill(small_disk)
     os.truncate(filler, filler.stat().st_size - (900 << 10))  # 900 KiB free: one copy, not two
@@ -180,7 +180,7 @@ def fill_it(disk):
 def test_a_job_that_fills_the_disk_itself_keeps_its_report(small_disk):
     """Its rank can write neither its value nor its report, nor the runner its output; the space the job held
     gives its record room."""
-    job = gpumagic.submit(fill_it, str(small_disk), gpus=0, name="checkpoints")
+    job = gpumagic.jobs_with(gpus=0, name="checkpoints").submit(fill_it, str(small_disk))
     assert job.wait("60s") == "failed"
     assert job.reason.startswith(f"disk full: {job.path}/") and "(No space left on device); saved: " in job.reason
     assert (job.path / "error.txt").read_text().startswith(f"The job was stopped: {job.reason}\n")
@@ -193,7 +193,7 @@ def nothing():
 def test_a_queued_job_that_starts_on_a_full_disk_is_recorded_whole(small_disk, simulated):
     """Nothing of it is on disk to give back; the space it held since its submission gives its record room."""
     gpumagic.use("0")  # leased by this process: the job waits for it
-    job = gpumagic.submit(nothing, gpus="GPU:0", name="waits")
+    job = gpumagic.jobs_with(gpus="GPU:0", name="waits").submit(nothing)
     wait_until(lambda: job.reason.startswith("waiting"))
     fill(small_disk)
     gpumagic.release()
@@ -236,7 +236,7 @@ def test_submit_launch_and_log_on_a_full_disk_say_so_in_one_line(small_disk, she
     fill(small_disk)
     said = f"disk full: {small_disk / 'runs'} (No space left on device); free space or set GPUMAGIC_RUNS_DIR"
     with pytest.raises(DiskFull) as refused:
-        gpumagic.submit(nothing, gpus=0)
+        gpumagic.jobs_with(gpus=0).submit(nothing)
     assert str(refused.value) == said and refused.value._render_traceback_() == [f"DiskFull: {said}"]
     with pytest.raises(UsageError, match=f"^%%launch_bg: {re.escape(said)}$"):
         shell.run_cell_magic("launch_bg", "--gpus 0", "1")

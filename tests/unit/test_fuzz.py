@@ -73,7 +73,7 @@ def test_four_hundred_nines_through_the_api(simulated):
         with pytest.raises(InvalidArgument, match="too large a size: at most 1 EiB"):
             gpumagic.pick(min_free=min_free)
         with pytest.raises(InvalidArgument, match="too large a size"):
-            gpumagic.submit(sum, [1], gpus=1, min_free=min_free)
+            gpumagic.jobs_with(gpus=1, min_free=min_free).submit(sum, [1])
     assert gpumagic.list_jobs() == [] and leases.book().held() == ()
 
 
@@ -83,7 +83,7 @@ def test_a_timeout_past_the_maximum_is_refused_before_anything_runs_or_is_writte
     for line in ("--gpus 0 --ddp 2 --timeout 1000000000d", "--gpus 0 --ddp 2 --timeout 604801"):
         assert "at most 7d" in refused(shell, "launch_bg", line, "1")
     with pytest.raises(InvalidArgument, match="at most 7d"):
-        gpumagic.submit(sum, [1], gpus=0, ddp=2, timeout=10**400)
+        gpumagic.jobs_with(gpus=0, ddp=2, timeout=10**400).submit(sum, [1])
     assert gpumagic.list_jobs() == []
 
 

@@ -95,7 +95,7 @@ def stuck_in_a_job():
 @pytest.mark.slow
 @pytest.mark.usefixtures("no_job_left_running")
 def test_a_ddp_jobs_log_has_the_report_and_its_record_keeps_it():
-    job = gpumagic.submit(stuck_in_a_job, gpus=0, ddp=2, hang_after="1s", name="stuck")
+    job = gpumagic.jobs_with(gpus=0, ddp=2, hang_after="1s", name="stuck").submit(stuck_in_a_job)
     assert job.result(timeout=120) == {0: 0, 1: 1}
     log = job.logs()
     assert "rank 0 waited" in log and "rank 1: not in a collective" in log and "time.sleep(4)" in log, log

@@ -375,7 +375,9 @@ def test_three_jobs_declaring_memory_run_at_once_and_the_fourth_when_one_ends(mo
             time.sleep(0.05)
         return len(block) >> 20
 
-    jobs = [gpumagic.submit(hold, str(tmp_path / f"stop{n}"), min_free="1.3GB", name=f"r{n}") for n in range(4)]
+    jobs = [
+        gpumagic.jobs_with(min_free="1.3GB", name=f"r{n}").submit(hold, str(tmp_path / f"stop{n}")) for n in range(4)
+    ]
     try:
         deadline = time.monotonic() + 120
         while any(j.status != "running" for j in jobs[:3]) and time.monotonic() < deadline:
@@ -428,11 +430,11 @@ def test_memory_limit_reaches_the_jobs_processes_and_needs_a_declared_size(simul
         return os.environ.get("GPUMAGIC_MEMORY_LIMIT")
 
     with pytest.raises(gpumagic.InvalidArgument, match="give min_free too"):
-        gpumagic.submit(limit, memory_limit=True)
+        gpumagic.jobs_with(memory_limit=True).submit(limit)
     with pytest.raises(gpumagic.InvalidArgument, match="True or False"):
-        gpumagic.submit(limit, min_free="1GB", memory_limit="yes")
-    capped = gpumagic.submit(limit, min_free="2GB", memory_limit=True, name="capped")
-    free = gpumagic.submit(limit, min_free="2GB", name="uncapped")
+        gpumagic.jobs_with(min_free="1GB", memory_limit="yes").submit(limit)
+    capped = gpumagic.jobs_with(min_free="2GB", memory_limit=True, name="capped").submit(limit)
+    free = gpumagic.jobs_with(min_free="2GB", name="uncapped").submit(limit)
     assert capped.result("60s") == str(2 * GIB) and free.result("60s") is None
 
 

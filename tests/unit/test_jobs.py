@@ -38,7 +38,7 @@ def variant(k, seconds=3.0):
 
 @pytest.mark.slow
 def test_four_variants_run_at_once_and_a_fifth_waits_for_a_free_gpu(simulated):
-    jobs = [gpumagic.submit(variant, k, name=f"A{k}") for k in range(5)]
+    jobs = [gpumagic.jobs_with(name=f"A{k}").submit(variant, k) for k in range(5)]
     reasons = set()
     while jobs[4].status == "queued":
         reasons.add(jobs[4].reason)
@@ -59,9 +59,9 @@ def test_four_variants_run_at_once_and_a_fifth_waits_for_a_free_gpu(simulated):
 def test_why_a_job_waits_shows_from_its_submission_on(simulated):
     """The kernel records why a new job waits; its runner, starting a moment later, must not hide that behind
     "starting" until it has queued itself (a %jobs right after the submission read "starting")."""
-    busy = [gpumagic.submit(variant, k, 4.0, name=f"B{k}") for k in range(4)]
+    busy = [gpumagic.jobs_with(name=f"B{k}").submit(variant, k, 4.0) for k in range(4)]
     wait_until(lambda: all(j.status == "running" for j in busy))
-    waiting = gpumagic.submit(variant, 9, 0.1, name="B9")
+    waiting = gpumagic.jobs_with(name="B9").submit(variant, 9, 0.1)
     seen = []
     deadline = time.monotonic() + 1.5  # past the runner's start and its own first placement
     while time.monotonic() < deadline:
@@ -78,7 +78,7 @@ def test_a_job_sees_exactly_its_gpus_and_a_cpu_job_none(simulated):
 
         return os.environ["CUDA_VISIBLE_DEVICES"]
 
-    on_gpu, on_cpu = gpumagic.submit(visible, gpus="GPU:2"), gpumagic.submit(visible, gpus=0)
+    on_gpu, on_cpu = gpumagic.jobs_with(gpus="GPU:2").submit(visible), gpumagic.jobs_with(gpus=0).submit(visible)
     assert on_gpu.result("1m") == gpumagic.gpus()[2].uuid and on_gpu.gpus == (2,)
     assert on_cpu.result("1m") == "" and on_cpu.gpus == ()
 
@@ -141,7 +141,7 @@ def test_failure_records_the_traceback_and_the_exit(simulated):
     def diverge():
         raise FloatingPointError("loss is nan at step 7")
 
-    job = gpumagic.submit(diverge, gpus=0)
+    job = gpumagic.jobs_with(gpus=0).submit(diverge)
     assert job.wait("1m") == "failed"
     assert job.reason == "rank 0 failed: raised FloatingPointError: loss is nan at step 7 (in user code)"
     with pytest.raises(gpumagic.JobFailed) as caught:
@@ -168,7 +168,7 @@ def test_follow_from_the_last_lines_misses_nothing_after_them(simulated, tmp_pat
         for line in range(3, 6):
             print(line, flush=True)
 
-    job = gpumagic.submit(count, str(flag), gpus=0)
+    job = gpumagic.jobs_with(gpus=0).submit(count, str(flag))
     wait_until(lambda: job.logs() == "0\n1\n2\n")
     threading.Timer(0.5, flag.touch).start()  # the rest is written while follow() runs
     seen = []
@@ -184,7 +184,7 @@ def test_a_job_killed_by_a_signal_records_which(simulated):
         print("about to crash", flush=True)
         os.kill(os.getpid(), signal.SIGSEGV)
 
-    job = gpumagic.submit(crash, gpus=1)
+    job = gpumagic.jobs_with(gpus=1).submit(crash)
     assert job.wait("1m") == "failed"
     assert job.info["signal"] == "SIGSEGV" and "killed by SIGSEGV" in job.reason
     assert job.logs().startswith("about to crash\n\nrank 0 failed: killed by SIGSEGV")
@@ -199,7 +199,7 @@ def test_kill_stops_the_whole_tree_of_a_running_job(simulated):
         while True:
             time.sleep(1)
 
-    job = gpumagic.submit(spawner, name="tree")
+    job = gpumagic.jobs_with(name="tree").submit(spawner)
     wait_until(lambda: job.logs().strip().isdigit())
     grandchild = int(job.logs())
     runner, (rank,) = job.info["runner_pid"], job.info["pids"]
@@ -241,7 +241,7 @@ def test_kill_falls_back_to_sigkill_for_a_job_that_ignores_signals(simulated):
         while True:
             time.sleep(0.1)
 
-    job = gpumagic.submit(stubborn, gpus=0)
+    job = gpumagic.jobs_with(gpus=0).submit(stubborn)
     wait_until(lambda: job.logs() == "ignoring\n")
     tree = [psutil.Process(job.info["runner_pid"]), *psutil.Process(job.info["runner_pid"]).children(True)]
     assert job.kill(grace_s=1) == "killed"
@@ -267,10 +267,10 @@ def test_after_orders_jobs_and_a_failed_dependency_cancels(simulated):
     def fail():
         raise RuntimeError("no")
 
-    a = gpumagic.submit(variant, 1, 1.0, name="A")
-    b = gpumagic.submit(variant, 2, 0.2, name="B", after="A")
-    f = gpumagic.submit(fail, gpus=0, name="F")
-    c = gpumagic.submit(variant, 3, name="C", after=["B", f])
+    a = gpumagic.jobs_with(name="A").submit(variant, 1, 1.0)
+    b = gpumagic.jobs_with(name="B", after="A").submit(variant, 2, 0.2)
+    f = gpumagic.jobs_with(gpus=0, name="F").submit(fail)
+    c = gpumagic.jobs_with(name="C", after=["B", f]).submit(variant, 3)
     wait_until(lambda: b.reason == "waiting for job A to finish", timeout=30)
     assert c.wait("2m") == "cancelled" and b.wait("2m") == "finished"
     assert b.info["started"] >= a.info["ended"]
@@ -290,7 +290,7 @@ def test_ddp_job_runs_a_process_group(simulated):
         print("world", dist.get_world_size())
         return value.item()
 
-    job = gpumagic.submit(reduce_ranks, ddp=2, name="pair")
+    job = gpumagic.jobs_with(ddp=2, name="pair").submit(reduce_ranks)
     assert job.wait("2m") == "finished"
     assert job.result() == {0: 3.0, 1: 3.0}
     assert sorted(job.logs().splitlines()) == ["[rank 0] world 2", "[rank 1] world 2"]
@@ -304,7 +304,7 @@ def test_names_are_unique_and_sweeps_name_their_points(simulated):
     assert [j.info["params"] for j in jobs] == [{"k": "1", "seconds": "0.5"}, {"k": "2", "seconds": "0.5"}]
     assert gpumagic.submit(variant, 1).name == "variant" and gpumagic.submit(variant, 1).name == "variant-2"
     with pytest.raises(gpumagic.InvalidArgument, match="a job named 'variant' exists already"):
-        gpumagic.submit(variant, 1, name="variant")
+        gpumagic.jobs_with(name="variant").submit(variant, 1)
     with pytest.raises(gpumagic.InvalidArgument, match="exists already"):
         gpumagic.sweep(variant, {"k": [3, 1], "seconds": [0.5]}, name="lr")  # one name taken: none submitted
     assert not records.exists("lr-k=3,seconds=0.5")
@@ -338,13 +338,13 @@ def test_names_are_unique_and_sweeps_name_their_points(simulated):
 )
 def test_bad_options_are_one_line_errors_and_submit_nothing(simulated, options, message):
     with pytest.raises(gpumagic.GpumagicError, match=message) as caught:
-        gpumagic.submit(variant, 1, **options)
+        gpumagic.jobs_with(**options).submit(variant, 1)
     assert "\n" not in str(caught.value)
     assert gpumagic.list_jobs() == []
 
 
 def test_no_gpu_machine_says_to_use_the_cpu(no_gpu_machine):
-    with pytest.raises(gpumagic.InvalidArgument, match=r"this machine has no GPU .*submit with gpus=0"):
+    with pytest.raises(gpumagic.InvalidArgument, match=r"this machine has no GPU .*submit with jobs_with\(gpus=0\)"):
         gpumagic.submit(variant, 1)
 
 
@@ -378,8 +378,34 @@ def test_a_slurm_job_holds_no_space_for_a_runner_it_does_not_have(monkeypatch):
     """A local job holds 64 KiB for its runner's last record on a full disk until it ends; a Slurm job has no
     runner of ours, and would hold them for good."""
     monkeypatch.setenv("GPUMAGIC_SLURM", "local")
-    local = gpumagic.submit(variant, 1, 0.5, gpus=0, name="local")
-    on_slurm = gpumagic.submit(variant, 2, 0.5, gpus=0, name="on-slurm", executor="slurm", slurm={"time": "5m"})
+    local = gpumagic.jobs_with(gpus=0, name="local").submit(variant, 1, 0.5)
+    on_slurm = gpumagic.jobs_with(gpus=0, name="on-slurm", executor="slurm", slurm={"time": "5m"}).submit(
+        variant, 2, 0.5
+    )
     assert RunFiles(local.path).reserve.stat().st_size == records.RESERVE_BYTES
     assert [local.wait("2m"), on_slurm.wait("2m")] == ["finished", "finished"]
     assert not RunFiles(local.path).reserve.exists() and not RunFiles(on_slurm.path).reserve.exists()
+
+
+def job_words(name, gpus, timeout, *, after=None, ddp=None):
+    return {"name": name, "gpus": gpus, "timeout": timeout, "after": after, "ddp": ddp}
+
+
+def test_submit_passes_every_keyword_to_the_function_and_job_options_travel_apart(simulated):
+    """submit took name, gpus, timeout, after, ddp ... as the job's options: a function with such parameters could
+    not receive them. Now every keyword of submit goes to fn; the job's options go to jobs_with."""
+    words = {"name": "n", "gpus": 3, "timeout": "t", "after": "a", "ddp": "d"}
+    on_cpu = gpumagic.jobs_with(gpus=0, name="words").submit(job_words, **words)
+    by_default = gpumagic.submit(job_words, "m", gpus=2, timeout=1)  # the default options: one GPU, its own name
+    assert on_cpu.wait("2m") == "finished" and by_default.wait("2m") == "finished"
+    assert on_cpu.result() == words and on_cpu.name == "words" and on_cpu.gpus == ()
+    assert by_default.result() == {"name": "m", "gpus": 2, "timeout": 1, "after": None, "ddp": None}
+    assert by_default.name == "job_words" and len(by_default.gpus) == 1
+
+
+def test_job_options_are_checked_when_they_are_set_apart(simulated):
+    with pytest.raises(gpumagic.InvalidArgument, match="unknown backend"):
+        gpumagic.jobs_with(ddp=2, backend="carrier-pigeon")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lr'"):  # the function's, not the job's
+        gpumagic.jobs_with(lr=0.1)
+    assert gpumagic.list_jobs() == []

@@ -15,6 +15,7 @@ from gpumagic.jobs.slurm_task import torchrun_environment
 from gpumagic.launch.kernel_side.ddp import check_launch
 from gpumagic.launch.kernel_side.group import RankGroup
 from gpumagic.launch.kernel_side.launch_handle import LaunchHandle
+from gpumagic.launch.kernel_side.session import SESSION
 from gpumagic.launch.options import LaunchOptions
 from gpumagic.launch.plan import TORCHRUN_VARIABLES, LaunchPlan
 
@@ -66,9 +67,10 @@ def test_a_bad_option_is_refused_in_the_same_line_by_the_value_the_api_check_lau
 
 
 def test_options_the_api_does_not_know_or_spawn_cannot_honour_are_refused_the_same_way(simulated):
-    for refuse in (check_launch, lambda n, **k: gpumagic.launch_ddp(print, n, **k)):
-        with pytest.raises(InvalidArgument, match=r"^unknown launch option\(s\): bogus, process_group$"):
-            refuse(1, gpus="none", bogus=1, process_group=False)
+    with pytest.raises(InvalidArgument, match=r"^unknown launch option\(s\): bogus, process_group$"):
+        check_launch(1, gpus="none", bogus=1, process_group=False)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):  # its signature names every option
+        gpumagic.launch_ddp(print, 1, gpus="none", bogus=1)
     with pytest.raises(InvalidArgument, match="spawn runs on this machine only"):
         gpumagic.spawn(print, nprocs=1, gpus="none", max_restarts=1)
 
@@ -149,7 +151,7 @@ def test_launch_ddp_without_waiting_sets_its_variable_through_the_shared_handle(
     monkeypatch.setattr(launch_magic, "launch_packed", launch)
     shell.user_ns.pop("later", None)
     shell.run_cell_magic("launch_ddp", "-n 2 --gpus none --no-wait --no-dashboard -o later", "rank")
-    handle = shell.magics_manager.registry["LaunchMagics"].last_launch
+    handle = SESSION.last_launch
     assert isinstance(handle, LaunchHandle)
     with pytest.raises(SystemExit) if isinstance(outcome, BaseException) else contextlib.nullcontext():
         handle.join(10)
@@ -185,6 +187,8 @@ def test_a_group_refuses_options_it_would_ignore():
         with pytest.raises(InvalidArgument, match="a group of ranks runs on this machine"):
             RankGroup(launch)
     with pytest.raises(InvalidArgument, match="a group of ranks does not take max_restarts"):
+        LaunchOptions.for_group(2, max_restarts=1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_restarts'"):  # not in its signature
         gpumagic.ranks(2, max_restarts=1)
 
 

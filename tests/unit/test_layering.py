@@ -28,6 +28,12 @@ FLOORS = (  # lowest first; a module imports only from its own floor or a lower 
 )
 MAX_LINES = 700
 MAX_PARAMETERS = 12
+# public functions that take every option of their surface of the option table as a keyword-only parameter, so
+# help() and type checkers see each one: tests/unit/test_option_table.py holds their signatures to the table
+WIDE_BY_DESIGN = {
+    "gpumagic.launch.kernel_side.ddp:launch_ddp": "fn, nprocs, args, kwargs and the launch surface's options",
+    "gpumagic.launch.kernel_side.ddp:spawn": "torch.multiprocessing.spawn's four and the launch surface's options",
+}
 
 
 @dataclass(frozen=True)
@@ -190,7 +196,7 @@ def test_no_file_over_700_lines_and_no_function_over_12_parameters():
                 a = node.args
                 names = [*a.posonlyargs, *a.args, *a.kwonlyargs]
                 count = len(names) + bool(a.vararg) + bool(a.kwarg) - bool(names and names[0].arg in ("self", "cls"))
-                if count > MAX_PARAMETERS:
+                if count > MAX_PARAMETERS and f"{module}:{node.name}" not in WIDE_BY_DESIGN:
                     wide.append(f"{module}:{node.name} ({count})")
     assert not long_files and not wide, f"files over {MAX_LINES} lines: {long_files}; wide functions: {wide}"
 

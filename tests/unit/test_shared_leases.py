@@ -58,7 +58,7 @@ def test_fifos_named_like_lease_files_hang_nobody(server):
         import gpumagic, json
         picked = gpumagic.pick(1).indices
         status = gpumagic.status().status
-        job = gpumagic.submit(lambda: 6 * 7, gpus=1, name="J")
+        job = gpumagic.jobs_with(gpus=1, name="J").submit(lambda: 6 * 7)
         print(json.dumps({"picked": picked, "ignored": status.ignored, "result": job.result(timeout=60)}))
     """
     answer = alice.json(alice_code, timeout=90)
@@ -177,7 +177,9 @@ def test_a_pick_lock_another_user_holds_for_ever_delays_picks_and_jobs_a_bounded
         assert STRANGER_HOLD_S - 1 < delay < STRANGER_HOLD_S + 5
         again = kernel.value("started = time.monotonic(); gpumagic.pick(1); result = time.monotonic() - started")
         assert again < 2, again  # passed over already: no second wait
-        kernel.value("job = gpumagic.submit(lambda: 'done', gpus=1, name='Q')")  # its runner waits its own 10 s
+        kernel.value(
+            "job = gpumagic.jobs_with(gpus=1, name='Q').submit(lambda: 'done')"
+        )  # its runner waits its own 10 s
         ignored = kernel.value("result = gpumagic.status().status.ignored")
         said = [why for name, why in ignored.items() if name.startswith(f"pick.{bob.uid}.")]
         assert said and f"{bob.name}'s process" in said[0] and "passed over" in said[0], ignored
@@ -191,7 +193,7 @@ def test_a_pick_lock_another_user_holds_for_ever_delays_picks_and_jobs_a_bounded
 
 SUBMIT_AND_WATCH = """
 import gpumagic, json, time
-job = gpumagic.submit(lambda: "ran", gpus=1, name="A")
+job = gpumagic.jobs_with(gpus=1, name="A").submit(lambda: "ran")
 reasons, deadline = set(), time.monotonic() + 60
 while job.status == "queued" and time.monotonic() < deadline:
     reasons.add(job.reason)
@@ -318,11 +320,11 @@ def hold(path):
     import os, time
     while not os.path.exists(path):
         time.sleep(0.05)
-holder = gpumagic.submit(hold, os.path.expanduser("~/stop"), name="hold")
+holder = gpumagic.jobs_with(name="hold").submit(hold, os.path.expanduser("~/stop"))
 while holder.status != "running":
     time.sleep(0.05)
 for n in (1, 2, 3):
-    gpumagic.submit(lambda: 1, name=f"a{n}")
+    gpumagic.jobs_with(name=f"a{n}").submit(lambda: 1)
 print(json.dumps({}))
 """
 
@@ -338,7 +340,9 @@ def test_queued_jobs_of_two_users_are_served_round_robin(server):
     alice, bob, _, _ = server
     one_gpu = {"GPUMAGIC_SIMULATE": "1xA100-80GB"}
     assert alice.json(QUEUE_BEHIND_A_HOLDER, timeout=60, **one_gpu) == {}
-    assert bob.json('import gpumagic, json\ngpumagic.submit(lambda: 1, name="b1")\nprint("{}")', **one_gpu) == {}
+    assert (
+        bob.json('import gpumagic, json\ngpumagic.jobs_with(name="b1").submit(lambda: 1)\nprint("{}")', **one_gpu) == {}
+    )
     (alice.home / "stop").touch()
     starts = {**alice.json(STARTS, timeout=150, **one_gpu), **bob.json(STARTS, timeout=150, **one_gpu)}
     assert {status for status, _ in starts.values()} == {"finished"}

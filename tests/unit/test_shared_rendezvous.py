@@ -153,7 +153,7 @@ for _ in range(LAUNCHES):
     check("launch_ddp", lambda: gpumagic.launch_ddp(reduce_and_gather, 2, gpus="none", write=write))
 check("elastic", lambda: gpumagic.launch_ddp(reduce_and_gather, 2, gpus="none", write=write,
                                              rdzv_endpoint="127.0.0.1:0"))
-check("job", lambda: gpumagic.submit(reduce_and_gather, gpus=0, ddp=2).result(timeout=120))
+check("job", lambda: gpumagic.jobs_with(gpus=0, ddp=2).submit(reduce_and_gather).result(timeout=120))
 group = gpumagic.ranks(2, gpus="none", write=write)
 try:
     check("%ddp", lambda: group.run(reduce_and_gather))

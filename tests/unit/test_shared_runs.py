@@ -84,7 +84,7 @@ def train():
     return {"secret": 42}
 
 try:
-    job = gpumagic.submit(train, gpus=0, name="train")
+    job = gpumagic.jobs_with(gpus=0, name="train").submit(train)
 except gpumagic.GpumagicError as err:
     out["refused"] = f"{type(err).__name__}: {err}"
 else:
@@ -150,7 +150,7 @@ def test_a_runs_directory_a_neighbour_can_write_is_refused_and_his_swap_runs_not
         out = {}
         def f():
             return 1
-        for name, call in (("submit", lambda: gpumagic.submit(f, gpus=0)),
+        for name, call in (("submit", lambda: gpumagic.jobs_with(gpus=0).submit(f)),
                            ("launch_ddp", lambda: gpumagic.launch_ddp(f, 1, gpus="none", runs_dir=ROOT))):
             try:
                 call()
@@ -176,7 +176,7 @@ def test_in_a_sticky_runs_directory_a_neighbour_cannot_swap_plant_or_read_a_job(
         import json, os, gpumagic
         def f():
             return "bob's"
-        job = gpumagic.submit(f, gpus=0, name="train")
+        job = gpumagic.jobs_with(gpus=0, name="train").submit(f)
         job.wait("60s")
         os.chmod(job.path, 0o755)
         for each in job.path.iterdir():
@@ -220,7 +220,7 @@ def test_a_home_writable_by_a_private_group_is_safe_and_one_shared_with_a_neighb
         def f():
             return 7
         try:
-            job = gpumagic.submit(f, gpus=0)
+            job = gpumagic.jobs_with(gpus=0).submit(f)
             print(json.dumps({"status": job.wait("90s"), "result": job.result()}))
         except gpumagic.GpumagicError as err:
             print(json.dumps({"refused": str(err)}))

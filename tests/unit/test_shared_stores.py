@@ -78,12 +78,12 @@ assert command is not None, printed
 
 # 2. a running DDP job, then three more: each would have met on a port derived from its job id
 os.environ["DONE"] = os.path.join(os.environ["HOME"], "done")
-long = gpumagic.submit(long_job, executor="slurm", gpus=0, ddp=2, slurm={"time": "5m"}, name="long")
+long = gpumagic.jobs_with(executor="slurm", gpus=0, ddp=2, slurm={"time": "5m"}, name="long").submit(long_job)
 while long.status == "queued" and time.monotonic() < deadline:
     time.sleep(0.1)
 time.sleep(3)  # its store is up
-victims = [gpumagic.submit(reduce_and_gather, executor="slurm", gpus=0, ddp=2, slurm={"time": "5m"}, name=f"v{i}")
-           for i in range(3)]
+victims = [gpumagic.jobs_with(executor="slurm", gpus=0, ddp=2, slurm={"time": "5m"}, name=f"v{i}")
+           .submit(reduce_and_gather) for i in range(3)]
 
 # 3. an agent command of an earlier run, whose endpoint the attacker holds now, run twice
 stale = store.new_run("ddp", ranks=0, nnodes=2, rdzv_endpoint=f"127.0.0.1:{stale_port}")

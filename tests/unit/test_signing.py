@@ -87,7 +87,7 @@ def test_a_job_refuses_a_payload_changed_while_it_waited(simulated, tmp_path):
 
 
 def test_the_kernel_refuses_a_result_changed_after_the_job_wrote_it(simulated):
-    job = gpumagic.submit(sum, [1, 2], gpus=0)
+    job = gpumagic.jobs_with(gpus=0).submit(sum, [1, 2])
     assert job.result("1m") == 3
     flip_last_byte(job.path / "result.pkl")
     with pytest.raises(PayloadRejected, match=r"job sum's result .* does not carry your key's seal"):

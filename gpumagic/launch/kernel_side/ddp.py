@@ -26,7 +26,8 @@ from gpumagic.launch.kernel_side.launch_handle import LaunchHandle
 from gpumagic.launch.kernel_side.local import loopback_port, run_local, store_listener
 from gpumagic.launch.kernel_side.output import RankOutput, progress_lines
 from gpumagic.launch.kernel_side.post_mortem import PostMortems
-from gpumagic.launch.options import LaunchOptions, check_nprocs
+from gpumagic.launch.option_table import check_nprocs, default
+from gpumagic.launch.options import USER_OPTIONS, LaunchOptions
 from gpumagic.launch.plan import LaunchPlan, Placement, choose_backend, place_on
 from gpumagic.launch.shipping import pack, ship_cell, ship_function
 from gpumagic.run_dirs import store
@@ -37,21 +38,39 @@ DEFAULT_CPU_RANKS = 2
 FOLLOWERS = ("write", "dashboard")  # keywords of the launch functions that say how to follow a launch
 
 
-def launch_ddp(
+def launch_ddp(  # every option of the table's launch surface: tests/unit/test_option_table.py holds them equal
     fn: Callable[..., Any],
     nprocs: int | None = None,
     args: tuple = (),
     kwargs: Mapping[str, Any] | None = None,
-    **options: Any,
+    *,
+    gpus: str | None = default("launch", "gpus"),
+    gpus_per_rank: int = default("launch", "gpus_per_rank"),
+    backend: str | None = default("launch", "backend"),
+    port: int | None = default("launch", "port"),
+    timeout: str | float = default("launch", "timeout"),
+    start_method: str = default("launch", "start_method"),
+    output: str = default("launch", "output"),
+    hang_after: str | float = default("launch", "hang_after"),
+    pdb: bool = default("launch", "pdb"),
+    nnodes: int = default("launch", "nnodes"),
+    rdzv_endpoint: str | None = default("launch", "rdzv_endpoint"),
+    node_rank: int | None = default("launch", "node_rank"),
+    rdzv_id: str | None = default("launch", "rdzv_id"),
+    max_restarts: int = default("launch", "max_restarts"),
+    runs_dir: str | None = default("launch", "runs_dir"),
+    write: Callable[[str], None] | None = default("launch", "write"),
+    dashboard: Any = default("launch", "dashboard"),
 ) -> dict[int, Any]:
     """Call ``fn(*args, **kwargs)`` on ``nprocs`` ranks with the process group initialized; ``{rank: value}``.
 
-    ``fn`` may be defined in the notebook: it is shipped by value. Options (``LaunchOptions``): ``gpus`` (a device
-    spec or ``"auto"``), ``gpus_per_rank``, ``backend`` (default nccl with GPUs, gloo without), ``port``,
-    ``timeout`` (of the process group, default ``"30m"``), ``start_method`` (``forkserver``/``spawn``),
-    ``output`` (``all``/``rank0``/``none``), ``hang_after`` (a collective waiting this long is reported with
-    where every rank is, default ``"10s"``, 0: off), ``pdb`` (a rank that raises waits for a post-mortem
-    debugger read with ``input()``); and ``write``, where rank output goes (default stdout).
+    ``fn`` may be defined in the notebook: it is shipped by value. Options (``LaunchOptions``, declared in
+    ``launch.option_table``): ``gpus`` (a device spec or ``"auto"``), ``gpus_per_rank``, ``backend`` (default nccl
+    with GPUs, gloo without), ``port``, ``timeout`` (of the process group), ``start_method``
+    (``forkserver``/``spawn``), ``output`` (``all``/``rank0``/``none``), ``hang_after`` (a collective waiting this
+    long is reported with where every rank is, 0: off), ``pdb`` (a rank that raises waits for a post-mortem
+    debugger read with ``input()``); ``write``, where rank output goes (default stdout), and ``dashboard`` (a
+    ``LaunchDashboard``, attached as the ranks start).
 
     Multi-node and elastic (torch.distributed.elastic, ``docs/multi-node.md``): ``nnodes`` with
     ``rdzv_endpoint`` (``"HOST:PORT"``, an address of this machine; the other nodes' agent command is printed),
@@ -63,12 +82,35 @@ def launch_ddp(
         LaunchError: a rank failed; it names the root cause with that rank's traceback.
         LaunchInterrupted: interrupted; every rank was stopped. ShippingError, InvalidArgument.
     """
-    launch, follow = _split_options(nprocs, options)
+    launch, follow = _options_of(locals())  # the parameters alone: nothing else is defined yet
     packed = pack(ship_function(fn, tuple(args), dict(kwargs or {}), rank_first=False))
     return launch_packed(packed, launch, **follow)
 
 
-def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 1, join: bool = True, **options: Any) -> Any:
+def spawn(  # every option of the table's launch surface: tests/unit/test_option_table.py holds them equal
+    fn: Callable[..., Any],
+    args: tuple = (),
+    nprocs: int = 1,
+    join: bool = True,
+    *,
+    gpus: str | None = default("launch", "gpus"),
+    gpus_per_rank: int = default("launch", "gpus_per_rank"),
+    backend: str | None = default("launch", "backend"),
+    port: int | None = default("launch", "port"),
+    timeout: str | float = default("launch", "timeout"),
+    start_method: str = default("launch", "start_method"),
+    output: str = default("launch", "output"),
+    hang_after: str | float = default("launch", "hang_after"),
+    pdb: bool = default("launch", "pdb"),
+    nnodes: int = default("launch", "nnodes"),
+    rdzv_endpoint: str | None = default("launch", "rdzv_endpoint"),
+    node_rank: int | None = default("launch", "node_rank"),
+    rdzv_id: str | None = default("launch", "rdzv_id"),
+    max_restarts: int = default("launch", "max_restarts"),
+    runs_dir: str | None = default("launch", "runs_dir"),
+    write: Callable[[str], None] | None = default("launch", "write"),
+    dashboard: Any = default("launch", "dashboard"),
+) -> Any:
     """``torch.multiprocessing.spawn`` for notebooks: ``fn(rank, *args)`` on ``nprocs`` processes.
 
     Works with functions defined in the notebook. As with ``mp.spawn`` the code creates its own process
@@ -76,7 +118,7 @@ def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 1, join: bool 
     ``{rank: value}``. ``join=False`` starts the ranks in a background thread and returns a ``LaunchHandle``
     whose ``join()`` gives that dict.
     """
-    launch, follow = _split_options(nprocs, options, process_group=False)
+    launch, follow = _options_of(locals(), process_group=False)  # the parameters alone
     if launch.pdb and not join:
         raise InvalidArgument("pdb=True needs join=True: the debugger's prompt is read while the call waits")
     packed = pack(ship_function(fn, tuple(args), {}, rank_first=True))
@@ -135,6 +177,13 @@ def check_named_gpus(launch: LaunchOptions) -> None:
     for its ranks: read from the inventory, nothing leased."""
     if launch.gpus is not None and launch.gpus != "auto" and not parse_spec(launch.gpus).none:
         _check_enough(launch.gpus, launch.nprocs, launch.gpus_per_rank)
+
+
+def _options_of(parameters: Mapping[str, Any], process_group: bool = True) -> tuple[LaunchOptions, dict[str, Any]]:
+    """The launch (checked) and how to follow it, from a launch function's parameters (its ``locals()``)."""
+    options = {name: parameters[name] for name in USER_OPTIONS}
+    follow = {name: parameters[name] for name in FOLLOWERS}
+    return LaunchOptions(parameters["nprocs"], process_group=process_group, **options), follow
 
 
 def _split_options(

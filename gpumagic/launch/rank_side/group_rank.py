@@ -63,8 +63,9 @@ def serve_group_rank(local_rank: int, plan: LaunchPlan, output: Any, connection:
 
 
 def keep(*objects: Any, **named: Any) -> None:
-    """Register state to restore in a rank that replaces a dead one (``gpumagic.keep``); a no-op outside a
-    persistent group. See ``gpumagic.keep``."""
+    """In a rank of a persistent group (``gpumagic.keep``): state to restore when a dead rank is replaced
+    (``keep(model, optimizer)`` or ``keep(model=m)``). A healthy rank's copy is sent to the fresh rank; DDP models
+    are wrapped again. Outside such a rank it does nothing."""
     if _this_rank is None:
         return
     namespace = _this_rank.namespace

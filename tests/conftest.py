@@ -130,27 +130,43 @@ SLOW_FOLDERS = ("tests/kernel/", "tests/browser/", "tests/gpu/")  # real kernels
 SLURM_MODULES = ("tests/kernel/test_slurm.py", "tests/kernel/test_slurm_cluster.py")  # share one cluster
 
 
-def pytest_collection_modifyitems(config, items):
-    """The tiers and the workers. Tests in the folders of real kernels, browsers and GPUs are ``slow`` (unit tests
-    that take seconds say so themselves), so ``pytest -m "not slow"`` is the inner loop. Under ``-n`` (xdist,
-    ``--dist loadgroup``) a module's tests stay on one worker (its module fixtures start once), the browser
-    tests take turns on one worker (two Chromiums beside a JupyterLab each starve one another on two cores), so do
-    the GPU tests, and
-    the modules that use the session's Slurm cluster share one worker: one cluster, whose node names and network
-    namespaces are the machine's."""
-    for item in items:
-        where = item.nodeid.split("::")[0]
-        if where.startswith(SLOW_FOLDERS):
-            item.add_marker(pytest.mark.slow)
-        if where.startswith("tests/browser/"):
-            group = "browser"
-        elif where.startswith("tests/gpu/"):
-            group = "gpu"  # one machine's GPUs: one test on them at a time
-        elif where in SLURM_MODULES:
-            group = "slurm"
-        else:
-            group = where
-        item.add_marker(pytest.mark.xdist_group(group))
+def pytest_itemcollected(item):
+    """The tiers: tests in the folders of real kernels, browsers and GPUs are ``slow`` (unit tests that take seconds
+    say so themselves), so ``pytest -m "not slow"`` is the inner loop."""
+    if item.nodeid.startswith(SLOW_FOLDERS):
+        item.add_marker(pytest.mark.slow)
+
+
+def worker_share(nodeid: str) -> str:
+    """The tests that run on one xdist worker, one after another: a module's (its module fixtures start once),
+    every browser test (two Chromiums beside a JupyterLab each starve one another on two cores), every GPU test
+    (one machine's GPUs), and the modules that use the session's Slurm cluster (one cluster: its node names and
+    network namespaces are the machine's)."""
+    module = nodeid.split("::")[0]
+    if module.startswith("tests/browser/"):
+        return "browser"
+    if module.startswith("tests/gpu/"):
+        return "gpu"
+    return "slurm" if module in SLURM_MODULES else module
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # without pytest-xdist the suite runs in one process
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+
+    class SharedWorkerScheduling(LoadScopeScheduling):
+        """xdist's scheduling by scope, the scopes being ``worker_share``'s (xdist's own ``xdist_group`` marker does
+        not reach its scheduler under pytest 9, whose nodes keep their id elsewhere)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_share(nodeid)
+
+    @pytest.hookimpl(tryfirst=True)  # before xdist's own choice of scheduler
+    def pytest_xdist_make_scheduler(config, log):
+        return SharedWorkerScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -174,7 +174,8 @@ class JupyterServers:
         if front_end not in self.servers:
             self.servers[front_end] = self._start(front_end)
         _, _, base, token = self.servers[front_end]
-        page = "notebooks" if front_end == "notebook" else "lab/tree"
+        # JupyterLab: a workspace of the test's own, or the page restores the earlier tests' notebooks beside it
+        page = "notebooks" if front_end == "notebook" else f"lab/workspaces/{name}/tree"
         return f"{base}/{page}/{name}.ipynb?token={token}"
 
     def _start(self, front_end: str) -> tuple[subprocess.Popen, object, str, str]:

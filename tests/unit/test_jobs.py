@@ -92,7 +92,8 @@ def test_a_jobs_rank_starts_with_its_gpus_in_the_environment_proc_shows(simulate
             entries = [entry.decode().split("=", 1) for entry in handle.read().split(b"\0") if b"=" in entry]
         return {name: value for name, value in entries if name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
 
-    on_gpu, on_cpu = gpumagic.submit(started_with, gpus="GPU:1"), gpumagic.submit(started_with, gpus=0)
+    on_gpu = gpumagic.jobs_with(gpus="GPU:1").submit(started_with)
+    on_cpu = gpumagic.jobs_with(gpus=0).submit(started_with)
     assert on_gpu.result("1m") == {"CUDA_VISIBLE_DEVICES": gpumagic.gpus()[1].uuid, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     assert on_cpu.result("1m") == {}
 
@@ -115,7 +116,7 @@ def test_a_launch_a_group_and_a_job_start_their_ranks_with_one_environment(simul
     launched = gpumagic.launch_ddp(rank_environment, 2, gpus="none", output="none")
     with gpumagic.ranks(2, gpus="none", output="none") as group:
         grouped = group.run(rank_environment)
-    queued = gpumagic.submit(rank_environment, gpus=0, ddp=2).result("2m")
+    queued = gpumagic.jobs_with(gpus=0, ddp=2).submit(rank_environment).result("2m")
     for seen in (launched, grouped, queued):
         assert sorted(seen) == [0, 1]
         run_dir = seen[0]["GPUMAGIC_RUN_DIR"]

@@ -20,7 +20,7 @@ from gpumagic.launch.failures import LaunchError
 
 pytestmark = pytest.mark.kernel
 
-TRIVIAL_TRIALS = 150
+TRIVIAL_TRIALS = 80  # with two cores kept busy; 80 of 80 passed here in 60 s, 150 took 111 s beside the suite
 BLAME_TRIALS = 20
 
 

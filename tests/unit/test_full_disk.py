@@ -298,12 +298,18 @@ def test_ranks_that_log_on_a_full_disk_train_on_and_their_metrics_stay_whole(sma
     steps = ast.literal_eval(output.strip().splitlines()[-1])  # {rank: how many points it logged}
     for rank in (0, 1):
         warned = [line for line in output.splitlines() if "gpumagic.log" in line and line.startswith(f"[rank {rank}]")]
-        assert len(warned) == 2, output
-        assert warned[0].startswith(
-            f"[rank {rank}] gpumagic.log: points are dropped until they can be written: disk full"
-        )
-        dropped = int(warned[1].split("; ")[1].split()[0])
-        assert warned[1] == f"[rank {rank}] gpumagic.log: writing points again; {dropped} were dropped"
+        # one warning when it fills and one when there is room again: the two ranks share the last bytes of the
+        # disk, so a rank may write again for a moment (the other cut a torn batch off) and fill it once more
+        assert 2 <= len(warned) <= 8 and len(warned) % 2 == 0, output
+        dropped = 0
+        for full, again in zip(warned[::2], warned[1::2], strict=True):
+            assert full.startswith(
+                f"[rank {rank}] gpumagic.log: points are dropped until they can be written: disk full"
+            ), output
+            so_far = int(again.split("; ")[1].split()[0])  # dropped since the launch began
+            assert again == f"[rank {rank}] gpumagic.log: writing points again; {so_far} were dropped", output
+            assert so_far > dropped, output
+            dropped = so_far
         reader = store.RankReader(run.path / "metrics", rank)
         loss = reader.read()["loss"]
         assert reader.skipped == 0, "a batch that could not be written whole was cut off again"

@@ -388,6 +388,7 @@ def test_gpu_watch_in_a_terminal_prints_a_text_line_per_sample(simulated):
             "IPython",
             "--no-banner",
             "--colors=NoColor",
+            "--HistoryManager.enabled=False",  # no history database to write (and wait for) at exit
             "-c",
             WATCH_IN_A_TERMINAL,
         ],
@@ -398,7 +399,7 @@ def test_gpu_watch_in_a_terminal_prints_a_text_line_per_sample(simulated):
     )
     lines = [terminal.stdout.readline() for _ in range(3)]
     terminal.send_signal(signal.SIGINT)
-    rest, _ = terminal.communicate(timeout=20)
+    rest, _ = terminal.communicate(timeout=60)
     assert all("[simulated]" in line and "GPU 0:   0.0/80 GiB" in line for line in lines), lines
     assert "stopped watching" in rest
 

@@ -399,14 +399,9 @@ def test_gpu_watch_in_a_terminal_prints_a_text_line_per_sample(simulated):
     )
     lines = [terminal.stdout.readline() for _ in range(3)]
     terminal.send_signal(signal.SIGINT)
-    try:
-        rest, _ = terminal.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        # Seen twice in the full suite on three workers, never alone (0 of 21 under load): the watch went on
-        # printing after the SIGINT. A second Ctrl-C, as a user would press, is taken as a pass only with the
-        # stop message; the note on issue 39 records it as not understood.
-        terminal.send_signal(signal.SIGINT)
-        rest, _ = terminal.communicate(timeout=30)
+    # in 3 of 4 full runs on three xdist workers (never alone) the watch went on printing through SIGINTs;
+    # not understood yet (issue 39's note): a second SIGINT did not stop it either, so none is sent
+    rest, _ = terminal.communicate(timeout=60)
     assert all("[simulated]" in line and "GPU 0:   0.0/80 GiB" in line for line in lines), lines
     assert "stopped watching" in rest
 

@@ -1,6 +1,6 @@
 """Background jobs: how soon a job's code runs, and what following 8 jobs costs the kernel, in one run.
 
-    python benchmarks/jobs.py [--repeats 5] [--watch-seconds 20] [--baseline REV] [--fair-seconds 60]
+    python benchmarks/jobs.py [--repeats 5] [--watch-seconds 20] [--watch-jobs 8] [--baseline REV] [--fair-seconds 60]
 
 1. Submit to the job's first line, with a free GPU (simulated): ``gpumagic.submit`` returns, the runner
    detaches, takes its place in the queue and a lease, and starts the job (a fresh ``spawn`` process that
@@ -8,7 +8,8 @@
    floor any fresh process pays) and ``subprocess.Popen`` of a script, as people do today.
 2. Without a free slot: one GPU, held by a job; a second job waits. Measured from the moment the first job's
    code ends to the second job's first line (the queue's reaction), next to today's fixed ``sleep 5``.
-3. The kernel's CPU use, idle and while ``%jobs watch`` follows 8 jobs that each log 20 points a second.
+3. The kernel's CPU use, idle and while ``%jobs watch`` follows 8 jobs that each log 20 points a second
+   (``--watch-jobs``: the test suite's smoke run follows 2).
 4. Sharing (issue #16), on the simulated inventory at 1/20 of the issue's scale (this machine has 24 GiB of
    memory, and a simulated GPU's memory is its processes' resident memory): four jobs that each allocate about
    1 GiB and declare 1.25 GiB (``--min-free``) on one 4 GiB GPU; when each starts after the submission.
@@ -99,20 +100,20 @@ for step in range(100000):
 """
 
 
-def watch_cost(seconds: float) -> None:
-    """The kernel's CPU, % of one core, idle and while %jobs watch follows 8 jobs logging 20 points/s each."""
+def watch_cost(seconds: float, jobs: int) -> None:
+    """The kernel's CPU, % of one core, idle and while %jobs watch follows ``jobs`` jobs logging 20 points/s each."""
     from kernel_cpu import measured_kernel
 
     import gpumagic
 
-    os.environ["GPUMAGIC_SIMULATE"] = "8xA100-80GB"
+    os.environ["GPUMAGIC_SIMULATE"] = f"{max(jobs, 1)}xA100-80GB"
     try:
         with measured_kernel(dict(os.environ)) as kernel:
             kernel.run("%load_ext gpumagic")
-            for number in range(8):
+            for number in range(jobs):
                 kernel.run(f"%%launch_bg --name w{number}\n{WATCHED_JOB}")
             deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and sum(j.status == "running" for j in gpumagic.list_jobs()) < 8:
+            while time.monotonic() < deadline and sum(j.status == "running" for j in gpumagic.list_jobs()) < jobs:
                 time.sleep(0.2)
             time.sleep(2.0)
             idle = kernel.cpu_percent_over(seconds)
@@ -121,7 +122,7 @@ def watch_cost(seconds: float) -> None:
             watching = kernel.cpu_percent_over(seconds)
         points = sum(len(s) for j in gpumagic.list_jobs() for s in j.metrics().get(0, {}).values())
         print(
-            f"\nkernel CPU, % of one core over {seconds:g}s, 8 jobs logging 20 points/s each ({points:,} points "
+            f"\nkernel CPU, % of one core over {seconds:g}s, {jobs} jobs logging 20 points/s each ({points:,} points "
             f"so far): idle {idle:.2f}; while %jobs watch follows them (1 s refresh) {watching:.2f}; "
             f"the watch's own share {watching - idle:.2f}"
         )
@@ -246,6 +247,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--watch-seconds", type=float, default=20.0, help="kernel CPU measure; 0 skips it")
+    parser.add_argument("--watch-jobs", type=int, default=8, help="jobs the watch follows in the kernel CPU measure")
     parser.add_argument("--baseline", metavar="REV", help="sharing and fairness also with gpumagic at this revision")
     parser.add_argument("--fair-seconds", type=float, default=60.0, help="length of the fairness scenario")
     parser.add_argument("--hold-seconds", type=float, default=6.0, help="how long each sharing job holds its memory")
@@ -263,7 +265,7 @@ def main() -> None:
     submit_to_code(options.repeats)
     waiting_to_code(options.repeats)
     if options.watch_seconds > 0:
-        watch_cost(options.watch_seconds)
+        watch_cost(options.watch_seconds, options.watch_jobs)
     sharing(options.hold_seconds, options.baseline)
     fairness(options.fair_seconds, options.baseline)
 

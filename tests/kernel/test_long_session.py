@@ -104,7 +104,9 @@ def test_a_long_session_costs_the_same_per_cell_and_leaves_an_idle_kernel(kernel
         first, last = statistics.median(times[:BATCH]), statistics.median(times[-BATCH:])
         per_cell = f"per cell ({name}): first {BATCH} {first * 1e3:.1f} ms, last {BATCH} {last * 1e3:.1f} ms"
         print(per_cell)
-        assert last <= 1.5 * first + 0.003, per_cell
+        # a bound that load beside the test cannot cross (a busy machine adds milliseconds to every cell alike)
+        # and that the 11-fold growth this test was written for crosses at once
+        assert last <= 2 * first + 0.005, per_cell
     print(f"dashboard thread {busy[-1] - busy[0]:.2f} s CPU over {took:.1f} s")
     thread_first, thread_last = busy[BATCH] - busy[0], busy[-1] - busy[-BATCH]
     assert thread_last <= 2 * thread_first + 0.1, f"dashboard thread CPU: {thread_first:.2f} s, {thread_last:.2f} s"

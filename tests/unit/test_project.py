@@ -93,7 +93,18 @@ def test_code_is_lint_clean_and_formatted():
         ),
         (
             "jobs.py",
-            ["--repeats", "1", "--watch-seconds", "2", "--hold-seconds", "1", "--fair-seconds", "3"],
+            [
+                "--repeats",
+                "1",
+                "--watch-seconds",
+                "2",
+                "--watch-jobs",
+                "2",
+                "--hold-seconds",
+                "1",
+                "--fair-seconds",
+                "3",
+            ],
             [
                 "job's first line runs after",
                 "ratio gpumagic / sleep 5",

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import cloudpickle
 
@@ -49,7 +49,7 @@ class Task:
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
 
-    def __call__(self) -> int:
+    def __call__(self) -> NoReturn:
         # lazy: submitit, only for Slurm
         import submitit
 
@@ -81,8 +81,18 @@ class Task:
             watch.ended(code)
         record_if_last(run_dir, world_size, token)
         if code:
-            raise RuntimeError(f"rank {rank} failed (exit code {code}); see {RunFiles(run_dir).error}")
-        return code
+            sys.stderr.write(f"rank {rank} failed (exit code {code}); see {RunFiles(run_dir).error}\n")
+        end_task(code)
+
+
+def end_task(code: int) -> NoReturn:
+    """End this Slurm task with ``code`` without interpreter teardown, as a local rank ends (``exit_rank``): the
+    job's end is recorded, and a crash in a library's destructor (a gloo group's, after the last rank of a group
+    left) or a daemon thread caught writing at shutdown would be a fatal signal that faulthandler records and a
+    later rank then reads as this rank's death; a hang there would hold the allocation until its time limit.
+    submitit's own result file is not written: gpumagic reads the job's directory, and Slurm the exit code."""
+    flush()
+    os._exit(code)
 
 
 def cluster_of(run_dir: Path) -> str:

@@ -140,6 +140,46 @@ def test_a_slurm_rank_that_ends_after_the_others_is_recorded_not_lost(local_slur
     assert job.result() == {0: 0, 1: 10}
 
 
+def test_a_slurm_rank_that_would_crash_in_interpreter_teardown_after_its_code_ended_leaves_the_job_finished(
+    local_slurm,
+):
+    """A fresh-clone run under load (issue #39) read a finished two-node job as failed: "rank 0 failed: exited with
+    code None without an error report". Rank 0 had returned and then died of a fatal signal in the interpreter's
+    teardown (a gloo group's destructor, a daemon thread holding stderr), which faulthandler recorded before rank 1,
+    later, recorded the job's end. Here rank 0 leaves an abort to run at exit and rank 1 ends only once rank 0's
+    process has: a Slurm task ends as a local rank does, without teardown, once the job's end is recorded."""
+
+    def rank_zero_aborts_at_exit():
+        import atexit
+        import os
+        import time
+
+        import torch.distributed as dist
+
+        run_dir = os.environ["GPUMAGIC_RUN_DIR"]
+        if dist.get_rank() == 0:
+            atexit.register(os.abort)
+            open(os.path.join(run_dir, f"rank0-pid-{os.getpid()}"), "w").close()
+            return "zero"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # rank 0's process has ended (a zombie of submitit's, or gone)
+            pids = [name.rsplit("-", 1)[1] for name in os.listdir(run_dir) if name.startswith("rank0-pid-")]
+            try:
+                with open(f"/proc/{pids[0]}/stat") as handle:
+                    if handle.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        break
+            except (IndexError, OSError):
+                if pids:
+                    break
+            time.sleep(0.05)
+        return "one"
+
+    job = gpumagic.jobs_with(executor="slurm", gpus=0, ddp=2, slurm={"time": "10m"}).submit(rank_zero_aborts_at_exit)
+    assert job.wait(timeout="120s") == "finished", (job.reason, job.info.get("exit"))
+    assert job.result() == {0: "zero", 1: "one"}
+    assert not [p for p in (job.path / "ranks").glob("rank-0.fatal.*") if p.stat().st_size]
+
+
 def test_whichever_rank_ends_last_records_the_slurm_jobs_end_once(tmp_path, monkeypatch):
     """Issue #37: with rank 1 still running, rank 0's end records nothing (before, rank 0 waited 60 s, then read
     rank 1's missing result: FileNotFoundError, and the job ended "lost"); rank 1's end records both values."""

@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,7 @@ def load_fake_nvml():
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own tmp_path factory reads --basetemp
 def pytest_configure(config):
+    hear_sigint_as_from_a_terminal()
     if not hasattr(config, "workerinput"):  # the session itself, not one of its xdist workers
         config.stash[FOUND_BEFORE] = {place: entries(place) for place in watched_places()}
     directory = Path(tempfile.mkdtemp(prefix=SESSION_PREFIX))
@@ -63,6 +65,15 @@ def pytest_configure(config):
     os.environ[UNSTATED] = str(directory / "unstated-nvml-reads")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAKES), os.environ.get("PYTHONPATH")]))
     sys.modules["pynvml"] = load_fake_nvml()
+
+
+def hear_sigint_as_from_a_terminal() -> None:
+    """SIGINT unblocked and turned into KeyboardInterrupt, as when pytest is started from a terminal. A
+    non-interactive shell starts a background command (``sh -c 'pytest ...' &``, nohup, some CI runners) with
+    SIGINT ignored, and every process the tests start inherited that: an xdist worker's terminal ``%gpu watch``
+    printed on through the SIGINT its test sent (3 of 4 fresh-clone runs started so)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 FOUND_BEFORE = pytest.StashKey[dict]()

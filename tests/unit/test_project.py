@@ -13,6 +13,34 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert f"```bash\n{command}\n```" in readme
 
 
+def test_a_suite_started_in_the_background_starts_its_processes_hearing_sigint():
+    """``sh -c 'pytest ...' &`` starts pytest with SIGINT ignored, and every process a test starts inherited it;
+    the suite's own set-up turns it back into KeyboardInterrupt, as from a terminal, before any test runs."""
+    import signal
+    import subprocess
+    import sys
+
+    child = "import signal; print(signal.getsignal(signal.SIGINT))"
+    session = (
+        "import signal, subprocess, sys\n"
+        "from conftest import hear_sigint_as_from_a_terminal\n"
+        f"before = subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True).stdout\n"
+        "hear_sigint_as_from_a_terminal()\n"
+        f"after = subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True).stdout\n"
+        "print(before.strip(), '|', after.strip())\n"
+    )
+    said = subprocess.run(
+        [sys.executable, "-c", session],
+        capture_output=True,
+        text=True,
+        cwd=ROOT / "tests",
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # as a background command starts
+        check=True,
+        timeout=60,
+    ).stdout.strip()
+    assert said == "1 | <built-in function default_int_handler>", said  # 1: SIG_IGN
+
+
 def test_binder_has_what_repo2docker_reads():
     binder = ROOT / "binder"
     assert (binder / "runtime.txt").read_text().strip() == "python-3.11"

@@ -12,7 +12,9 @@ from tests.kernel.test_launch import alive, rank_processes
 
 pytestmark = pytest.mark.kernel
 
-GRACE_S = 2.0
+# The group's grace period: long enough that what follows one (re-forming the group: 1.8 s seen under load) ends before
+# a second would, so "one grace period" and "no grace period" read from the clock on a busy machine
+GRACE_S = 4.0
 TRAIN = """
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -135,7 +137,7 @@ def test_interrupt_during_a_compute_loop_keeps_the_namespaces(group):
     group.ok("%%ddp\nimport time, torch\nkept = rank + 100\nsteps = 0")
     reply, took = interrupt_after(group, "%%ddp\nwhile True:\n    steps += 1\n    time.sleep(0.01)", 1.5)
     assert reply["status"] == "error" and reply["ename"] == "CellInterrupted", reply
-    assert took < 2.0, f"the cell took {took:.1f}s to stop"
+    assert took < GRACE_S, f"the cell took {took:.1f}s to stop (it waited a grace period of {GRACE_S}s)"
     group.ok("%%ddp -o after\nt = torch.ones(1)\ndist.all_reduce(t)\n(t.item(), kept, steps > 10)")
     assert group.ok("print(after)").stdout.strip() == "{0: (2.0, 100, True), 1: (2.0, 101, True)}"
 
@@ -145,7 +147,7 @@ def test_interrupt_of_a_collective_one_rank_skipped_reforms_the_group(group):
     cell = "%%ddp\nif rank == 0:\n    dist.all_reduce(torch.ones(1))\n'done'"
     reply, took = interrupt_after(group, cell, 1.5)
     assert reply["ename"] == "CellInterrupted" and "re-formed on a fresh rendezvous" in reply["evalue"], reply
-    assert took <= GRACE_S + 2.0, f"the cell took {took:.1f}s to return (grace {GRACE_S}s)"
+    assert took < 2 * GRACE_S, f"the cell took {took:.1f}s to return (grace {GRACE_S}s: one, then re-forming)"
     group.ok("%%ddp -o after\nt = torch.ones(1)\ndist.all_reduce(t)\n(t.item(), kept)")
     assert group.ok("print(after)").stdout.strip() == "{0: (2.0, 100), 1: (2.0, 101)}"
 
@@ -456,7 +458,7 @@ def test_an_interrupt_with_a_rank_waiting_for_a_peer_that_is_not_coming_takes_on
     cell = "%%ddp\nimport time\ndist.barrier()\nif rank == 0:\n    time.sleep(60)\nelse:\n    dist.barrier()"
     reply, took = interrupt_after(group, cell, 1.5)
     assert reply["ename"] == "CellInterrupted" and "re-formed on a fresh rendezvous" in reply["evalue"], reply
-    assert took < GRACE_S + 1.5, f"the cell took {took:.1f}s to return (grace {GRACE_S}s)"
+    assert took < 2 * GRACE_S, f"the cell took {took:.1f}s to return (grace {GRACE_S}s: one, then re-forming)"
 
 
 def test_a_rank_failing_in_backward_frees_its_peers_at_once(group):
@@ -521,7 +523,7 @@ def test_a_data_loader_worker_error_costs_no_grace_and_no_rank(group):
     took = time.monotonic() - started
     assert result.error[0] == "CellFailed" and "sample 100 is corrupt" in result.error[1]
     assert "killed" not in result.error[1] and "replaced" not in result.error[1], result.error[1]
-    assert took < GRACE_S + 1.0, f"the failure took {took:.1f}s to report (grace {GRACE_S}s)"
+    assert took < GRACE_S, f"the failure took {took:.1f}s to report (it waited a grace period of {GRACE_S}s)"
     assert rank_pids(group) == pids  # no rank was lost
     group.ok("bad_index = -1")
     group.ok("%%ddp -o steps\ntrain()")

@@ -7,7 +7,7 @@ from conftest import ROOT
 
 def test_ci_runs_exactly_the_readme_test_command():
     command = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
-    assert command.endswith(".venv/bin/python -m pytest") and "torch==2.13.0" in command
+    assert command.endswith(".venv/bin/python -m pytest -n 3") and "torch==2.13.0" in command  # three workers
     assert "apt-get install -y -qq chromium slurm-wlm munge" in command  # Chromium, a real Slurm, from Debian
     readme = (ROOT / "README.md").read_text()
     assert f"```bash\n{command}\n```" in readme

@@ -41,8 +41,12 @@ def test_dead_and_unreadable_processes(fake_nvml):
 
 
 def test_live_processes_get_user_and_command(fake_nvml):
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"], stdout=subprocess.PIPE
+    )
     try:
+        # running Python: just after Popen it may still be in exec, with no command line yet (read as "python")
+        assert child.stdout.readline() == b"up\n"
         scenario = fake_nvml.DEFAULT_SCENARIO | {}
         scenario["gpus"] = [dict(scenario["gpus"][0], processes=[{"pid": child.pid, "usedGpuMemory": GIB}])]
         fake_nvml.configure(scenario)

@@ -29,6 +29,7 @@ from gpumagic.launch.plan import torchrun_variables
 from gpumagic.launch.rank_side.output_routing import flush
 from gpumagic.launch.rank_side.process_group import TOKEN_VARIABLE
 from gpumagic.launch.rank_side.rank import run_rank
+from gpumagic.launch.rank_side.runtime import exit_rank
 from gpumagic.run_dirs import records
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.outcomes import rank_outcomes, read_json, root_cause
@@ -82,17 +83,11 @@ class Task:
         record_if_last(run_dir, world_size, token)
         if code:
             sys.stderr.write(f"rank {rank} failed (exit code {code}); see {RunFiles(run_dir).error}\n")
-        end_task(code)
-
-
-def end_task(code: int) -> NoReturn:
-    """End this Slurm task with ``code`` without interpreter teardown, as a local rank ends (``exit_rank``): the
-    job's end is recorded, and a crash in a library's destructor (a gloo group's, after the last rank of a group
-    left) or a daemon thread caught writing at shutdown would be a fatal signal that faulthandler records and a
-    later rank then reads as this rank's death; a hang there would hold the allocation until its time limit.
-    submitit's own result file is not written: gpumagic reads the job's directory, and Slurm the exit code."""
-    flush()
-    os._exit(code)
+        # as a local rank ends, without teardown: the job's end is recorded, and a fatal signal in a destructor (a
+        # gloo group's) or from a daemon thread at shutdown would be recorded by faulthandler and read by a later
+        # rank as this one's death; a hang there would hold the allocation. submitit's own result file is not
+        # written: gpumagic reads the job's directory, and Slurm the exit code.
+        exit_rank(code)
 
 
 def cluster_of(run_dir: Path) -> str:

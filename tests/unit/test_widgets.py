@@ -395,27 +395,13 @@ def test_gpu_watch_in_a_terminal_prints_a_text_line_per_sample(simulated):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=dict(os.environ),
-        preexec_fn=as_a_terminal_starts_it,
+        env=dict(os.environ),  # SIGINT as from a terminal: tests/conftest.py hear_sigint_as_from_a_terminal
     )
     lines = [terminal.stdout.readline() for _ in range(3)]
     terminal.send_signal(signal.SIGINT)
     rest, _ = terminal.communicate(timeout=60)
     assert all("[simulated]" in line and "GPU 0:   0.0/80 GiB" in line for line in lines), lines
     assert "stopped watching" in rest, f"{rest[-500:]}\nthis process's SIGINT: {sigint_state()}"
-
-
-def as_a_terminal_starts_it() -> None:
-    """A terminal's shell starts a program with SIGINT neither blocked nor ignored, and Python then turns it into
-    KeyboardInterrupt; a child inherits an ignored SIGINT across exec. A non-interactive shell starts a background
-    command (``sh -c '... pytest ...' &``, as the fresh-clone runs under load were started) with SIGINT ignored:
-    an xdist worker keeps it, and the watch went on printing through SIGINTs (3 of 4 such runs). In one process
-    running every test it passed each time: an earlier test there must set a handler (exec resets a handler, not
-    an ignore); which one is not known."""
-    import signal
-
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def sigint_state() -> str:

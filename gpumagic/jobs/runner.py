@@ -53,6 +53,7 @@ class _Runner:
         self.signal: int | None = None
         self.name = "?"
         self.output: Any = None  # output.log, open while the job runs
+        self.sink: Any = None  # a DDP job's ranks' output, line by line with [rank N], until the job ends
         self.output_error: OSError | None = None  # why the job's output could not be written
         self.cancel: Any = None  # set to stop the job's ranks
 
@@ -83,7 +84,7 @@ class _Runner:
             from gpumagic.devices import leases
 
             leases.book().release_all()
-            records.release_reserve(self.run_dir)
+            records.release_reserve(self.run_dir)  # _finish released it, unless the job ended without a record
 
     def _run_job(self, spec: records.JobSpec) -> None:
         try:
@@ -103,14 +104,14 @@ class _Runner:
 
     def _fail_before_start(self, err: Exception) -> None:
         self._write(self.files.error, f"{err}\n")
-        store.record_end(self.run_dir, "failed", str(err), runner_pid=None)
+        self._finish("failed", str(err), runner_pid=None)
 
     def _write(self, path: Any, text: str) -> None:
         private.write_private(path, text.encode())
 
     def _disk_full(self, err: Any, report: str = "", **fields: Any) -> None:
         """Record that the job failed because a file of it could not be written, and what it kept."""
-        records.release_reserve(self.run_dir)  # the space held for this record
+        records.release_reserve(self.run_dir)  # the space held for this record and the error's
         why = f"disk full: {err.path} ({err.reason}); saved: {self._saved()}; free space or set GPUMAGIC_RUNS_DIR"
         with contextlib.suppress(OSError):
             text = f"The job was stopped: {why}\n" + (f"\n{report}\n" if report else "")
@@ -147,6 +148,9 @@ class _Runner:
         return f"killed by {name} sent to its runner" + (f" {when}" if when else "")
 
     def _finish(self, status: str, why: str, **fields: Any) -> None:
+        """Record the job's end last: one who reads it finds all of the job's output and no disk held for it."""
+        self._close_output()
+        records.release_reserve(self.run_dir)  # the space held for this record
         store.record_end(self.run_dir, status, why, **fields)
 
     def _wait_for_dependencies(self, spec: records.JobSpec) -> bool:
@@ -237,7 +241,7 @@ class _Runner:
         )
         self.output = private.open_private(files.output)
         self.cancel = threading.Event()
-        sink = RankOutput(lambda text: self._output(text.encode()), "all", nprocs) if ddp else None
+        sink = self.sink = RankOutput(lambda text: self._output(text.encode()), "all", nprocs) if ddp else None
         hangs = HangFollower(
             self.run_dir,
             nprocs,
@@ -278,10 +282,16 @@ class _Runner:
             self._output(f"{err}\n".encode())
             self._finish("failed", str(err))
         finally:
-            if sink is not None:
-                sink.flush()
-            self.output.close()
+            self._close_output()
             remove_launch_directories(files)
+
+    def _close_output(self) -> None:
+        """Write the ranks' last partial lines and close output.log (again: nothing)."""
+        if self.sink is not None:
+            self.sink.flush()
+            self.sink = None
+        if self.output is not None:
+            self.output.close()
 
     def _output(self, data: bytes) -> None:
         """Append the job's output to output.log, all of a chunk or none of it (a full disk never leaves part

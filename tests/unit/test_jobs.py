@@ -374,6 +374,38 @@ def test_remove_refuses_an_active_job(simulated):
         job.remove()
 
 
+@pytest.mark.parametrize("status", ["finished", "failed", "killed", "cancelled"])
+def test_a_job_holds_no_space_once_its_end_can_be_read(simulated, status):
+    """The runner freed the job's 64 KiB after recording its end: one who read the end at once (``wait``, CI) still
+    found them held. Its end is now recorded in them."""
+    from gpumagic.jobs import runner
+    from gpumagic.launch.shipping import pack, ship_function
+
+    with records.names_locked():
+        path = records.create("ending", pack(ship_function(variant, (1,), {}, rank_first=False)))
+    assert RunFiles(path).reserve.stat().st_size == records.RESERVE_BYTES
+    runner._Runner(path)._finish(status, status)
+    assert gpumagic.Job(path).status == status and not RunFiles(path).reserve.exists()
+
+
+def test_a_ddp_jobs_last_partial_line_is_in_its_log_once_its_end_can_be_read(simulated):
+    """A rank's last line without a newline was written to output.log after the job's end was recorded: logs()
+    read at once missed it."""
+    from gpumagic.jobs import runner
+    from gpumagic.launch.kernel_side.output import RankOutput
+    from gpumagic.launch.shipping import pack, ship_function
+    from gpumagic.run_dirs import private
+
+    with records.names_locked():
+        path = records.create("tail", pack(ship_function(variant, (1,), {}, rank_first=False)))
+    ending = runner._Runner(path)
+    ending.output = private.open_private(RunFiles(path).output)
+    ending.sink = RankOutput(lambda text: ending._output(text.encode()), "all", 2)
+    ending.sink.feed(1, b"epoch 3 done\nsaving")
+    ending._finish("finished", "finished")
+    assert gpumagic.Job(path).logs().splitlines() == ["[rank 1] epoch 3 done", "[rank 1] saving"]
+
+
 @pytest.mark.slow
 def test_a_slurm_job_holds_no_space_for_a_runner_it_does_not_have(monkeypatch):
     """A local job holds 64 KiB for its runner's last record on a full disk until it ends; a Slurm job has no

@@ -103,7 +103,7 @@ class JupyterServer:
         client = BlockingKernelClient(connection_file=str(self.runtime / f"kernel-{kernel_id}.json"))
         client.load_connection_file()
         client.start_channels()
-        client.wait_for_ready(timeout=60)
+        wait_until_answering(client, timeout=60)
         return client
 
     def stop(self) -> None:
@@ -115,6 +115,31 @@ class JupyterServer:
                 self.process.kill()
                 self.process.wait()
         self.log.close()
+
+
+def wait_until_answering(client, timeout: float) -> None:
+    """Wait until the kernel answers ``kernel_info`` on its shell channel and publishes on iopub (so no output is
+    missed). jupyter_client's ``wait_for_ready`` does the same but, for a client of no ``KernelManager`` (this
+    server's kernel), calls the kernel dead after one heartbeat missed for 1 s: a kernel still starting on a
+    busy machine was "Kernel died before replying to kernel_info" (a fresh-clone CI run, one core kept busy)."""
+    from queue import Empty
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        asked = client.kernel_info()
+        try:
+            reply = client.get_shell_msg(timeout=1)
+            if reply["parent_header"].get("msg_id") != asked:
+                continue
+            client.get_iopub_msg(timeout=0.5)
+        except Empty:
+            continue
+        while True:  # the rest of what kernel_info published
+            try:
+                client.get_iopub_msg(timeout=0.2)
+            except Empty:
+                return
+    raise AssertionError(f"the kernel did not answer kernel_info in {timeout:.0f} s")
 
 
 # a plain restart is the restart during a collective without the collective, and a shutdown request is the

@@ -23,6 +23,7 @@ from typing import Any
 import cloudpickle
 
 from gpumagic.errors import GpumagicError
+from gpumagic.launch.shared_values import SharedBatch
 
 PROVIDED_NAMES = ("rank", "local_rank", "world_size", "device", "gpumagic")
 
@@ -158,12 +159,18 @@ def ship_function(fn: Callable[..., Any], args: tuple, kwargs: dict, rank_first:
     return FunctionPayload(fn, tuple(args), dict(kwargs), rank_first, notebook_sources([fn]))
 
 
-def dumps(value: Any) -> bytes:
+def dumps(value: Any, shared: SharedBatch | None = None) -> bytes:
     """``cloudpickle.dumps(value)``, keeping the file name of every function's code: cloudpickle 3.1.3 writes
-    ``<dynamic-code>`` there, which would cut a rank's traceback off from the notebook cell's lines."""
+    ``<dynamic-code>`` there, which would cut a rank's traceback off from the notebook cell's lines. ``shared``:
+    big tensors and arrays travel through its shared memory (``shared_values``), for ranks on this machine."""
 
     buffer = io.BytesIO()
-    pickler_class()(buffer).dump(value)
+    if shared is None:
+        pickler_class()(buffer).dump(value)
+    else:
+        pickler = sharing_pickler_class()(buffer)
+        pickler.shared = shared
+        pickler.dump(value)
     return buffer.getvalue()
 
 
@@ -186,6 +193,26 @@ def pickler_class() -> type:
     return _PICKLER
 
 
+_SHARING_PICKLER: type | None = None
+
+
+def sharing_pickler_class() -> type:
+    """``pickler_class()`` that sends big tensors and arrays through its ``shared`` batch, made on first use."""
+    global _SHARING_PICKLER
+    if _SHARING_PICKLER is None:
+        base = pickler_class()
+
+        class SharingPickler(base):  # type: ignore[valid-type,misc]
+            shared: SharedBatch
+
+            def reducer_override(self, obj: Any) -> Any:
+                reduction = self.shared.reduce(obj)
+                return super().reducer_override(obj) if reduction is NotImplemented else reduction
+
+        _SHARING_PICKLER = SharingPickler
+    return _SHARING_PICKLER
+
+
 def dumps_to_cpu(value: Any) -> bytes:
     """``value`` pickled (cloudpickle: what the notebook's ranks defined travels by value) with every GPU
     tensor copied to the CPU, so the kernel can load it without a GPU."""
@@ -206,18 +233,19 @@ def dumps_to_cpu(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def pack(payload: CellPayload | FunctionPayload) -> bytes:
-    """The payload as the ranks receive it, pickled once (names that share objects keep sharing them).
+def pack(payload: CellPayload | FunctionPayload, shared: SharedBatch | None = None) -> bytes:
+    """The payload as the ranks receive it, pickled once (names that share objects keep sharing them); big
+    tensors and arrays through ``shared``'s memory, where all ranks run on this machine (``shared_batch``).
 
     Raises:
         ShippingError: it cannot be pickled; the message names the variable or argument that cannot travel.
     """
     try:
-        return dumps(payload)
+        return dumps(payload, shared)
     except Exception as err:  # noqa: BLE001 - pickling fails with many exception types
         for name, value in payload.parts().items():  # only now pickle each part alone, to name the culprit
             try:
-                dumps(value)
+                dumps(value, shared)
             except Exception as part_err:  # noqa: BLE001
                 raise ShippingError(
                     f"cannot send {name!r} (a {type(value).__name__}) to the ranks: {type(part_err).__name__}: "

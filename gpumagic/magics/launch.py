@@ -5,7 +5,6 @@ several, blocking or ``--no-wait``) and ``jobs.api`` (``--executor slurm``). Its
 from __future__ import annotations
 
 import argparse
-import functools
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -14,11 +13,12 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from gpumagic.errors import GpumagicError
 from gpumagic.jobs.api import JobRequest, submit_cell
 from gpumagic.launch.failures import LaunchError, LaunchInterrupted
-from gpumagic.launch.kernel_side.ddp import check_named_gpus, launch_packed, prepare_cell
+from gpumagic.launch.kernel_side.ddp import check_named_gpus, launch_packed, prepare_cell, shared_for
 from gpumagic.launch.kernel_side.launch_handle import LaunchHandle, Outcome
 from gpumagic.launch.kernel_side.output import cell_number, in_kernel
 from gpumagic.launch.kernel_side.session import SESSION
 from gpumagic.launch.options import LaunchOptions
+from gpumagic.launch.shared_values import SharedBatch
 from gpumagic.magics.parsing import (
     Help,
     Parser,
@@ -84,20 +84,24 @@ class LaunchMagics(Magics):
         if not args.no_dashboard and in_kernel():
             dashboard = LaunchDashboard(stoppable=args.no_wait)
             SESSION.last_dashboard = dashboard
+        shared = None
         try:
             launch = launch_options(args)
             if args.no_wait:
                 check_named_gpus(launch)  # bad input is an error now, not a value in -o VAR later
+            shared = shared_for(launch)
             packed = prepare_cell(
                 self.shell.transform_cell(cell),
                 self.shell.user_ns,
                 filename=filename,
                 hidden=set(self.shell.user_ns_hidden),
+                shared=shared,
             )
             if args.no_wait:
                 if dashboard is not None:  # here, in this cell's output; a blocking launch shows it as ranks start
                     dashboard.show()
-                self._launch_in_background(packed, launch, args.o, dashboard)
+                self._launch_in_background(packed, launch, args.o, dashboard, shared)
+                shared = None  # the launch's thread releases it
                 return None
             try:
                 results = launch_packed(packed, launch, dashboard=dashboard)
@@ -110,6 +114,9 @@ class LaunchMagics(Magics):
             raise  # they render as the failing rank's traceback and the ranks' fates
         except GpumagicError as err:
             raise UsageError(str(err)) from None
+        finally:
+            if shared is not None:
+                shared.release()
         if args.o is not None:
             self.shell.user_ns[args.o] = results
         return None
@@ -162,10 +169,15 @@ class LaunchMagics(Magics):
         return None
 
     def _launch_in_background(
-        self, packed: bytes, launch: LaunchOptions, variable: str | None, dashboard: LaunchDashboard | None
+        self,
+        packed: bytes,
+        launch: LaunchOptions,
+        variable: str | None,
+        dashboard: LaunchDashboard | None,
+        shared: SharedBatch | None,
     ) -> None:
-        """--no-wait: launch on a thread; ``variable`` gets the results (or the error) when the ranks end. The
-        cell was packed already, so what cannot be shipped is an error now, not later."""
+        """--no-wait: launch on a thread; ``variable`` gets the results (or the error) when the ranks end, and
+        ``shared`` is released then. The cell was packed already, so what cannot be shipped is an error now."""
         namespace = self.shell.user_ns
 
         def ended(outcome: Outcome) -> None:
@@ -176,7 +188,13 @@ class LaunchMagics(Magics):
             if variable is not None:
                 namespace[variable] = outcome
 
-        run = functools.partial(launch_packed, packed, launch, dashboard=dashboard)
+        def run() -> dict[int, Any]:
+            try:
+                return launch_packed(packed, launch, dashboard=dashboard)
+            finally:
+                if shared is not None:
+                    shared.release()  # its ranks have ended
+
         SESSION.last_launch = LaunchHandle(run, on_end=ended).start()
 
 

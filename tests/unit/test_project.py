@@ -151,6 +151,11 @@ def test_code_is_lint_clean_and_formatted():
             ["--runs", "50", "--points", "100", "--repeat", "1"],
             ["build and first render", "ratio to the 1 s target"],
         ),
+        (
+            "big_values.py",
+            ["--mb", "4", "--times", "1", "--repeat", "1", "--skip-accelerate"],
+            ["through shared memory", "by value, as before", "launch: X adds", "/ one copy of X"],
+        ),
     ],
 )
 def test_benchmark_runs_and_prints_its_table(script, arguments, expected):

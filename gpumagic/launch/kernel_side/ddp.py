@@ -29,6 +29,7 @@ from gpumagic.launch.kernel_side.post_mortem import PostMortems
 from gpumagic.launch.option_table import check_nprocs, default
 from gpumagic.launch.options import USER_OPTIONS, LaunchOptions
 from gpumagic.launch.plan import LaunchPlan, Placement, choose_backend, place_on
+from gpumagic.launch.shared_values import SharedBatch, shared_batch
 from gpumagic.launch.shipping import pack, ship_cell, ship_function
 from gpumagic.run_dirs import store
 from gpumagic.run_dirs.launch_files import make_launch_directories, remove_launch_directories
@@ -83,8 +84,9 @@ def launch_ddp(  # every option of the table's launch surface: tests/unit/test_o
         LaunchInterrupted: interrupted; every rank was stopped. ShippingError, InvalidArgument.
     """
     launch, follow = _options_of(locals())  # the parameters alone: nothing else is defined yet
-    packed = pack(ship_function(fn, tuple(args), dict(kwargs or {}), rank_first=False))
-    return launch_packed(packed, launch, **follow)
+    shared = shared_for(launch)
+    packed = _packed(lambda: pack(ship_function(fn, tuple(args), dict(kwargs or {}), rank_first=False), shared), shared)
+    return launch_sharing(packed, launch, shared, **follow)
 
 
 def spawn(  # every option of the table's launch surface: tests/unit/test_option_table.py holds them equal
@@ -121,10 +123,12 @@ def spawn(  # every option of the table's launch surface: tests/unit/test_option
     launch, follow = _options_of(locals(), process_group=False)  # the parameters alone
     if launch.pdb and not join:
         raise InvalidArgument("pdb=True needs join=True: the debugger's prompt is read while the call waits")
-    packed = pack(ship_function(fn, tuple(args), {}, rank_first=True))
+    shared = shared_for(launch)
+    packed = _packed(lambda: pack(ship_function(fn, tuple(args), {}, rank_first=True), shared), shared)
     if join:
-        return launch_packed(packed, launch, **follow)
-    return LaunchHandle(functools.partial(launch_packed, packed, launch, **follow), name="gpumagic-spawn").start()
+        return launch_sharing(packed, launch, shared, **follow)
+    run = functools.partial(launch_sharing, packed, launch, shared, **follow)
+    return LaunchHandle(run, name="gpumagic-spawn").start()
 
 
 def launch_cell(
@@ -139,16 +143,51 @@ def launch_cell(
     """Run a cell's Python ``source`` on every rank, with ``rank``, ``local_rank``, ``world_size`` and
     ``device`` defined and the process group initialized; ``{rank: value of the last expression}``."""
     launch, follow = _split_options(nprocs, options)
-    return launch_packed(prepare_cell(source, namespace, filename=filename, hidden=hidden), launch, **follow)
+    shared = shared_for(launch)
+    packed = _packed(lambda: prepare_cell(source, namespace, filename=filename, hidden=hidden, shared=shared), shared)
+    return launch_sharing(packed, launch, shared, **follow)
 
 
-def prepare_cell(source: str, namespace: Mapping[str, Any], *, filename: str, hidden: Collection[str] = ()) -> bytes:
-    """What a cell's ranks receive: its code and the notebook names it uses, packed once.
+def prepare_cell(
+    source: str,
+    namespace: Mapping[str, Any],
+    *,
+    filename: str,
+    hidden: Collection[str] = (),
+    shared: SharedBatch | None = None,
+) -> bytes:
+    """What a cell's ranks receive: its code and the notebook names it uses, packed once; big tensors and arrays
+    through ``shared``'s memory (``shared_for``: all ranks on this machine; release it when they end).
 
     Raises:
         ShippingError: not valid Python, IPython magics inside, or a name that cannot be pickled (named).
     """
-    return pack(ship_cell(source, namespace, filename, hidden))
+    return pack(ship_cell(source, namespace, filename, hidden), shared)
+
+
+def shared_for(launch: LaunchOptions) -> SharedBatch | None:
+    """Shared memory for the big values of ``launch``, if all its ranks run on this machine (one node) and this
+    machine offers it (``shared_values``); else None: every value travels by value."""
+    return shared_batch() if launch.nnodes == 1 else None
+
+
+def launch_sharing(packed: bytes, launch: LaunchOptions, shared: SharedBatch | None, **follow: Any) -> dict[int, Any]:
+    """``launch_packed``, then ``shared`` released (the launch's ranks have ended)."""
+    try:
+        return launch_packed(packed, launch, **follow)
+    finally:
+        if shared is not None:
+            shared.release()
+
+
+def _packed(make: Callable[[], bytes], shared: SharedBatch | None) -> bytes:
+    """``make()``; ``shared`` released if it raises (no launch will)."""
+    try:
+        return make()
+    except BaseException:
+        if shared is not None:
+            shared.release()
+        raise
 
 
 def launch_prepared(packed: bytes, nprocs: int | None = None, **options: Any) -> dict[int, Any]:

@@ -53,6 +53,7 @@ from gpumagic.launch.rank_side.group_rank import sync_here
 from gpumagic.launch.records import MemoryFreed, RankStatus
 from gpumagic.launch.replay import Definition, definitions
 from gpumagic.launch.replicas import Divergence, compare, sync_plan
+from gpumagic.launch.shared_values import sharing
 from gpumagic.launch.shipping import FunctionPayload, dumps, pack, parse_cell, ship_cell, ship_function
 from gpumagic.run_dirs import store
 from gpumagic.run_dirs.launch_files import make_launch_directories, remove_launch_directories
@@ -255,10 +256,11 @@ class RankGroup:
         after_s = None if hang_after is None else check_hang_after(hang_after)
         self._recover_dead()
         targets = self._targets(ranks)
-        packed, digests = self._shipper.pack_for(payload, targets, namespace, hidden)
-        found = definitions(code, filename, tree)
-        with self._hang_threshold(after_s):
-            return self._run(messages.Exec, filename, packed, targets, self._deadline(timeout), digests, found)
+        with sharing() as shared:  # the ranks have mapped what they were sent once they replied
+            packed, digests = self._shipper.pack_for(payload, targets, namespace, hidden, shared)
+            found = definitions(code, filename, tree)
+            with self._hang_threshold(after_s):
+                return self._run(messages.Exec, filename, packed, targets, self._deadline(timeout), digests, found)
 
     @property
     def hang_reports(self) -> list[HangReport]:
@@ -288,12 +290,13 @@ class RankGroup:
         """Call ``fn(*args, **kwargs)`` on every rank (in its namespace: globals it defines persist);
         ``{rank: value}``."""
         self.cells += 1
-        packed = pack(ship_function(fn, args, kwargs, rank_first=False))
-        self._recover_dead()
-        targets = self._targets(None)
-        return self._run(
-            messages.Call, getattr(fn, "__name__", "fn"), {m.rank: packed for m in targets}, targets, None, {}
-        )
+        with sharing() as shared:
+            packed = pack(ship_function(fn, args, kwargs, rank_first=False), shared)
+            self._recover_dead()
+            targets = self._targets(None)
+            return self._run(
+                messages.Call, getattr(fn, "__name__", "fn"), {m.rank: packed for m in targets}, targets, None, {}
+            )
 
     def pull(self, name: str, rank: int = 0) -> Any:
         """A copy of ``name`` from ``rank`` (tensors, modules and state_dicts on the CPU; a DDP model: its module)."""
@@ -306,13 +309,14 @@ class RankGroup:
     def push(self, **values: Any) -> None:
         """Set names on every rank (``push(lr=1e-3, batch=b)``); pushed names are the ranks' own from then on."""
         self._check_open()
-        try:
-            packed = dumps(values)
-        except Exception:
-            pack(FunctionPayload(dict, kwargs=values))
-            raise
-        self._recover_dead()
-        replies = self.members.ask(list(self.members), messages.Push, packed=packed)
+        with sharing() as shared:
+            try:
+                packed = dumps(values, shared)
+            except Exception:
+                pack(FunctionPayload(dict, kwargs=values))
+                raise
+            self._recover_dead()
+            replies = self.members.ask(list(self.members), messages.Push, packed=packed)
         for member in self.members:
             if isinstance(replies[member.rank], messages.Done):
                 member.own.update(values)

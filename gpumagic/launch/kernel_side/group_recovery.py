@@ -33,6 +33,7 @@ from gpumagic.launch.messages import (
     Wrapped,
 )
 from gpumagic.launch.replay import ReplayLog
+from gpumagic.launch.shared_values import sharing
 
 
 class GroupRecovery:
@@ -182,14 +183,17 @@ class GroupRecovery:
         state, missing = members.request(source, Export) if source is not None else (None, [])
         ident = members.next_ident()
         sent: dict[int, dict[str, str]] = {}
-        for member in fresh:
-            names, sent[member.rank] = self.shipper.notebook_names(member.sent_before)
-            member.send(Restore(ident, names, self.replay.for_rank(member.rank), state))
-        try:
-            restored = members.wait(ident, fresh, time.monotonic() + START_TIMEOUT_S)
-        except RankDied as died:  # the fresh rank died too: the next call replaces it again
-            self.needs_reform = True
-            raise GroupError(f"rank {died.ranks[0]} died while taking back its state; the next call retries") from None
+        with sharing() as shared:  # mapped once the fresh ranks replied
+            for member in fresh:
+                names, sent[member.rank] = self.shipper.notebook_names(member.sent_before, shared)
+                member.send(Restore(ident, names, self.replay.for_rank(member.rank), state))
+            try:
+                restored = members.wait(ident, fresh, time.monotonic() + START_TIMEOUT_S)
+            except RankDied as died:  # the fresh rank died too: the next call replaces it again
+                self.needs_reform = True
+                raise GroupError(
+                    f"rank {died.ranks[0]} died while taking back its state; the next call retries"
+                ) from None
         for member in fresh:
             reply = restored[member.rank]
             if not isinstance(reply, Done):

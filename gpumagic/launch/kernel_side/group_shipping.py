@@ -12,6 +12,7 @@ from typing import Any
 
 from gpumagic.launch.kernel_side.group_members import Member
 from gpumagic.launch.messages import CellResult, Done, ToKernel
+from gpumagic.launch.shared_values import SharedBatch
 from gpumagic.launch.shipping import CellPayload, ShippingError, dumps, pack
 from gpumagic.launch.value_keys import change_key, has_cheap_key
 
@@ -25,11 +26,17 @@ class NameShipper:
         self._fingerprints: dict[str, tuple[Any, list[Any], str]] = {}  # name -> (change key, its objects, digest)
 
     def pack_for(
-        self, payload: CellPayload, targets: list[Member], namespace: Mapping[str, Any], hidden: Collection[str]
+        self,
+        payload: CellPayload,
+        targets: list[Member],
+        namespace: Mapping[str, Any],
+        hidden: Collection[str],
+        shared: SharedBatch | None = None,
     ) -> tuple[dict[int, bytes], dict[str, str]]:
         """Each rank's packed cell: only the kernel's names it lacks or that changed since sent, and the digests
         of the names sent. Names sent before are checked too, used by the cell or not: a function the ranks
-        defined may read them (``lr``). Each target's ``sending`` says what it is sent."""
+        defined may read them (``lr``). Each target's ``sending`` says what it is sent. ``shared``: big tensors
+        and arrays travel through its memory (release it once the ranks replied)."""
         self.namespace, self.hidden = namespace, set(hidden)  # what a replaced rank is sent again
         for name in [n for n in self._fingerprints if n not in namespace]:  # deleted: hold none of it
             del self._fingerprints[name]
@@ -40,7 +47,7 @@ class NameShipper:
                     if not isinstance(value, types.ModuleType):
                         payload.names[name] = value
         wanted = [name for name in payload.names if any(name not in m.own for m in targets)]  # not held by all
-        digests = {name: self.digest(name, payload.names[name]) for name in wanted}
+        digests = {name: self.digest(name, payload.names[name], shared) for name in wanted}
         packed: dict[int, bytes] = {}
         by_names: dict[frozenset[str], bytes] = {}
         for member in targets:
@@ -57,7 +64,7 @@ class NameShipper:
                     payload.modules,
                     payload.sources,
                 )
-                by_names[send] = pack(part)
+                by_names[send] = pack(part, shared)
             packed[member.rank] = by_names[send]
             member.sending = send
         return packed, digests
@@ -74,25 +81,25 @@ class NameShipper:
                         member.shipped[name] = digests[name]
             member.sending = frozenset()
 
-    def digest(self, name: str, value: Any) -> str:
+    def digest(self, name: str, value: Any, shared: SharedBatch | None = None) -> str:
         """``_digest``, pickled again only when the value's change key (``value_keys``) is not the one it had: a
         notebook class or function a cell uses costs microseconds a cell, not a pickle."""
         if not has_cheap_key(value):
-            return _digest(name, value)
+            return _digest(name, value, shared)
         try:
-            key, held = change_key(value, lambda part: _digest(name, part))
+            key, held = change_key(value, lambda part: _digest(name, part, shared))
         except ShippingError:  # a part cannot travel alone (the value's own pickle may manage): no cheap key
-            return _digest(name, value)
+            return _digest(name, value, shared)
         known = self._fingerprints.get(name)
         if known is not None and known[0] == key:
             return known[2]
-        digest = _digest(name, value)
+        digest = _digest(name, value, shared)
         self._fingerprints[name] = (key, held, digest)
         return digest
 
-    def notebook_names(self, names: Collection[str]) -> tuple[bytes, dict[str, str]]:
+    def notebook_names(self, names: Collection[str], shared: SharedBatch | None = None) -> tuple[bytes, dict[str, str]]:
         """The notebook's current values of ``names`` (those it still has and that can travel), pickled
-        together, and their digests."""
+        together (big tensors and arrays through ``shared``), and their digests."""
         values = {}
         for name in sorted(names):
             value = self.namespace.get(name)
@@ -101,16 +108,17 @@ class NameShipper:
         digests = {}
         for name, value in list(values.items()):
             try:
-                digests[name] = self.digest(name, value)
+                digests[name] = self.digest(name, value, shared)
             except ShippingError:
                 del values[name]  # it cannot travel any more: lost, and said so
-        return dumps(values), digests
+        return dumps(values, shared), digests
 
 
-def _digest(name: str, value: Any) -> str:
-    """A digest of the value as it would travel: equal digests, the ranks have it already."""
+def _digest(name: str, value: Any, shared: SharedBatch | None = None) -> str:
+    """A digest of the value as it would travel: equal digests, the ranks have it already. Through ``shared`` a
+    big tensor or array is its shared file (written once per change), not its bytes."""
     try:
-        data = dumps(value)
+        data = dumps(value, shared)
     except Exception:  # noqa: BLE001 - pack() names the culprit
         pack(CellPayload("", "", {name: value}))
         raise ShippingError(f"cannot send {name!r} to the ranks") from None

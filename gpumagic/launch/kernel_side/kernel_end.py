@@ -1,6 +1,7 @@
 """What gpumagic does when its kernel is asked to end (a shutdown or restart from Jupyter, a Jupyter server
 that stops, ``exit`` in a cell): end the rank server with every rank and all they started, close every
-persistent group, and let multiprocessing's resource tracker end, before ipykernel ends the kernel.
+persistent group, let multiprocessing's resource tracker end and close the values shared with ranks, before
+ipykernel ends the kernel.
 
 Why before: ipykernel (7.x) answers a shutdown request by signalling every child in the kernel's process group
 (SIGTERM, then SIGKILL) and waits until none is left, up to 29 s, counting children that died but were never
@@ -61,6 +62,7 @@ def end_kernel_work() -> None:
     # and the groups only have to record their end; the tracker is held by the ranks until they end
     steps = [getattr(rank_server, "stop_for_good", None), getattr(persistent, "close_open_groups", None)]
     steps.append(getattr(rank_server, "stop_resource_tracker", None))
+    steps.append(getattr(sys.modules.get("gpumagic.launch.shared_values"), "close_kernel_store", None))
     for step in filter(None, steps):
         try:
             step()

@@ -1,6 +1,7 @@
 """Launch costs and training throughput, side by side in one run, 2 ranks on this machine's CPU (gloo).
 
-    python benchmarks/launch.py [--repeat 20] [--steps 300] [--skip-accelerate] [--dashboard-launches 200]
+    python benchmarks/launch.py [--repeat 20] [--steps 300] [--min-runs 3] [--skip-accelerate]
+                                [--dashboard-launches 200]
     python benchmarks/launch.py --only-dashboard     # the dashboard section alone
 
 - cold: the first gpumagic launch in a fresh process (starts the forkserver, which imports torch);
@@ -208,6 +209,7 @@ def main() -> None:
     parser.add_argument("--cold-runs", type=int, default=3)
     parser.add_argument("--throughput-runs", type=int, default=3)
     parser.add_argument("--skip-accelerate", action="store_true")
+    parser.add_argument("--min-runs", type=int, default=3, help="the fewest runs of each slow launcher (a median)")
     parser.add_argument("--dashboard-launches", type=int, default=200, metavar="N", help="RSS/widget growth over N")
     parser.add_argument("--dashboard-timed", type=int, default=30, metavar="N", help="launches timed each way")
     parser.add_argument("--skip-dashboard", action="store_true", help="no launch-with-dashboard section")
@@ -246,13 +248,14 @@ def main() -> None:
     gpumagic.launch_ddp(join_group_and_leave, 2, output="none")
     warm = timed(lambda: gpumagic.launch_ddp(join_group_and_leave, 2, output="none"), options.repeat)
     rows.append(("gpumagic warm relaunch (forkserver)", statistics.median(warm), "s"))
+    slow_runs = max(options.min_runs, options.repeat // 4)  # the slower launchers, fewer times
     spawned = timed(
         lambda: gpumagic.launch_ddp(join_group_and_leave, 2, output="none", start_method="spawn"),
-        max(3, options.repeat // 4),
+        slow_runs,
     )
     rows.append(("gpumagic with start_method=spawn", statistics.median(spawned), "s"))
 
-    in_rank = [gpumagic.launch_ddp(first_ddp_seconds, 2, output="none")[0] for _ in range(max(3, options.repeat // 4))]
+    in_rank = [gpumagic.launch_ddp(first_ddp_seconds, 2, output="none")[0] for _ in range(slow_runs)]
     fresh = [first_ddp_seconds_in_a_fresh_process() for _ in range(options.cold_runs)]
     rows.append(("first DDP() in a rank of a warm relaunch", statistics.median(in_rank), "s"))
     rows.append(("first DDP() in a fresh process with torch imported", statistics.median(fresh), "s"))
@@ -264,7 +267,7 @@ def main() -> None:
     rows.append(
         (
             "torch.multiprocessing.spawn, importable function",
-            statistics.median(timed(plain_spawn, max(3, options.repeat // 4))),
+            statistics.median(timed(plain_spawn, slow_runs)),
             "s",
         )
     )
@@ -280,7 +283,7 @@ def main() -> None:
             rows.append(
                 (
                     "accelerate notebook_launcher (fork)",
-                    statistics.median(timed(launch_accelerate, max(3, options.repeat // 4))),
+                    statistics.median(timed(launch_accelerate, slow_runs)),
                     "s",
                 )
             )

@@ -106,6 +106,8 @@ def test_code_is_lint_clean_and_formatted():
                 "1",
                 "--throughput-runs",
                 "1",
+                "--min-runs",
+                "1",
                 "--skip-accelerate",
                 "--dashboard-launches",
                 "2",

@@ -173,7 +173,8 @@ class SharedStore:
     # what the pickler asks --------------------------------------------------------------------------------------
 
     def tensor_segment(self, tensor: Any) -> _Segment:
-        """The file holding ``tensor``'s whole storage, written now unless it holds the storage as it is.
+        """The file holding ``tensor``'s whole storage, written now unless it holds the storage as it is; held
+        (``release`` it), so that no sweep closes it before the ranks map it.
 
         Raises:
             OSError: the file cannot be made or written (a full tmpfs: ENOSPC).
@@ -183,6 +184,7 @@ class SharedStore:
         with self._lock:  # held while writing: one file per value, whichever thread asks
             known = self._segments.get(key)
             if known is not None and known.version == tensor._version:
+                known.holders += 1
                 return known
             if known is not None:
                 self._retire(known)
@@ -193,7 +195,7 @@ class SharedStore:
 
     def array_segment(self, array: Any) -> tuple[_Segment, str]:
         """The file holding ``array``'s bytes (C order, or F for a Fortran-ordered array), and that order; written
-        now unless its bytes are those of the file kept for this array.
+        now unless its bytes are those of the file kept for this array; held, as ``tensor_segment``'s.
 
         Raises:
             OSError: as ``tensor_segment``.
@@ -212,6 +214,7 @@ class SharedStore:
         with self._lock:
             known = self._segments.get(key)
             if known is not None and _same_bytes(known.fd, data):
+                known.holders += 1
                 return known, order
             if known is not None:
                 self._retire(known)
@@ -221,6 +224,7 @@ class SharedStore:
         """A new file holding ``data``, offered for ``key`` until ``owner`` (the value) is freed."""
         segment = _Segment(self._write(data), len(data), kind, key)
         segment.finalizer = weakref.finalize(owner, self._forget, segment)
+        segment.holders = 1
         self._segments[key] = segment
         return segment
 
@@ -239,14 +243,11 @@ class SharedStore:
             os.close(fd)
             raise
 
-    # holding and freeing ------------------------------------------------------------------------------------------
-
-    def hold(self, segment: _Segment) -> None:
-        with self._lock:
-            segment.holders += 1
+    # freeing ----------------------------------------------------------------------------------------------------
 
     def release(self, segments: list[_Segment]) -> None:
-        """A launch or cell is done with ``segments``: its ranks have mapped them (or ended)."""
+        """A launch or cell is done with ``segments`` (one hold each time a segment is listed): its ranks have
+        mapped them (or ended)."""
         with self._lock:
             now = time.monotonic()
             for segment in segments:
@@ -406,9 +407,7 @@ class SharedBatch:
                 f"{advice} {SHM_VARIABLE} to another tmpfs directory\n"
             )
             return None
-        if segment not in self.held:
-            self.store.hold(segment)
-            self.held.append(segment)
+        self.held.append(segment)  # held by the store for this batch, once per time it was asked
         return segment
 
     def release(self) -> None:

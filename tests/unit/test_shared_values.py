@@ -146,6 +146,21 @@ def test_a_value_no_launch_uses_is_freed_after_the_keep_time(shm, monkeypatch):
     assert used(shm) == 0 and float(X.sum()) == MB
 
 
+def test_a_kept_file_found_for_a_launch_is_held_before_a_sweep_can_close_it(shm, monkeypatch):
+    """A kept file was found, then held a moment later: a sweep in between (the keep timer's thread) closed it,
+    and the ranks were sent a descriptor that no longer named it."""
+    monkeypatch.setattr(store(), "keep_s", 600.0)
+    X = torch.ones(MB)
+    with shared_values.sharing() as batch:
+        dumps(X, batch)
+    monkeypatch.setattr(store(), "keep_s", 0.0)  # kept, and due to be closed at the next sweep
+    found = store().tensor_segment(X)  # what the pickler asks for the next launch
+    store().sweep()
+    assert found.fd >= 0 and os.fstat(found.fd).st_size == 4 * MB
+    store().release([found])
+    assert found.fd == -1 and store().held_bytes() == 0
+
+
 def test_pickled_big_values_are_references_and_keep_what_they_were(shm):
     base = torch.arange(MB, dtype=torch.float64)
     frame = __import__("pandas").DataFrame({"a": np.arange(MB // 2, dtype=np.float64), "b": np.ones(MB // 2)})

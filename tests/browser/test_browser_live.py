@@ -6,6 +6,7 @@ again draws; a superseded dashboard keeps its last picture; the dark theme's tex
 Screenshots go to artifacts/."""
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -171,12 +172,26 @@ def launch_for(seconds: float, flags: str = "") -> str:
     )
 
 
+def launch_until(flag: Path, flags: str) -> str:
+    """A launch whose ranks log until ``flag`` exists: it runs until the test has seen what it runs for."""
+    return (
+        f"%%launch_ddp -n 2 --gpus none {flags}\nimport os, time\nfor step in range(100000):\n"
+        "    gpumagic.log(step=step, loss=1.0 / (step + 1) + rank)\n"
+        f"    if os.path.exists({str(flag)!r}):\n        break\n    time.sleep(0.02)"
+    )
+
+
 @pytest.mark.parametrize("flags", ["--no-wait", ""], ids=["no-wait", "blocking"])
-def test_a_page_reloaded_during_a_launch_shows_its_dashboard_and_then_its_final_state(jupyterlab, artifacts, flags):
+def test_a_page_reloaded_during_a_launch_shows_its_dashboard_and_then_its_final_state(
+    jupyterlab, artifacts, flags, tmp_path
+):
     """Saved and reloaded while the launch runs: a --no-wait launch's dashboard draws again at once (the
     kernel is free) and turns into its static copy when the launch ends; a blocking launch's shows its final
-    state when the cell ends (the kernel answers the page then). Never "model not found", never blank."""
-    url = jupyterlab(["%load_ext gpumagic", launch_for(18 if flags else 14, flags)])
+    state when the cell ends (the kernel answers the page then). Never "model not found", never blank. The
+    --no-wait launch runs until the test has seen it running after the reload: an 18 s one had ended by then on
+    a busy machine (a fresh-clone CI run, one core kept busy)."""
+    done = tmp_path / "may-end"  # a name without "running", which the page is searched for
+    url = jupyterlab(["%load_ext gpumagic", launch_until(done, flags) if flags else launch_for(14, flags)])
     console: list[str] = []
     name = flags.strip("-") or "blocking"
     with notebook_page(url, 2, console) as page:
@@ -184,8 +199,11 @@ def test_a_page_reloaded_during_a_launch_shows_its_dashboard_and_then_its_final_
         assert wait_for_pixels(page, 1, artifacts / f"browser-reload-{name}-before.png") >= 300
         save_and_reload(page) if flags else _save_and_reload_busy(page)
         if flags:  # the kernel is free: the live dashboard again, from where the run is
-            assert wait_for_pixels(page, 1, artifacts / f"browser-reload-{name}-live.png") >= 300
-            assert page.locator(".jp-Cell >> nth=1 >> text=running >> visible=true").count() == 1
+            try:
+                assert wait_for_pixels(page, 1, artifacts / f"browser-reload-{name}-live.png") >= 300
+                assert page.locator(".jp-Cell >> nth=1 >> text=running >> visible=true").count() == 1
+            finally:
+                done.touch()  # the ranks end their loop: the launch finishes
         page.screenshot(path=str(artifacts / f"browser-reload-{name}-after.png"))
         try:
             page.wait_for_selector(".jp-Cell >> nth=1 >> text=finished", timeout=60_000)

@@ -27,7 +27,7 @@ def read_user_line(prompt: str) -> str:
 
 
 class PostMortems:
-    """Finds the debugger sockets of a launch's failed ranks (``poll``) and runs each session once."""
+    """Finds the debugger socket of a launch's first failed rank (``poll``) and runs its session, once."""
 
     def __init__(
         self,
@@ -62,6 +62,10 @@ class PostMortems:
             if self.hangs is not None:
                 self.hangs.quiet = True
             self.session(rank, str(path))
+            # q ends the launch: a peer that failed meanwhile (its collective broke as this rank left) is no
+            # second debugger; the launch's report names the first failure
+            self.done.update(range(self.nprocs))
+            return
 
     def session(self, rank: int, path: str) -> None:
         """One debugging session with ``rank``, until its debugger ends (``q``) or the rank goes."""

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpumagic.errors import GpumagicError
+from gpumagic.run_dirs import private
 from gpumagic.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ KEEP_VARIABLE = "GPUMAGIC_SHM_KEEP"  # seconds an unused value's file is kept fo
 DEFAULT_DIRECTORY = "/dev/shm"
 MIN_BYTES = 1 << 20
 KEEP_S = 300.0
-_CHUNK = 8 << 20  # bytes written or compared at a time (64 MB pieces wrote more slowly here)
+_CHUNK = 8 << 20  # bytes compared at a time
 
 
 class SharedValueGone(GpumagicError):
@@ -149,7 +150,6 @@ class _Segment:
         self.holders = 0
         self.last_used = time.monotonic()
         self.version: int | None = None  # a tensor's ``_version`` when it was written
-        self.current = True  # False once its value changed or was freed: closed when no one holds it
         self.finalizer: Any = None  # forgets it when its value is freed
 
     def close(self) -> None:
@@ -234,9 +234,7 @@ class SharedStore:
         try:
             # written whole before any rank maps it (a full tmpfs is ENOSPC here, never SIGBUS in a rank); not
             # posix_fallocate first: writing into its pages took 10 s for 3.8 GB on tmpfs, against 2.7 s
-            done = 0
-            while done < len(data):
-                done += os.pwrite(fd, data[done : done + _CHUNK], done)
+            private.write_all(fd, data)
             self.writes += 1
             return fd
         except BaseException:
@@ -288,7 +286,6 @@ class SharedStore:
         with self._lock:
             if self._segments.get(segment.key) is segment:
                 del self._segments[segment.key]
-            segment.current = False
             if segment.finalizer is not None:
                 segment.finalizer.detach()
             if segment.holders:
@@ -299,7 +296,7 @@ class SharedStore:
     def _forget(self, segment: _Segment) -> None:
         """Its value was freed (a weakref finalizer: any thread, any moment)."""
         with self._lock:
-            if segment.current:
+            if self._segments.get(segment.key) is segment:  # still offered: not retired already
                 self._retire(segment)
 
     def _schedule(self, now: float) -> None:
@@ -415,12 +412,6 @@ class SharedBatch:
         held, self.held = self.held, []
         self._done.clear()
         self.store.release(held)
-
-    def __enter__(self) -> SharedBatch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 def _torch() -> Any:

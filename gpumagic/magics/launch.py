@@ -5,6 +5,7 @@ several, blocking or ``--no-wait``) and ``jobs.api`` (``--executor slurm``). Its
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -13,7 +14,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from gpumagic.errors import GpumagicError
 from gpumagic.jobs.api import JobRequest, submit_cell
 from gpumagic.launch.failures import LaunchError, LaunchInterrupted
-from gpumagic.launch.kernel_side.ddp import check_named_gpus, launch_packed, prepare_cell, shared_for
+from gpumagic.launch.kernel_side.ddp import check_named_gpus, launch_packed, launch_sharing, prepare_cell, shared_for
 from gpumagic.launch.kernel_side.launch_handle import LaunchHandle, Outcome
 from gpumagic.launch.kernel_side.output import cell_number, in_kernel
 from gpumagic.launch.kernel_side.session import SESSION
@@ -188,13 +189,7 @@ class LaunchMagics(Magics):
             if variable is not None:
                 namespace[variable] = outcome
 
-        def run() -> dict[int, Any]:
-            try:
-                return launch_packed(packed, launch, dashboard=dashboard)
-            finally:
-                if shared is not None:
-                    shared.release()  # its ranks have ended
-
+        run = functools.partial(launch_sharing, packed, launch, shared, dashboard=dashboard)
         SESSION.last_launch = LaunchHandle(run, on_end=ended).start()
 
 

@@ -141,14 +141,14 @@ def test_every_error_of_a_background_launch_reaches_on_end_and_join(error):
 
 @pytest.mark.parametrize("outcome", [{0: 1, 1: 1}, SystemExit(3)])
 def test_launch_ddp_without_waiting_sets_its_variable_through_the_shared_handle(shell, monkeypatch, outcome):
-    import gpumagic.magics.launch as launch_magic
+    import gpumagic.launch.kernel_side.ddp as launch_api
 
     def launch(packed, launch, dashboard=None):
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
 
-    monkeypatch.setattr(launch_magic, "launch_packed", launch)
+    monkeypatch.setattr(launch_api, "launch_packed", launch)  # what launch_sharing runs on the launch's thread
     shell.user_ns.pop("later", None)
     shell.run_cell_magic("launch_ddp", "-n 2 --gpus none --no-wait --no-dashboard -o later", "rank")
     handle = SESSION.last_launch

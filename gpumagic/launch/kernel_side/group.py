@@ -313,7 +313,7 @@ class RankGroup:
             try:
                 packed = dumps(values, shared)
             except Exception:
-                pack(FunctionPayload(dict, kwargs=values))
+                pack(FunctionPayload(dict, kwargs=values), shared)
                 raise
             self._recover_dead()
             replies = self.members.ask(list(self.members), messages.Push, packed=packed)

@@ -120,6 +120,6 @@ def _digest(name: str, value: Any, shared: SharedBatch | None = None) -> str:
     try:
         data = dumps(value, shared)
     except Exception:  # noqa: BLE001 - pack() names the culprit
-        pack(CellPayload("", "", {name: value}))
+        pack(CellPayload("", "", {name: value}), shared)  # big parts through ``shared`` again, not by value
         raise ShippingError(f"cannot send {name!r} to the ranks") from None
     return hashlib.blake2b(data, digest_size=16).hexdigest()

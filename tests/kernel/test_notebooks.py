@@ -55,10 +55,35 @@ assert [finished.status, failed.status, killed.status] == ["finished", "failed",
 """
 
 
-def make_history(env: dict[str, str]) -> None:
-    """Fill the runs directory of ``env`` with earlier jobs (HISTORY); the running one is killed at the end."""
-    subprocess.run([sys.executable, "-c", HISTORY], env=env, check=True, timeout=240, cwd=ROOT)
+OLD_STATES = (
+    "import gpumagic; print(sorted((j.name, j.status) for j in gpumagic.list_jobs() if j.name.startswith('old-')))"
+)
 
+
+def old_states(env: dict[str, str]) -> str:
+    """The earlier jobs' names and states, as a fresh process reads them from the runs directory of ``env``."""
+    return subprocess.run(
+        [sys.executable, "-c", OLD_STATES], env=env, capture_output=True, text=True, check=True, timeout=60
+    ).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def earlier_work(tmp_path_factory):
+    """A runs directory holding a user's earlier jobs (HISTORY), made once for the module: the notebooks run
+    one after another where it lies, each in a lease directory of its own. The running job is killed at the end,
+    after every notebook has left it running."""
+    env = binder_environment(tmp_path_factory.mktemp("leases"))
+    env["GPUMAGIC_RUNS_DIR"] = str(tmp_path_factory.mktemp("runs"))
+    subprocess.run([sys.executable, "-c", HISTORY], env=env, check=True, timeout=240, cwd=ROOT)
+    yield env["GPUMAGIC_RUNS_DIR"]
+    kill = "import gpumagic; gpumagic.job('old-running').kill()"
+    subprocess.run([sys.executable, "-c", kill], env=env, check=True, timeout=60)
+    assert old_states(env) == LEFT_AS_THEY_WERE.replace("'running'", "'killed'")
+
+
+LEFT_AS_THEY_WERE = (
+    "[('old-failed', 'failed'), ('old-finished', 'finished'), ('old-killed', 'killed'), ('old-running', 'running')]"
+)
 
 # Each notebook runs where a user's earlier jobs lie (a killed one among them), 04 (the jobs notebook) from an
 # empty runs directory too
@@ -68,42 +93,17 @@ CASES = [(path, True) for path in NOTEBOOKS] + [(ROOT / "notebooks" / "04_backgr
 @pytest.mark.parametrize(
     ("path", "history"), CASES, ids=[f"{p.name}-{'history' if h else 'newcomer'}" for p, h in CASES]
 )
-def test_notebook_runs(path, history, isolated_leases, monkeypatch):
+def test_notebook_runs(path, history, isolated_leases, monkeypatch, request):
     for name, value in binder_environment(isolated_leases).items():
         monkeypatch.setenv(name, value)
     if history:
-        make_history(dict(os.environ))
+        monkeypatch.setenv("GPUMAGIC_RUNS_DIR", request.getfixturevalue("earlier_work"))
     notebook = nbformat.read(path, as_version=4)
-    try:
-        NotebookClient(
-            notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
-        ).execute()
-    finally:
-        if history:
-            subprocess.run(
-                [sys.executable, "-c", "import gpumagic; gpumagic.job('old-running').kill()"],
-                env=dict(os.environ),
-                check=True,
-                timeout=60,
-            )
+    NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    ).execute()
     if history:  # what the notebook did not make, it left as it was
-        states = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                "import gpumagic; print(sorted((j.name, j.status) for j in gpumagic.list_jobs()"
-                " if j.name.startswith('old-')))",
-            ],
-            env=dict(os.environ),
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=60,
-        ).stdout.strip()
-        assert states == (
-            "[('old-failed', 'failed'), ('old-finished', 'finished'), ('old-killed', 'killed'), "
-            "('old-running', 'killed')]"
-        ), states
+        assert old_states(dict(os.environ)) == LEFT_AS_THEY_WERE
     outputs = json.dumps([cell.get("outputs", []) for cell in notebook.cells])
     assert not [o for cell in notebook.cells for o in cell.get("outputs", []) if o["output_type"] == "error"]
     if path.name == "01_pick_gpus.ipynb":

@@ -41,6 +41,28 @@ def test_a_suite_started_in_the_background_starts_its_processes_hearing_sigint()
     assert said == "1 | <built-in function default_int_handler>", said  # 1: SIG_IGN
 
 
+def test_the_processes_a_session_starts_read_gpumagics_bytecode_instead_of_compiling_it():
+    """With PYTHONDONTWRITEBYTECODE set, as here, no process writes bytecode: the session writes gpumagic's and the
+    fakes' once, before any test, and a process that imports the ranks' code then compiles none of it."""
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "from importlib import _bootstrap_external as loading\n"
+        "compiled, compile_source = [], loading.SourceLoader.source_to_code\n"
+        "def spied(self, data, path, **kw):\n"
+        "    compiled.append(path)\n"
+        "    return compile_source(self, data, path, **kw)\n"
+        "loading.SourceLoader.source_to_code = spied\n"
+        "import gpumagic.launch.rank_side.rank, gpumagic.jobs.runner, pynvml\n"
+        "print([path for path in compiled if '/gpumagic/' in path or '/fakes/' in path])"
+    )
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_binder_has_what_repo2docker_reads():
     binder = ROOT / "binder"
     assert (binder / "runtime.txt").read_text().strip() == "python-3.11"

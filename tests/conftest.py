@@ -177,14 +177,41 @@ try:
 except ImportError:  # without pytest-xdist the suite runs in one process
     LoadScopeScheduling = None
 
+# The shares that take longest (summed test times of a fresh-clone run on an idle 2-core machine): started first,
+# each on a worker of its own, so that the run does not end waiting for one of them started last
+LONGEST_SHARES = (
+    "browser",  # 530 s
+    "slurm",  # 220 s
+    "tests/kernel/test_notebooks.py",  # 160 s
+    "tests/unit/test_project.py",  # 140 s
+    "tests/kernel/test_launch_trials.py",  # 110 s
+    "tests/kernel/test_persistent.py",  # 105 s
+)
+
+
+def longest_first(queue: dict) -> None:
+    """Put ``LONGEST_SHARES`` at the head of xdist's queue of shares (an OrderedDict), in that order."""
+    for share in reversed(LONGEST_SHARES):
+        if share in queue:
+            queue.move_to_end(share, last=False)
+
+
 if LoadScopeScheduling is not None:
 
     class SharedWorkerScheduling(LoadScopeScheduling):
         """xdist's scheduling by scope, the scopes being ``worker_share``'s (xdist's own ``xdist_group`` marker does
-        not reach its scheduler under pytest 9, whose nodes keep their id elsewhere)."""
+        not reach its scheduler under pytest 9, whose nodes keep their id elsewhere), the longest first."""
+
+        ordered = False
 
         def _split_scope(self, nodeid: str) -> str:
             return worker_share(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            if not self.ordered:  # the first assignment: the queue is whole
+                self.ordered = True
+                longest_first(self.workqueue)
+            super()._assign_work_unit(node)
 
     @pytest.hookimpl(tryfirst=True)  # before xdist's own choice of scheduler
     def pytest_xdist_make_scheduler(config, log):

@@ -63,6 +63,18 @@ def test_the_processes_a_session_starts_read_gpumagics_bytecode_instead_of_compi
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_the_longest_shares_of_the_suite_start_first_on_the_workers():
+    from collections import OrderedDict
+
+    from conftest import LONGEST_SHARES, longest_first, worker_share
+
+    queue = OrderedDict.fromkeys(["tests/unit/test_a.py", "slurm", "tests/kernel/test_persistent.py", "browser"])
+    longest_first(queue)
+    assert list(queue) == ["browser", "slurm", "tests/kernel/test_persistent.py", "tests/unit/test_a.py"]
+    shares = {worker_share(str(path.relative_to(ROOT))) for path in (ROOT / "tests").rglob("test_*.py")}
+    assert set(LONGEST_SHARES) <= shares, set(LONGEST_SHARES) - shares  # none renamed away
+
+
 def test_binder_has_what_repo2docker_reads():
     binder = ROOT / "binder"
     assert (binder / "runtime.txt").read_text().strip() == "python-3.11"

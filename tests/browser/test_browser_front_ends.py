@@ -41,7 +41,8 @@ def palette_pixels(path, colours: int = 2) -> int:
 
 def still_pixels(page, cell: int, path) -> int:
     """Curve pixels in the still picture of cell ``cell``'s frame (0 while it is hidden or empty). The picture
-    is replaced at each redraw: one replaced between finding it and its screenshot counts as not seen yet."""
+    is replaced at each redraw: one replaced or hidden between finding it and its screenshot ("not attached",
+    "not visible", seen in fresh-clone runs) counts as not seen yet."""
     from playwright.sync_api import Error
 
     still = page.locator(f".jp-Cell >> nth={cell} >> .gpumagic-still-view svg")
@@ -50,7 +51,7 @@ def still_pixels(page, cell: int, path) -> int:
             return 0
         still.first.screenshot(path=str(path), timeout=5_000)
     except Error as error:
-        if "not attached" in str(error) or "Timeout" in str(error):
+        if any(race in str(error) for race in ("not attached", "not visible", "Timeout")):
             return 0
         raise
     return palette_pixels(path)

@@ -422,11 +422,22 @@ class Kernel:
     def __init__(self, env: dict[str, str]) -> None:
         from jupyter_client.manager import KernelManager
 
-        self.manager = KernelManager(kernel_name="python3")
-        self.manager.start_kernel(env=env, extra_arguments=["--HistoryManager.enabled=False"])
-        self.client = self.manager.client()
-        self.client.start_channels()
-        self.client.wait_for_ready(timeout=60)
+        for attempt in (1, 2):
+            self.manager = KernelManager(kernel_name="python3")
+            self.manager.start_kernel(env=env, extra_arguments=["--HistoryManager.enabled=False"])
+            self.client = self.manager.client()
+            self.client.start_channels()
+            try:
+                self.client.wait_for_ready(timeout=60)
+                return
+            except RuntimeError:  # "Kernel died before replying to kernel_info"
+                # jupyter_client picks five free TCP ports by binding and closing them; another process of the
+                # run can take one before the kernel binds it ("Address already in use", one fresh-clone run):
+                # a second start picks other ports; a kernel that dies twice fails the test
+                self.client.stop_channels()
+                self.manager.shutdown_kernel(now=True)
+                if attempt == 2:
+                    raise
 
     @property
     def pid(self) -> int:

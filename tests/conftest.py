@@ -70,8 +70,8 @@ def pytest_configure(config):
 
 def write_bytecode_once() -> None:
     """Compile gpumagic and the fakes into their ``__pycache__`` before any test: where PYTHONDONTWRITEBYTECODE is
-    set (this machine's and CI's images) none of the session's 1,800 Python processes (kernels, ranks, job runners)
-    writes it, and each compiled what it imports again: about 60 ms of CPU a rank, 100 s in all."""
+    set (this machine's image sets it) none of the session's 1,800 Python processes (kernels, ranks, job runners)
+    writes it, and each compiled what it imports again: about 60 ms of CPU a rank."""
     import compileall
 
     for folder in (ROOT / "gpumagic", FAKES):
@@ -430,13 +430,15 @@ class Kernel:
             try:
                 self.client.wait_for_ready(timeout=60)
                 return
-            except RuntimeError:  # "Kernel died before replying to kernel_info"
+            except RuntimeError:  # "Kernel died before replying to kernel_info", or no answer in 60 s
                 # jupyter_client picks five free TCP ports by binding and closing them; another process of the
                 # run can take one before the kernel binds it ("Address already in use", one fresh-clone run):
-                # a second start picks other ports; a kernel that dies twice fails the test
+                # a kernel that died so is started once more, on other ports; one that is alive but silent, or
+                # that dies twice, fails the test
+                died = not self.manager.is_alive()
                 self.client.stop_channels()
                 self.manager.shutdown_kernel(now=True)
-                if attempt == 2:
+                if attempt == 2 or not died:
                     raise
 
     @property

@@ -255,10 +255,26 @@ def artifacts_folder():
     return folder
 
 
+SAVED = """() => {
+    const tab = document.querySelector('.lm-TabBar-tab.jp-mod-current');
+    return tab !== null && !tab.classList.contains('jp-mod-dirty');
+}"""
+
+
+def save(page) -> None:
+    """Save the notebook and wait until the server has it: JupyterLab takes the tab's unsaved-changes mark off
+    when the server answers. (A fixed 1.5 s wait was too short on a busy machine: the page reloaded from the
+    earlier save, without the newest cell's output.)"""
+    page.wait_for_selector(".lm-TabBar-tab.jp-mod-current.jp-mod-dirty", timeout=10_000)  # it has changes to save
+    started = time.monotonic()
+    page.keyboard.press("Control+s")
+    page.wait_for_function(SAVED, timeout=60_000)
+    print(f"saved in {time.monotonic() - started:.2f} s")
+
+
 def save_and_reload(page) -> None:
     """Save the notebook (outputs included), reload the page and wait for its kernel."""
-    page.keyboard.press("Control+s")
-    page.wait_for_timeout(1500)
+    save(page)
     page.reload()
     page.wait_for_selector("text=Python 3 (ipykernel) | Idle", timeout=60_000)
 

@@ -79,7 +79,11 @@ def test_a_reloaded_page_draws_finished_running_and_new_dashboards(jupyterlab, a
         page.wait_for_timeout(3000)
         before = page.evaluate(PLOTTED)["points"]
         save_and_reload(page)
-        page.wait_for_selector(".jp-Cell >> nth=2 >> canvas", timeout=30_000)  # the running one, redrawn
+        try:  # the running one, redrawn
+            page.wait_for_selector(".jp-Cell >> nth=2 >> canvas", timeout=60_000)
+        except Exception:
+            page.screenshot(path=str(artifacts / "browser-after-reload-not-drawn.png"), full_page=True)
+            raise
         page.wait_for_timeout(1500)
         page.screenshot(path=str(artifacts / "browser-after-reload.png"), full_page=True)
         assert page.evaluate(PLOTTED)["points"] >= before  # with its history, not empty plots

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser.pages import PLOTTED, WCAG_JS, bokeh_trouble, notebook_page, save_and_reload
+from tests.browser.pages import PLOTTED, WCAG_JS, bokeh_trouble, notebook_page, save, save_and_reload
 
 pytestmark = pytest.mark.kernel
 
@@ -225,8 +225,7 @@ def test_a_page_reloaded_during_a_launch_shows_its_dashboard_and_then_its_final_
 
 def _save_and_reload_busy(page) -> None:
     """Save and reload while the kernel is busy (its status reads Busy, not Idle)."""
-    page.keyboard.press("Control+s")
-    page.wait_for_timeout(1500)
+    save(page)
     page.reload()
     page.wait_for_selector(".jp-Notebook .jp-Cell .jp-InputArea-editor", timeout=60_000)
 

@@ -193,6 +193,11 @@ def test_a_requeued_job_says_so_and_keeps_the_earlier_attempts_files(on_cluster)
     assert job.last_metrics()["attempt"][1] == 1  # this attempt's curve, not mixed with the earlier one's
 
 
+def _slurm_says(cluster, job_id: str) -> str:
+    """The job's state as squeue tells it (COMPLETING while a node still ends its processes)."""
+    return cluster.run("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T", check=False).stdout.strip()
+
+
 def _nodes_idle(cluster) -> bool:
     """Every node of the cluster is IDLE, with no flag (COMPLETING, DRAIN, ...)."""
     lines = cluster.run("scontrol", "show", "node", "-o", check=False).stdout.splitlines()
@@ -203,18 +208,17 @@ def _nodes_idle(cluster) -> bool:
 def test_a_job_cancelled_from_a_shell_reads_killed_and_its_end_survives_the_controller(on_cluster):
     job = gpumagic.jobs_with(name="S1", executor="slurm", gpus=0, slurm={"time": "10m"}).submit(time.sleep, 600)
     job_id, folder = job.info["slurm_job_id"], job.info["slurm_folder"]
-    wait_for(lambda: job.status == "running", 60, "the job runs")
+    # its rank has begun (it records its start), not only the controller's RUNNING
+    wait_for(lambda: job.info.get("started"), 60, "the job's rank records its start")
     on_cluster.run("scancel", job_id)
     wait_for(lambda: job.status == "killed", 30, "the job reads killed")
     assert "CANCELLED" in job.reason and "without recording a result" in job.reason, job.reason
-    # once the controller forgot the job (MinJobAge) and with no accounting, slurmstepd's line in its output tells;
-    # slurmstepd writes it after the controller says the job was cancelled (in one fresh-clone run it was not there
-    # yet when the job read killed)
-    from_output = wait_for(
-        lambda: (read := slurm_state.from_output(job_id, Path(folder))).state != "ENDED" and read,
-        10,
-        "slurmstepd's line in the job's Slurm output",
-    )
+    # once the controller forgot the job (MinJobAge) and with no accounting, slurmstepd's line in its output tells.
+    # slurmstepd writes it as it signals the job's processes, which the controller asks of the node after it calls
+    # the job cancelled: once the job is no longer COMPLETING, every node has ended it (in one fresh-clone CI run the
+    # line was not there 10 s after the job read killed)
+    wait_for(lambda: _slurm_says(on_cluster, job_id) == "CANCELLED", 90, "the job's node ended it (not COMPLETING)")
+    from_output = slurm_state.from_output(job_id, Path(folder))
     assert from_output == slurm_state.SlurmState("CANCELLED", "its Slurm output"), from_output
     assert slurm_state.ask("999999", None).state == "ENDED"  # a job nobody knows: ended, not "cannot tell"
 

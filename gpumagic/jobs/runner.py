@@ -91,12 +91,15 @@ class _Runner:
             if not self._wait_for_dependencies(spec):
                 return
             self._run(spec, self._wait_for_gpus(spec))
-        except KeyboardInterrupt:
-            started = records.read(self.run_dir).get("started")
-            self._finish("killed", self._kill_reason("" if started else "while queued"))
         except DiskFull:
             raise
         except BaseException as err:  # noqa: BLE001 - whatever happens, the job's record must say it
+            # a signal's KeyboardInterrupt, or what it became on its way out: raised in a class's __set_name__ (a
+            # kill while the runner imports), Python 3.11 wraps it in a RuntimeError; the job was killed all the same
+            if isinstance(err, KeyboardInterrupt) or self.signal is not None:
+                started = records.read(self.run_dir).get("started")
+                self._finish("killed", self._kill_reason("" if started else "while queued"))
+                return
             _log.debug("the job could not run; its record says why", exc_info=True)
             report = "".join(traceback.format_exception(err))
             self._write(self.files.error, "gpumagic could not run the job:\n" + report)

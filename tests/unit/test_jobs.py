@@ -112,7 +112,7 @@ def rank_environment():
 
 def test_a_launch_a_group_and_a_job_start_their_ranks_with_one_environment(simulated):
     """The three ways ranks start on this machine (``launch_ddp``, ``ranks``, ``submit``) take one path
-    (``rank_start.RankStarter``): each rank's environment is torchrun's, its run's store, no GPU for a CPU rank."""
+    (``starter.RankStarter``): each rank's environment is torchrun's, its run's store, no GPU for a CPU rank."""
     launched = gpumagic.launch_ddp(rank_environment, 2, gpus="none", output="none")
     with gpumagic.ranks(2, gpus="none", output="none") as group:
         grouped = group.run(rank_environment)
@@ -386,6 +386,35 @@ def test_a_job_holds_no_space_once_its_end_can_be_read(simulated, status):
     assert RunFiles(path).reserve.stat().st_size == records.RESERVE_BYTES
     runner._Runner(path)._finish(status, status)
     assert gpumagic.Job(path).status == status and not RunFiles(path).reserve.exists()
+
+
+def test_a_queued_job_killed_while_its_runner_imports_reads_killed(simulated, monkeypatch):
+    """A fresh-clone CI run killed a queued job while its runner was creating a class on import: Python 3.11 wraps
+    the signal's KeyboardInterrupt raised in ``__set_name__`` in a RuntimeError, and the job read "failed (gpumagic
+    could not run the job: RuntimeError: Error calling __set_name__ ...)" instead of killed."""
+    from gpumagic.jobs import runner
+    from gpumagic.launch.shipping import pack, ship_function
+
+    with records.names_locked():
+        path = records.create("importing", pack(ship_function(variant, (1,), {}, rank_first=False)))
+    killed = runner._Runner(path)
+
+    class Field:
+        def __set_name__(self, owner, name):
+            os.kill(os.getpid(), signal.SIGTERM)  # the kill lands here; its handler raises as this returns
+
+    def imports(spec):
+        type("Request", (), {"exclude": Field()})
+        return True
+
+    monkeypatch.setattr(killed, "_wait_for_dependencies", imports)
+    previous = signal.signal(signal.SIGTERM, killed._on_signal)
+    try:
+        killed._run_job(records.read_spec(path))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    job = gpumagic.Job(path)
+    assert (job.status, job.reason) == ("killed", "killed by SIGTERM sent to its runner while queued"), job.reason
 
 
 def test_a_ddp_jobs_last_partial_line_is_in_its_log_once_its_end_can_be_read(simulated):

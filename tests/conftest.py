@@ -149,7 +149,11 @@ def keep_files_inside(config, directory: Path) -> None:
 
 
 SLOW_FOLDERS = ("tests/kernel/", "tests/browser/", "tests/gpu/")  # real kernels, browsers, GPUs: seconds each
-SLURM_MODULES = ("tests/kernel/test_slurm.py", "tests/kernel/test_slurm_cluster.py")  # share one cluster
+SLURM_MODULES = (  # share one cluster
+    "tests/kernel/test_slurm.py",
+    "tests/kernel/test_slurm_cluster.py",
+    "tests/kernel/test_slurm_group.py",
+)
 
 
 def pytest_itemcollected(item):
@@ -334,6 +338,27 @@ def slurm_cluster():
     running = cluster.start(2)
     yield running
     running.stop()
+
+
+@pytest.fixture
+def on_cluster(slurm_cluster, monkeypatch, no_job_left_running):
+    """This process and the kernels it starts use the test cluster; Slurm's answers are not cached."""
+    for name, value in slurm_cluster.environment().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("GPUMAGIC_SLURM", raising=False)
+    from gpumagic.jobs import slurm  # here: the session imports no part of gpumagic before a test asks for it
+
+    monkeypatch.setattr(slurm, "STATE_CACHE_S", 0.0)
+    yield slurm_cluster
+    slurm_cluster.run("scancel", "--user=root", check=False)  # the allocations and jobs a test left
+
+
+@pytest.fixture
+def allocation(on_cluster):
+    """A two-node allocation, as ``salloc -N 2`` gives a login node's shell; cancelled after the test."""
+    job_id, env = on_cluster.allocation(2)
+    yield env
+    on_cluster.run("scancel", job_id, check=False)
 
 
 @pytest.fixture

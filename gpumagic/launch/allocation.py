@@ -151,8 +151,8 @@ def check_srun() -> None:
         )
 
 
-def srun_command(allocation: Allocation, nodes: list[str], agent: list[str]) -> list[str]:
-    """``srun --overlap`` running ``agent`` once on each of ``nodes`` of the allocation."""
+def srun_command(allocation: Allocation, nodes: list[str], agent: list[str], name: str = "gpumagic-agent") -> list[str]:
+    """``srun --overlap`` running ``agent`` once on each of ``nodes`` of the allocation, as step ``name``."""
     return [
         "srun",
         "--overlap",
@@ -162,7 +162,7 @@ def srun_command(allocation: Allocation, nodes: list[str], agent: list[str]) -> 
         "--ntasks-per-node=1",
         f"--nodelist={','.join(nodes)}",
         "--kill-on-bad-exit=0",
-        "--job-name=gpumagic-agent",
+        f"--job-name={name}",
         *([f"--gres=gpu:{allocation.gpus_per_node}"] if allocation.gpus_per_node else []),  # each node's GPUs
         *agent,
     ]

@@ -20,7 +20,7 @@ class LaunchError(ReportedError):
         super().__init__(self.report())
 
     def headline(self) -> str:
-        return f"rank {self.root_cause.rank} failed: " + self.root_cause.describe().split(": ", 1)[1]
+        return f"{self.root_cause.who} failed: " + self.root_cause.describe().split(": ", 1)[1]
 
     def report(self) -> str:
         lines = [self.headline()]
@@ -29,7 +29,7 @@ class LaunchError(ReportedError):
             stack = root.traceback.rstrip()
             lines += ["", f"Python stack of rank {root.rank} when {root.signal_name} ended it:", stack]
         elif root.traceback:
-            lines += ["", f"Traceback from rank {root.rank}:", root.traceback.rstrip()]
+            lines += ["", f"Traceback from {root.who}:", root.traceback.rstrip()]
         lines += ["", "Ranks:"] + [f"  {self._fate(o)}" for o in sorted(self.outcomes, key=lambda o: o.rank)]
         if self.note:
             lines += ["", self.note]

@@ -294,7 +294,7 @@ OPTIONS: tuple[Option, ...] = (
         "nnodes",
         "int",
         1,
-        "nodes, each running -n ranks ({default}; a %%ddp group runs on one)",
+        "nodes of the Slurm allocation, each running -n ranks ({default})",
         "launch group",
         flag=True,
         metavar="N",

@@ -95,16 +95,18 @@ class LaunchOptions:
         """The options of a group that lives across cells (``%ddp start``, ``gpumagic.ranks``): those of the option
         table's ``group`` surface, with its defaults (rank 0's output).
 
+        ``nnodes`` above 1: the group runs on that many nodes of the Slurm allocation the kernel runs in (``nprocs``
+        ranks on each), as ``%%launch_ddp --nnodes`` does.
+
         Raises:
-            InvalidArgument: an option a group does not take (a port, a start method, several nodes: named), or a
-            bad value.
+            InvalidArgument: an option a group does not take (a port, a start method: named), several nodes outside
+            an allocation, or a bad value.
         """
-        if options.get("nnodes", 1) != 1:
+        if options.get("nnodes", 1) != 1 and current() is None:
             raise InvalidArgument(
-                "a group that lives across cells runs its ranks on this machine; for one DDP group across several "
-                "nodes run the cell with %%launch_ddp --nnodes N (launch_ddp(fn, n, nnodes=N))"
+                "a group across several nodes runs on the nodes of a Slurm allocation: start the notebook inside "
+                "one (salloc -N 2, then jupyter lab), or leave out --nnodes for a group on this machine"
             )
-        options.pop("nnodes", None)
         others = set(options) - set(GROUP_OPTIONS)
         if others:
             raise InvalidArgument(
@@ -200,8 +202,8 @@ class LaunchOptions:
 
 
 USER_OPTIONS = tuple(f.name for f in fields(LaunchOptions) if f.init and f.name not in ("nprocs", "process_group"))
-# what for_group takes: the group surface's launch options, one node's (nnodes is there to say so)
-GROUP_OPTIONS = tuple(o.name for o in on("group") if o.name in ("nprocs", *USER_OPTIONS) and o.name != "nnodes")
+# what for_group takes: the group surface's launch options
+GROUP_OPTIONS = tuple(o.name for o in on("group") if o.name in ("nprocs", *USER_OPTIONS))
 
 
 def parse_endpoint(endpoint: str, free_port: bool = False) -> tuple[str, int]:

@@ -64,9 +64,10 @@ class RankStatus(Record):
     pid: int
     alive: bool
     state: RankState | None = None
+    node: str | None = None  # where a group across an allocation's nodes runs it (then a key of the row too)
 
     def _keys(self) -> tuple[str, ...]:
-        own = ("rank", "pid", "alive")
+        own = ("rank", "pid", "alive") + (("node",) if self.node else ())
         return own if self.state is None else own + tuple(k for k in self.state if k not in own)
 
     def __getitem__(self, key: str) -> Any:

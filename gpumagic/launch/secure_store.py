@@ -52,6 +52,7 @@ BACKLOG = 4096  # connections the kernel queues before they are accepted (capped
 
 RENDEZVOUS = "rendezvous"  # a multi-node launch's rendezvous store (agents; a static rendezvous's ranks)
 GROUP = "group"  # a process group's store (its ranks)
+HOST = "host"  # a persistent group's link from a node's host to its kernel (``kernel_side.node_hosts``)
 
 SET, GET, ADD, CHECK, COMPARE_SET, DELETE, NUM_KEYS, WAIT, MULTI_GET, MULTI_SET, APPEND, LIST_KEYS = range(12)
 OK, FAILED, TIMED_OUT = range(3)
@@ -218,6 +219,60 @@ def _fields(frame: bytes, size: int) -> tuple[int, list[bytes]]:
     return code, fields
 
 
+def open_session(address: str, timeout_s: float, identity: StoreIdentity) -> tuple[socket.socket, Session]:
+    """A proven connection to the server at ``address`` that holds ``identity`` (both sides prove the key), and
+    its session. Torch-free: a persistent group's node host (``rank_side.node_host``) links to its kernel so.
+
+    Retries until ``timeout_s`` while nobody listens there yet.
+
+    Raises:
+        StoreRefused: what answers there is not this server. TimeoutError: nobody served ``address`` in time.
+    """
+    family, where = parse_address(address)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        connection = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            left = deadline - time.monotonic()
+            connection.settimeout(max(0.05, min(CONNECT_ATTEMPT_S, left)))
+            with _short_path(where) if family == socket.AF_UNIX else contextlib.nullcontext(where) as target:
+                connection.connect(target)
+            connection.settimeout(max(0.1, min(HANDSHAKE_TIMEOUT_S, deadline - time.monotonic())))
+            session = _handshake(connection, address, identity)
+            connection.settimeout(None)
+            if family != socket.AF_UNIX:
+                connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return connection, session
+        except StoreRefused:
+            connection.close()
+            raise
+        except (OSError, ConnectionError) as err:
+            connection.close()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no gpumagic store answered at {address} within {timeout_s:g}s ({err})") from None
+            time.sleep(CONNECT_RETRY_S)
+
+
+def _handshake(connection: socket.socket, address: str, identity: StoreIdentity) -> Session:
+    challenge = _receive_exactly(connection, CHALLENGE)
+    if challenge.startswith(OLD_MAGIC):
+        raise StoreRefused(f"{address} is a store of an older gpumagic: run one gpumagic version everywhere")
+    if not challenge.startswith(MAGIC):
+        raise StoreRefused(f"{address} is not a gpumagic store")
+    theirs, ours = challenge[len(MAGIC) :], os.urandom(NONCE)
+    connection.sendall(MAGIC + ours + identity.proof(b"client", theirs, ours))
+    try:
+        proof = _receive_exactly(connection, PROOF)
+    except ConnectionError:  # a server closes on a proof it does not accept, and says nothing
+        raise StoreRefused(
+            f"the store at {address} did not accept this run's key: it is not this run's {identity.role} "
+            "store (another user's or another run's, or an old address); dropped it"
+        ) from None
+    if not hmac.compare_digest(proof, identity.proof(b"server", theirs, ours)):
+        raise StoreRefused(f"the store at {address} could not prove it is this run's {identity.role} store; dropped it")
+    return identity.session(theirs, ours, server=False)
+
+
 # --- the client ------------------------------------------------------------------------------------------
 
 
@@ -279,53 +334,7 @@ class _ClientMethods:
         self._connection, self._session = self._connect(address, timeout_s)
 
     def _connect(self, address: str, timeout_s: float) -> tuple[socket.socket, Session]:
-        family, where = parse_address(address)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            connection = socket.socket(family, socket.SOCK_STREAM)
-            try:
-                left = deadline - time.monotonic()
-                connection.settimeout(max(0.05, min(CONNECT_ATTEMPT_S, left)))
-                with _short_path(where) if family == socket.AF_UNIX else contextlib.nullcontext(where) as target:
-                    connection.connect(target)
-                connection.settimeout(max(0.1, min(HANDSHAKE_TIMEOUT_S, deadline - time.monotonic())))
-                session = self._handshake(connection)
-                connection.settimeout(None)
-                if family != socket.AF_UNIX:
-                    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                return connection, session
-            except StoreRefused:
-                connection.close()
-                raise
-            except (OSError, ConnectionError) as err:
-                connection.close()
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(
-                        f"no gpumagic store answered at {address} within {timeout_s:g}s ({err})"
-                    ) from None
-                time.sleep(CONNECT_RETRY_S)
-
-    def _handshake(self, connection: socket.socket) -> Session:
-        challenge = _receive_exactly(connection, CHALLENGE)
-        if challenge.startswith(OLD_MAGIC):
-            raise StoreRefused(f"{self.address} is a store of an older gpumagic: run one gpumagic version everywhere")
-        if not challenge.startswith(MAGIC):
-            raise StoreRefused(f"{self.address} is not a gpumagic store")
-        theirs, ours = challenge[len(MAGIC) :], os.urandom(NONCE)
-        identity = self._identity
-        connection.sendall(MAGIC + ours + identity.proof(b"client", theirs, ours))
-        try:
-            proof = _receive_exactly(connection, PROOF)
-        except ConnectionError:  # a server closes on a proof it does not accept, and says nothing
-            raise StoreRefused(
-                f"the store at {self.address} did not accept this run's key: it is not this run's {identity.role} "
-                "store (another user's or another run's, or an old address); dropped it"
-            ) from None
-        if not hmac.compare_digest(proof, identity.proof(b"server", theirs, ours)):
-            raise StoreRefused(
-                f"the store at {self.address} could not prove it is this run's {identity.role} store; dropped it"
-            )
-        return identity.session(theirs, ours, server=False)
+        return open_session(address, timeout_s, self._identity)
 
     def _call(self, code: int, *fields: bytes) -> list[bytes]:
         with self._lock:

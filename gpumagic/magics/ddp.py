@@ -129,7 +129,12 @@ class DdpMagics(Magics):
             raise UsageError("%ddp start interrupted; no group was started") from None
         SESSION.group = group
         SESSION.group_start = {"launch": launch, "grace": grace, "dashboard": dashboard}
-        where = "CPU" if not group.use_cuda else f"GPUs {', '.join(g[0][:12] for g in group.rank_gpus if g)}"
+        gpus = ", ".join(g[0][:12] for g in group.rank_gpus if g)
+        where = "CPU" if not group.use_cuda else f"GPUs {gpus}" if gpus else "the GPUs Slurm gave each node"
+        if group.nodes:
+            where += (
+                f"; {len(group.nodes)} nodes: {', '.join(group.nodes)}, {group.nprocs // len(group.nodes)} ranks each"
+            )
         print(
             f"[gpumagic] {group.nprocs} ranks ready ({group.backend}, {where}) in {time.monotonic() - started:.1f}s; "
             "%%ddp cells run on them, %ddp stop ends them"
@@ -164,10 +169,12 @@ class DdpMagics(Magics):
             return Help("[gpumagic] no group is running; %ddp start (or a %%ddp cell) starts one")
         rows = group.status()
         now = time.time()
+        width = max((len(row["node"]) for row in rows if row.node), default=0)
+        node_column = f"{'node':{width}}  " if width else ""
         lines = [
             f"{group.nprocs} ranks ({group.backend}); {group.cells} cells run, {group.replaced} ranks replaced, "
             f"process group re-formed {group.reformed} times",
-            f"{'rank':>4}  {'pid':>7}  {'alive':5}  {'busy with':28}  {'in collective':22}  "
+            f"{'rank':>4}  {node_column}{'pid':>7}  {'alive':5}  {'busy with':28}  {'in collective':22}  "
             f"{'GPU alloc/reserved':18}  rss",
         ]
         for row in rows:
@@ -179,7 +186,8 @@ class DdpMagics(Magics):
                 gpu = f"{row['allocated'] / MIB:.0f}/{row['reserved'] / MIB:.0f} MiB"
             rss = f"{row['rss'] / MIB:.0f} MiB" if row.get("rss") else "-"
             alive = "yes" if row["alive"] else "no"
-            lines.append(f"{row['rank']:>4}  {row['pid']:>7}  {alive:5}  {busy:28}  {inside:22}  {gpu:18}  {rss}")
+            node = f"{row.node or '':{width}}  " if width else ""
+            lines.append(f"{row['rank']:>4}  {node}{row['pid']:>7}  {alive:5}  {busy:28}  {inside:22}  {gpu:18}  {rss}")
         if group.hang_reports:
             report = group.hang_reports[-1]
             when = time.strftime("%H:%M:%S", time.localtime(report["time"]))
@@ -285,7 +293,7 @@ class DdpMagics(Magics):
         finally:
             group.output = saved
             if SESSION.group_dashboard is not None and not group.closed:
-                SESSION.group_dashboard.follow(group.pids)  # a replaced rank is followed from now on
+                SESSION.group_dashboard.follow(group.local_pids)  # a replaced rank is followed from now on
         if args.o is not None:
             self.shell.user_ns[args.o] = results
         return None
@@ -307,7 +315,7 @@ class DdpMagics(Magics):
             SESSION.group_dashboard.finish("superseded")
             SESSION.group_dashboard.join(5)
         dashboard = LaunchDashboard(title="%ddp group")
-        dashboard.attach(group.run_dir, group.pids, rank_gpus=group.rank_gpus, use_gpus=group.use_cuda)
+        dashboard.attach(group.run_dir, group.local_pids, rank_gpus=group.rank_gpus, use_gpus=group.use_cuda)
         SESSION.group_dashboard = dashboard
 
 

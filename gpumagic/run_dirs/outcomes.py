@@ -45,6 +45,13 @@ class RankOutcome:
     traceback: str | None = None
     timestamp: float | None = None
     stopped_by_launcher: bool = False
+    host: str | None = None  # the node it ran on, for a group across an allocation's nodes
+    lost: str | None = None  # why gpumagic ended it without word of its end (its node stopped answering)
+
+    @property
+    def who(self) -> str:
+        """``rank 3``, or ``rank 3 (gpu02)`` where the ranks run on several nodes."""
+        return f"rank {self.rank}" + (f" ({self.host})" if self.host else "")
 
     @property
     def ok(self) -> bool:
@@ -60,18 +67,21 @@ class RankOutcome:
         return None
 
     def describe(self) -> str:
+        who = self.who
         if self.ok:
-            return f"rank {self.rank}: finished"
+            return f"{who}: finished"
         if self.stopped_by_launcher:
             how = self.signal_name or f"exit code {self.exitcode}"
-            return f"rank {self.rank}: stopped by gpumagic after the failure ({how})"
+            return f"{who}: stopped by gpumagic after the failure ({how})"
         if self.exc_type == "SystemExit":
-            return f"rank {self.rank}: called sys.exit({self.message}) (exit code {self.exitcode})"
+            return f"{who}: called sys.exit({self.message}) (exit code {self.exitcode})"
         if self.exc_type:
-            return f"rank {self.rank}: raised {self.exc_type}: {self.message} (in {self.phase})"
+            return f"{who}: raised {self.exc_type}: {self.message} (in {self.phase})"
+        if self.lost:
+            return f"{who}: lost: {self.lost} (pid {self.pid})"
         if self.signal_name:
-            return f"rank {self.rank}: killed by {self.signal_name} (pid {self.pid})"
-        return f"rank {self.rank}: exited with code {self.exitcode} without an error report (pid {self.pid})"
+            return f"{who}: killed by {self.signal_name} (pid {self.pid})"
+        return f"{who}: exited with code {self.exitcode} without an error report (pid {self.pid})"
 
 
 def root_cause(outcomes: list[RankOutcome]) -> RankOutcome | None:

@@ -22,7 +22,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import gpumagic
-from gpumagic.jobs import slurm, slurm_state
+from gpumagic.jobs import slurm_state
 from gpumagic.launch.allocation import parse_fields
 from gpumagic.launch.rank_side.agent import AgentError
 from gpumagic.run_dirs.launch_files import published_store
@@ -38,25 +38,6 @@ ALL_REDUCE = (
     "(socket.gethostname(), t.item())"
 )
 FOREVER = "import time\nwhile True:\n    print('working', flush=True)\n    time.sleep(0.5)"
-
-
-@pytest.fixture
-def on_cluster(slurm_cluster, monkeypatch, no_job_left_running):
-    """This process and the kernels it starts use the test cluster; Slurm's answers are not cached."""
-    for name, value in slurm_cluster.environment().items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("GPUMAGIC_SLURM", raising=False)
-    monkeypatch.setattr(slurm, "STATE_CACHE_S", 0.0)
-    yield slurm_cluster
-    slurm_cluster.run("scancel", "--user=root", check=False)  # the allocations and jobs a test left
-
-
-@pytest.fixture
-def allocation(on_cluster):
-    """A two-node allocation, as ``salloc -N 2`` gives a login node's shell; cancelled after the test."""
-    job_id, env = on_cluster.allocation(2)
-    yield env
-    on_cluster.run("scancel", job_id, check=False)
 
 
 def run_streaming(kernel, code: str, timeout: float = 120) -> tuple[list[tuple[float, str]], dict]:

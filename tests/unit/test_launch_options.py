@@ -192,12 +192,16 @@ def test_a_group_refuses_options_it_would_ignore():
         gpumagic.ranks(2, max_restarts=1)
 
 
-def test_a_group_across_several_nodes_points_to_launch_ddp(shell):
-    """#28: %ddp start --nnodes N is not built; the refusal says what runs one group across nodes instead."""
+def test_a_group_across_several_nodes_outside_an_allocation_says_where_it_runs(shell, monkeypatch):
+    """#41: %ddp start --nnodes N runs on the nodes of the kernel's Slurm allocation; outside one it is refused
+    in one line saying how to get one (tests/kernel/test_slurm_group.py runs it inside one)."""
     from IPython.core.error import UsageError
 
+    for name in ("SLURM_JOB_ID", "SLURM_JOBID"):
+        monkeypatch.delenv(name, raising=False)
     with pytest.raises(UsageError) as caught:
         shell.run_line_magic("ddp", "start -n 1 --nnodes 2 --gpus none")
-    assert "%%launch_ddp --nnodes N" in str(caught.value) and "\n" not in str(caught.value)
-    with pytest.raises(InvalidArgument, match="runs its ranks on this machine"):
+    assert "nodes of a Slurm allocation" in str(caught.value) and "salloc -N 2" in str(caught.value)
+    assert "\n" not in str(caught.value)
+    with pytest.raises(InvalidArgument, match="runs on the nodes of a Slurm allocation"):
         gpumagic.ranks(2, nnodes=2)

@@ -16,8 +16,6 @@ from gpumagic.devices.processes import is_running
 from gpumagic.errors import InvalidArgument
 from gpumagic.launch.failures import LaunchError
 from gpumagic.launch.kernel_side.output import RankOutput
-from gpumagic.launch.kernel_side.process_set import ProcessSet
-from gpumagic.launch.kernel_side.rank_start import RankStarter
 from gpumagic.launch.plan import (
     MAX_TIMEOUT_S,
     LaunchPlan,
@@ -29,6 +27,8 @@ from gpumagic.launch.plan import (
     place_on,
     threads_per_rank,
 )
+from gpumagic.launch.process_set import ProcessSet
+from gpumagic.launch.rank_side.starter import RankStarter
 from gpumagic.run_dirs.launch_files import make_launch_directories
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.outcomes import ProcessEnd, RankOutcome, read_outcome, root_cause
@@ -89,8 +89,8 @@ def test_ranks_start_and_their_backend_is_chosen_in_one_place_each():
     }
     assert written == {
         '"nccl" if': ["launch/plan.py"],
-        "context.Process(": ["launch/kernel_side/rank_start.py"],
-        "import forkserver_context": ["launch/kernel_side/rank_start.py"],
+        "context.Process(": ["launch/rank_side/starter.py"],
+        "import forkserver_context": ["launch/rank_side/starter.py"],
     }
 
 

@@ -24,7 +24,11 @@ FLOORS = (  # lowest first; a module imports only from its own floor or a lower 
     ("gpumagic.jobs",),
     ("gpumagic.widgets",),
     ("gpumagic.magics",),
-    ("gpumagic", "gpumagic.agent"),  # the face (``import gpumagic``) and the agent's entry point
+    (
+        "gpumagic",
+        "gpumagic.agent",
+        "gpumagic.host",
+    ),  # the face (``import gpumagic``), the agent's and host's entry points
 )
 MAX_LINES = 700
 MAX_PARAMETERS = 12

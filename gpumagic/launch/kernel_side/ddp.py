@@ -355,7 +355,7 @@ def place_ranks(launch: LaunchOptions) -> Placement:
         InvalidArgument: too few GPUs, or a spec naming none (nothing is leased then).
     """
     if launch.allocation is not None and launch.allocation.here is None:
-        return _place_on_allocation(launch)
+        return place_on_allocation(launch)
     available, simulated = gpus_for_ranks(launch.gpus, launch.nprocs, launch.gpus_per_rank)
     nprocs = launch.nprocs if launch.nprocs is not None else default_nprocs(available, launch.gpus_per_rank)
     check_nprocs(nprocs)
@@ -370,9 +370,10 @@ def place_ranks(launch: LaunchOptions) -> Placement:
     )
 
 
-def _place_on_allocation(launch: LaunchOptions) -> Placement:
-    """From a login node, no rank runs here: the ranks use the GPUs Slurm allocated on each node (``gpus_per_node``
-    of ``scontrol show job``), unless ``--gpus none``; this machine's GPUs are not theirs to lease.
+def place_on_allocation(launch: LaunchOptions) -> Placement:
+    """From a login node, or for a %ddp group across the nodes, no rank runs on the kernel's GPUs: the ranks use
+    the GPUs Slurm allocated on each node (``gpus_per_node`` of ``scontrol show job``), unless ``--gpus none``;
+    this machine's GPUs are not theirs to lease.
 
     Raises:
         InvalidArgument: a device spec, which names this machine's GPUs.

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import shutil
 import signal
 import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -30,7 +32,7 @@ from gpumagic.errors import GpumagicError, InvalidArgument, ReportedError
 from gpumagic.launch import messages
 from gpumagic.launch.failures import LaunchError
 from gpumagic.launch.hang_reports import HangFollower, HangReport, mismatch_after_failure
-from gpumagic.launch.kernel_side.ddp import place_ranks, stdout_writer
+from gpumagic.launch.kernel_side.ddp import place_on_allocation, place_ranks, stdout_writer
 from gpumagic.launch.kernel_side.group_members import (
     START_TIMEOUT_S,
     GroupError,
@@ -44,6 +46,7 @@ from gpumagic.launch.kernel_side.group_members import (
 from gpumagic.launch.kernel_side.group_output import GroupOutput
 from gpumagic.launch.kernel_side.group_recovery import GroupRecovery
 from gpumagic.launch.kernel_side.group_shipping import NameShipper
+from gpumagic.launch.kernel_side.node_hosts import NodeHosts, RemoteRanks, RemoteStarter
 from gpumagic.launch.kernel_side.post_mortem import read_user_line
 from gpumagic.launch.kernel_side.rank_start import rank_context
 from gpumagic.launch.options import GROUP_OPTIONS, LaunchOptions, check_hang_after
@@ -137,38 +140,54 @@ class RankGroup:
     # --- life --------------------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        gpus = self.launch.gpus
+        launch, across = self.launch, self.launch.nnodes > 1
         run_dir = store.new_run("ddp-group", ranks=0)
         try:
-            make_launch_directories(RunFiles(run_dir))  # the stores' sockets: private to the user
-            placed = place_ranks(self.launch)  # the same GPUs, ranks and backend as a launch's
+            make_launch_directories(RunFiles(run_dir))  # the stores' sockets and the run's secret: the user's only
+            # the same GPUs, ranks and backend as a launch's; across nodes, the GPUs Slurm gave each node
+            placed = place_on_allocation(launch) if across else place_ranks(launch)
+            hosts = NodeHosts.for_group(Path(run_dir), launch, placed) if across else None
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)  # a refused start leaves nothing behind
             raise
         self.run_dir = run_dir
-        self.rank_gpus = placed.rank_gpus
-        self.leased = gpus is not None and (gpus == "auto" or not parse_spec(gpus).none) and any(placed.rank_gpus)
-        self.nprocs = nprocs = len(placed.rank_gpus)
         self.use_cuda = placed.use_cuda
         self.backend = placed.backend or "gloo"
-        store.update_run(self.run_dir, ranks=nprocs, backend=self.backend, gpus=[list(g) for g in self.rank_gpus])
-        self.plan = LaunchPlan.on_this_machine(
-            self.run_dir,
-            self.rank_gpus,
-            backend=self.backend,
-            use_cuda=self.use_cuda,
-            master_port=0,
-            timeout_s=self.timeout_s,
-            hang_after_s=self.launch.hang_after_s,
-        )
-        self.hangs = HangFollower.of_run(self.run_dir, nprocs, self.launch.hang_after_s, self.on_note)
+        self.nodes: list[str] = []  # the allocation's nodes it runs on, in node order (none: this machine)
+        if hosts is not None:
+            self.nodes, self.plan, self.leased = hosts.nodes, hosts.plan, False
+            self.rank_gpus = tuple(() for _ in range(hosts.plan.world_size))  # each host's to give
+        else:
+            gpus = launch.gpus
+            self.rank_gpus = placed.rank_gpus
+            self.leased = gpus is not None and (gpus == "auto" or not parse_spec(gpus).none) and any(placed.rank_gpus)
+            self.plan = LaunchPlan.on_this_machine(
+                run_dir,
+                self.rank_gpus,
+                backend=self.backend,
+                use_cuda=self.use_cuda,
+                master_port=0,
+                timeout_s=self.timeout_s,
+                hang_after_s=launch.hang_after_s,
+            )
+        self.nprocs = nprocs = len(self.rank_gpus)
+        where = {"nodes": self.nodes} if self.nodes else {}
+        store.update_run(run_dir, ranks=nprocs, backend=self.backend, gpus=[list(g) for g in self.rank_gpus], **where)
+        self.hangs = HangFollower.of_run(self.run_dir, nprocs, launch.hang_after_s, self.on_note)
         self.members.on_round = self.hangs.poll
         self.closed = False
         _open_groups.add(self)
         atexit.register(self.close)
         try:
-            context = self._stack.enter_context(rank_context("forkserver"))  # held while the group lives
-            self.members.start(context, self.plan)
+            if hosts is not None:  # a host per node forks its ranks; the kernel talks to them through it
+                self._stack.callback(hosts.close)
+                hosts.start()
+                self.nodes = hosts.nodes
+                self._output.hosts = {rank: hosts.host_of(rank).node for rank in range(nprocs)}
+                self.members.start_with(RemoteStarter(hosts), nprocs, RemoteRanks(hosts))
+            else:
+                context = self._stack.enter_context(rank_context("forkserver"))  # held while the group lives
+                self.members.start(context, self.plan)
             self.members.form()
         except RankDied as died:
             self._forget()
@@ -211,7 +230,14 @@ class RankGroup:
 
     @property
     def pids(self) -> list[int]:
+        """Each rank's pid (on its node, for a group across nodes)."""
         return [m.pid for m in self.members]
+
+    @property
+    def local_pids(self) -> list[int | None]:
+        """Each rank's pid where it runs on this machine, ``None`` where on another node (the dashboard reads those
+        ranks' resources from the samples their node's host writes)."""
+        return [None if m.node else m.pid for m in self.members]
 
     @property
     def reformed(self) -> int:
@@ -256,7 +282,7 @@ class RankGroup:
         after_s = None if hang_after is None else check_hang_after(hang_after)
         self._recover_dead()
         targets = self._targets(ranks)
-        with sharing() as shared:  # the ranks have mapped what they were sent once they replied
+        with self._sharing() as shared:  # the ranks have mapped what they were sent once they replied
             packed, digests = self._shipper.pack_for(payload, targets, namespace, hidden, shared)
             found = definitions(code, filename, tree)
             with self._hang_threshold(after_s):
@@ -290,7 +316,7 @@ class RankGroup:
         """Call ``fn(*args, **kwargs)`` on every rank (in its namespace: globals it defines persist);
         ``{rank: value}``."""
         self.cells += 1
-        with sharing() as shared:
+        with self._sharing() as shared:
             packed = pack(ship_function(fn, args, kwargs, rank_first=False), shared)
             self._recover_dead()
             targets = self._targets(None)
@@ -309,7 +335,7 @@ class RankGroup:
     def push(self, **values: Any) -> None:
         """Set names on every rank (``push(lr=1e-3, batch=b)``); pushed names are the ranks' own from then on."""
         self._check_open()
-        with sharing() as shared:
+        with self._sharing() as shared:
             try:
                 packed = dumps(values, shared)
             except Exception:
@@ -330,9 +356,9 @@ class RankGroup:
         resident memory."""
         self._check_open()
         members = list(self.members)
-        states = ask_status([m for m in members if m.alive and is_running(m.pid)], 2.0)
-        alive = {m.rank: m.alive and is_running(m.pid) for m in members}
-        return [RankStatus(m.rank, m.pid, alive[m.rank], states.get(m.rank)) for m in members]
+        alive = {m.rank: m.alive and (m.node is not None or is_running(m.pid)) for m in members}
+        states = ask_status([m for m in members if alive[m.rank]], 2.0)
+        return [RankStatus(m.rank, m.pid, alive[m.rank], states.get(m.rank), m.node) for m in members]
 
     def debug(self, rank: int) -> None:
         """A post-mortem debugger (pdb) on the frame where ``rank``'s last cell failed: its prompt and output
@@ -455,6 +481,10 @@ class RankGroup:
         return [name for name, _ in plan]
 
     # --- helpers of the work -------------------------------------------------------------------------------
+
+    def _sharing(self) -> contextlib.AbstractContextManager[Any]:
+        """Big tensors travel through /dev/shm on this machine (``shared_values``); to other nodes by value."""
+        return sharing() if not self.nodes else contextlib.nullcontext(None)
 
     def _check_open(self) -> None:
         if self.closed:
@@ -615,7 +645,11 @@ def _failure(
 
 def _outcome(member: Member, reply: messages.Reply | None, files: RunFiles) -> RankOutcome:
     """How a cell ended on one rank: done, failed (its report), died (with the Python stack a fatal signal left,
-    read as a launch's rank's is), or freed by gpumagic (a peer failed)."""
+    read as a launch's rank's is), lost with its node, or freed by gpumagic (a peer failed)."""
+    return dataclasses.replace(_how_it_ended(member, reply, files), host=member.node, lost=member.lost_with_node)
+
+
+def _how_it_ended(member: Member, reply: messages.Reply | None, files: RunFiles) -> RankOutcome:
     if reply is None and not member.alive:
         if member.exitcode is None:  # its exit code was not collected in time: a death all the same
             return RankOutcome(

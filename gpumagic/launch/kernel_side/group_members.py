@@ -21,11 +21,11 @@ from typing import Any
 
 from gpumagic.errors import GpumagicError
 from gpumagic.launch import messages
-from gpumagic.launch.kernel_side.process_set import Exit, ProcessSet
-from gpumagic.launch.kernel_side.rank_start import RankStarter
 from gpumagic.launch.messages import READY, STORE, Failed, Reply, ToKernel
 from gpumagic.launch.plan import LaunchPlan
+from gpumagic.launch.process_set import Exit, ProcessSet
 from gpumagic.launch.rank_side.group_rank import serve_group_rank
+from gpumagic.launch.rank_side.starter import RankStarter, start_with_pipes
 from gpumagic.launch.records import RankState
 
 _log = logging.getLogger(__name__)
@@ -94,16 +94,29 @@ class Member:
         """By gpumagic, because it stayed stuck."""
         return self.end is not None and self.end.stopped
 
+    @property
+    def node(self) -> str | None:
+        """The node it runs on, for a rank on another node of an allocation (its host's); None for a local one."""
+        return getattr(self.process, "node", None)
+
+    @property
+    def lost_with_node(self) -> str | None:
+        """Why gpumagic ended it without word of its end (a rank on another node whose node stopped answering)."""
+        return getattr(self.process, "lost", None)
+
     def death(self) -> str:
         """How it ended, for a note."""
         code = self.exitcode
+        where = f"pid {self.pid}" + (f" on {self.node}" if self.node else "")
+        if self.lost_with_node:
+            return f"was lost: {self.lost_with_node} ({where})"
         if code is not None and code < 0:
             try:
                 how = signal.Signals(-code).name
             except ValueError:
                 how = f"signal {-code}"
-            return f"was killed by {how} (pid {self.pid})"
-        return f"exited with code {code} (pid {self.pid})"
+            return f"was killed by {how} ({where})"
+        return f"exited with code {code} ({where})"
 
     def release(self) -> None:
         """Close the kernel's ends of its pipes (it has ended)."""
@@ -129,7 +142,7 @@ class GroupMembers:
     def __init__(self, feed: Callable[[int, bytes], None], check_open: Callable[[], None]) -> None:
         self.feed = feed
         self.check_open = check_open
-        self.starter: RankStarter | None = None  # how its ranks start (the group's plan, the rank server)
+        self.starter: Any = None  # how its ranks start: a RankStarter (the plan, the rank server), or a node's host
         self.processes = ProcessSet([], groups=True)  # each rank leads its process group
         self.all: list[Member] = []
         self.partial: dict[int, ToKernel] = {}  # the replies the last wait gathered, when it was cut short
@@ -152,8 +165,15 @@ class GroupMembers:
 
     def start(self, context: Any, plan: LaunchPlan) -> None:
         """Start the plan's ranks from ``context`` (the rank server's) and wait until each is ready."""
-        self.starter = RankStarter(plan, context, target=serve_group_rank, name="ddp-rank-{}")
-        for rank in range(plan.nprocs):
+        self.start_with(RankStarter(plan, context, target=serve_group_rank, name="ddp-rank-{}"), plan.nprocs)
+
+    def start_with(self, starter: Any, nprocs: int, processes: Any = None) -> None:
+        """Start ``nprocs`` ranks with ``starter`` (``RankStarter``, or ``node_hosts.RemoteStarter`` for ranks on
+        an allocation's nodes, whose ``processes`` are ``node_hosts.RemoteRanks``) and wait until each is ready."""
+        self.starter = starter
+        if processes is not None:
+            self.processes = processes
+        for rank in range(nprocs):
             member = self._spawn(rank)
             self.all.append(member)
             self.processes.add(member.process)
@@ -161,19 +181,10 @@ class GroupMembers:
 
     def _spawn(self, rank: int) -> Member:
         self.check_open()  # closed meanwhile (the kernel is ending): no rank may start now
-        assert self.starter is not None
-        context = self.starter.context
-        reader, writer = context.Pipe(duplex=False)
-        ours, theirs = context.Pipe()
-        status_ours, status_theirs = context.Pipe()
-        try:
-            process = self.starter.start(rank, writer, theirs, status_theirs)
-        finally:
-            writer.close()
-            theirs.close()
-            status_theirs.close()
-        os.set_blocking(reader.fileno(), False)
-        return Member(rank, process, process.pid, ours, reader, status_ours)
+        starter = self.starter
+        assert starter is not None
+        started = start_with_pipes(starter.context, lambda *pipes: starter.start(rank, *pipes))
+        return Member(rank, started.process, started.process.pid, started.connection, started.output, started.status)
 
     def replace(self, dead: Member) -> Member:
         """A fresh rank in the place of ``dead`` (not ready yet: ``await_ready``), told what the dead one held."""
@@ -226,7 +237,7 @@ class GroupMembers:
     def interrupt(self, members: list[Member]) -> None:
         for member in members:
             with contextlib.suppress(OSError):
-                os.kill(member.pid, signal.SIGINT)
+                self.processes.send_signal(member.rank, signal.SIGINT)
 
     def break_group(self, ident: int) -> None:
         """Shut the process group's connections on every living rank: whatever waits on a peer fails now."""

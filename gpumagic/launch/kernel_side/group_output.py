@@ -8,7 +8,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gpumagic.launch.kernel_side.output import ProgressLines, RankOutput, progress_lines
+from gpumagic.launch.kernel_side.output import ProgressLines, RankOutput, progress_lines, rank_prefix
 
 MAX_BUFFERED_LINES = 2000
 
@@ -21,6 +21,7 @@ class GroupOutput:
 
     def __init__(self, bars: bool) -> None:
         self.bars = bars
+        self.hosts: dict[int, str] = {}  # rank -> node, for a group across nodes (its lines say where)
         self._sink: CellOutput | None = None
         self._between_cells: list[tuple[int, bytes]] = []
 
@@ -35,7 +36,7 @@ class GroupOutput:
         """A cell on ``ranks`` of the group's ``nprocs``, its output written in ``mode`` (every rank's, whatever
         the mode, when the cell runs on one rank), after what came between cells."""
         bars = progress_lines() if self.bars else None
-        self._sink = CellOutput(write, mode if ranks > 1 else "all", nprocs, bars)
+        self._sink = CellOutput(write, mode if ranks > 1 else "all", nprocs, bars, self.hosts)
         self._show_between_cells(write, nprocs)
         try:
             yield
@@ -47,7 +48,7 @@ class GroupOutput:
         pending, self._between_cells = self._between_cells, []
         if not pending:
             return
-        sink = RankOutput(write, "all", nprocs)
+        sink = RankOutput(write, "all", nprocs, hosts=self.hosts)
         for rank, data in pending:
             sink.feed(rank, data)
         sink.flush()
@@ -58,11 +59,13 @@ class CellOutput:
     live; the other ranks' lines at the end, where they differ from rank 0's, else "(same on ranks 1–3)".
     ``none``: nothing (failures still show their traceback)."""
 
-    def __init__(self, write: Callable[[str], None], mode: str, nprocs: int, bars: ProgressLines | None = None) -> None:
+    def __init__(self, write: Callable[[str], None], mode: str, nprocs: int, bars: ProgressLines | None = None,
+                 hosts: dict[int, str] | None = None) -> None:  # fmt: skip
         self.write = write
         self.mode = mode
         self.nprocs = nprocs
-        self.live = RankOutput(write, "none" if mode == "none" else "all", nprocs, bars)
+        self.hosts = hosts or {}
+        self.live = RankOutput(write, "none" if mode == "none" else "all", nprocs, bars, self.hosts)
         self.lines: dict[int, list[str]] = {}
         self.partial: dict[int, str] = {}
         self.decoders: dict[int, Any] = {}
@@ -102,7 +105,7 @@ class CellOutput:
                 if line in seen:
                     seen.remove(line)
                 else:
-                    self.write(f"[rank {rank:>{width}}] {line}\n")
+                    self.write(f"{rank_prefix(rank, width, self.hosts)}{line}\n")
         if same:
             self.write(f"(same on {_ranks_text(same)})\n")
 

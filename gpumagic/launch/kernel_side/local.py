@@ -22,10 +22,11 @@ from typing import Any
 from gpumagic.errors import InvalidArgument
 from gpumagic.launch.failures import LaunchError, LaunchInterrupted
 from gpumagic.launch.hang_reports import mismatch_after_failure
-from gpumagic.launch.kernel_side.process_set import Exit, ProcessSet
-from gpumagic.launch.kernel_side.rank_start import RankStarter, rank_context
+from gpumagic.launch.kernel_side.rank_start import rank_context
 from gpumagic.launch.plan import LaunchPlan
+from gpumagic.launch.process_set import Exit, ProcessSet
 from gpumagic.launch.rank_side.rank import run_local_rank
+from gpumagic.launch.rank_side.starter import RankStarter
 from gpumagic.launch.secure_store import listen
 from gpumagic.run_dirs.launch_files import make_launch_directories
 from gpumagic.run_dirs.layout import RunFiles

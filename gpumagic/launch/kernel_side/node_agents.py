@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from gpumagic.launch.allocation import Allocation, srun_command
-from gpumagic.launch.kernel_side.process_set import ProcessSet
 from gpumagic.launch.plan import command_environment
+from gpumagic.launch.process_set import ProcessSet
 from gpumagic.launch.rank_side.agent import AgentError, read_events
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.private import open_private

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import codecs
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -19,18 +19,24 @@ class RankOutput:
     """
 
     def __init__(
-        self, write: Callable[[str], None], mode: str = "all", nprocs: int = 1, bars: ProgressLines | None = None
+        self,
+        write: Callable[[str], None],
+        mode: str = "all",
+        nprocs: int = 1,
+        bars: ProgressLines | None = None,
+        hosts: Mapping[int, str] | None = None,
     ) -> None:
         self.write = write
         self.mode = mode
         self.bars = bars
         self.width = len(str(max(0, nprocs - 1)))
+        self.hosts = hosts or {}  # rank -> its node, for ranks on several nodes: ``[rank 3 @gpu02]``
         self._partial: dict[int, str] = {}
         self._decoders: dict[int, object] = {}
         self._open_bar: int | None = None  # the rank whose bar the stream shows unfinished (no ``bars``)
 
     def prefix(self, rank: int) -> str:
-        return f"[rank {rank:>{self.width}}] "
+        return rank_prefix(rank, self.width, self.hosts)
 
     def feed(self, rank: int, data: bytes) -> None:
         if self.mode == "none" or (self.mode == "rank0" and rank != 0):
@@ -147,3 +153,9 @@ def in_kernel() -> bool:
         return False
     shell = get_ipython()
     return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def rank_prefix(rank: int, width: int, hosts: Mapping[int, str] | None = None) -> str:
+    """``[rank 3] ``, or ``[rank 3 @gpu02] `` where the ranks run on several nodes (``hosts``: rank -> node)."""
+    host = (hosts or {}).get(rank)
+    return f"[rank {rank:>{width}}{f' @{host}' if host else ''}] "

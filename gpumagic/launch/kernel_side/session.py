@@ -65,8 +65,9 @@ def ranks(  # every option of the table's group surface: tests/unit/test_option_
     ``group.status()``, ``group.free()``, ``group.close()``; a context manager. ``gpus``: a spec, ``"auto"`` or
     ``"none"``; ``timeout``: the process group's; ``grace``: how long an interrupted rank may stay busy before its
     collective is broken; ``output``: ``rank0``, ``all``, ``none``; ``hang_after``: a collective waiting this long
-    is reported with where every rank is (0: off; ``group.hang_reports`` keeps them); ``nnodes``: 1 (across nodes:
-    ``launch_ddp``); ``write``: where rank output goes; ``on_note``: where gpumagic's notes go.
+    is reported with where every rank is (0: off; ``group.hang_reports`` keeps them); ``nnodes``: above 1, the
+    group runs ``nprocs`` ranks on each of that many nodes of the Slurm allocation the kernel runs in (one host
+    per node, started by srun); ``write``: where rank output goes; ``on_note``: where gpumagic's notes go.
     ``group.debug(rank)`` opens pdb on a rank whose last call failed. See docs/launch.md.
 
     Raises:

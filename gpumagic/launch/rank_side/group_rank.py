@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import cloudpickle
 
 from gpumagic.launch import messages, replay, replicas, secure_store
+from gpumagic.launch.host_link import HOST_VARIABLE
 from gpumagic.launch.plan import LaunchPlan
 from gpumagic.launch.rank_side.debugging import RemoteConsole, post_mortem, set_trace
 from gpumagic.launch.rank_side.failure_reports import failure_report
@@ -316,7 +317,8 @@ class GroupRank(RankRuntime):
 
     def do_join(self, request: messages.Join) -> str:
         """Join a fresh process group. Rank 0 serves its store (``secure_store``) on a new Unix socket in the
-        run's private launch directory and reports the address first; the others are given it."""
+        run's private launch directory (across nodes: on a port of its node's address it bound itself) and reports
+        the address first; the others are given it."""
         # lazy: torch, in rank processes only
         import torch.distributed as dist
 
@@ -325,8 +327,13 @@ class GroupRank(RankRuntime):
         listener = None
         address = request.address
         if address is None:
-            address = f"unix:{self.setup.files.group_store_socket(request.ident)}"
-            listener = secure_store.listen(address)
+            node_address = os.environ.get(HOST_VARIABLE)  # a group across nodes: its other nodes must reach it
+            if node_address:
+                listener = secure_store.listen(secure_store.tcp_address(node_address, 0))
+                address = secure_store.listener_address(listener, node_address)
+            else:
+                address = f"unix:{self.setup.files.group_store_socket(request.ident)}"
+                listener = secure_store.listen(address)
             self.send(messages.Store(address))
         os.environ[secure_store.VARIABLE] = address
         setup = self.setup

@@ -119,6 +119,10 @@ class ProcessSet:
         ended = [self._record(i, now) for i in self.running if not is_running(self.pids[i])]
         return [e for e in ended if e is not None]
 
+    def send_signal(self, index: int, signum: int) -> None:
+        """Send ``signum`` to process ``index`` alone (an interrupt)."""
+        os.kill(self.pids[index], signum)
+
     def kill(self, index: int) -> Exit:
         """SIGKILL process ``index`` now (and what it started, with ``groups``): one that stays stuck. How it ended."""
         self.stopped.add(index)

@@ -151,6 +151,29 @@ def check_srun() -> None:
         )
 
 
+# what a kernel inside a step (started by srun) sees of that step's shape, even as its job's (SLURM_JOB_NODELIST
+# names the step's one node there): an srun given them refuses more nodes ("Only allocated 1 nodes asked for 2")
+STEP_SHAPE = (
+    "SLURM_JOB_NODELIST",
+    "SLURM_JOB_NUM_NODES",
+    "SLURM_NODELIST",
+    "SLURM_NNODES",
+    "SLURM_NTASKS",
+    "SLURM_NPROCS",
+    "SLURM_TASKS_PER_NODE",
+)
+
+
+def srun_environment(environment: Mapping[str, str]) -> dict[str, str]:
+    """``environment`` for the kernel's ``srun --overlap --jobid``: without its step's shape, so srun reads the
+    job's nodes from the controller, and without its GPUs (each node's are Slurm's to give the step)."""
+    return {
+        name: value
+        for name, value in environment.items()
+        if name not in (*STEP_SHAPE, "CUDA_VISIBLE_DEVICES") and not name.startswith(("SLURM_STEP", "SLURM_JOB_CPUS"))
+    }
+
+
 def srun_command(allocation: Allocation, nodes: list[str], agent: list[str], name: str = "gpumagic-agent") -> list[str]:
     """``srun --overlap`` running ``agent`` once on each of ``nodes`` of the allocation, as step ``name``."""
     return [

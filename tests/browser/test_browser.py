@@ -83,6 +83,7 @@ def test_a_reloaded_page_draws_finished_running_and_new_dashboards(jupyterlab, a
             page.wait_for_selector(".jp-Cell >> nth=2 >> canvas", timeout=60_000)
         except Exception:
             page.screenshot(path=str(artifacts / "browser-after-reload-not-drawn.png"), full_page=True)
+            print("the page's console:", *console[-60:], sep="\n  ")
             raise
         page.wait_for_timeout(1500)
         page.screenshot(path=str(artifacts / "browser-after-reload.png"), full_page=True)

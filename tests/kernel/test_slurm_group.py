@@ -7,7 +7,10 @@ from __future__ import annotations
 import ast
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -208,3 +211,26 @@ def test_group_mistakes_across_nodes_are_the_launchs_one_line_errors(allocation,
     with pytest.raises(UsageError) as caught:
         shell.run_line_magic("ddp", f"start {line}")
     assert says in str(caught.value) and "\n" not in str(caught.value), caught.value
+
+
+def test_a_group_from_a_kernel_on_a_node_of_the_allocation_puts_its_rank_0_there(allocation, tmp_path):
+    """Open OnDemand and batchspawner start Jupyter on the allocation's first node: srun starts a host there too,
+    beside the kernel, and rank 0 runs on the kernel's node."""
+    script = tmp_path / "on_node.py"
+    script.write_text(
+        "import gpumagic, socket\n"
+        "print('kernel on', socket.gethostname(), flush=True)\n"
+        f"with gpumagic.ranks(1, nnodes=2, gpus='none', output='all') as group:\n"
+        "    print(group.nodes, flush=True)\n"
+        f"    print(group.exec({ALL_REDUCE!r}), flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ["PYTHONPATH"]])}
+    done = subprocess.run(
+        ["srun", "--overlap", f"--jobid={allocation['SLURM_JOB_ID']}", "--nodelist=gmn1", "-N1", "-n1",
+         sys.executable, str(script)],
+        env=env, capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "kernel on gmn1" in done.stdout and "['gmn1', 'gmn2']" in done.stdout, done.stdout
+    assert "[rank 0 @gmn1] hello from gmn1" in done.stdout and "[rank 1 @gmn2] hello from gmn2" in done.stdout
+    assert "{0: ('gmn1', 3.0), 1: ('gmn2', 3.0)}" in done.stdout, done.stdout

@@ -407,3 +407,46 @@ def test_addresses_are_checked():
         with pytest.raises(ValueError, match="unix:PATH or tcp:HOST:PORT"):
             secure_store.parse_address(bad)
     assert secure_store.parse_address("tcp:[::1]:29500") == (socket.AF_INET6, ("::1", 29500))
+
+
+def test_only_this_runs_host_proof_opens_a_groups_link_and_its_frames_are_tagged():
+    """#41: a %ddp group across nodes listens for its node hosts on a TCP port: a proof of the run's key for a
+    store (GROUP, RENDEZVOUS), another key, or a proof bound to another address opens nothing there; the host's
+    own proof does, and a frame altered on the way ends its link."""
+    from gpumagic.launch.host_link import Frame
+    from gpumagic.launch.kernel_side.node_hosts import HostLinkServer
+
+    arrived = []
+    server = HostLinkServer(
+        secure_store.listen("tcp:127.0.0.1:0"), "", key=KEY, arrived=lambda c, s: arrived.append((c, s))
+    )
+    address = server.address
+    try:
+        for identity in (
+            secure_store.StoreIdentity(KEY, GROUP, address),  # a group store's proof
+            secure_store.StoreIdentity(KEY, secure_store.RENDEZVOUS, address),
+            secure_store.StoreIdentity(b"m" * 32, secure_store.HOST, address),  # another run's (or user's) key
+            secure_store.StoreIdentity(KEY, secure_store.HOST, "tcp:127.0.0.1:1"),  # relayed from another address
+        ):
+            with pytest.raises(secure_store.StoreRefused):
+                secure_store.open_session(address, 2, identity)
+        assert server.refused == 4 and not arrived
+        link, session = secure_store.open_session(
+            address, 2, secure_store.StoreIdentity(KEY, secure_store.HOST, address)
+        )
+        deadline = time.monotonic() + 5
+        while not arrived and time.monotonic() < deadline:
+            time.sleep(0.01)
+        kernel_end, kernel_session = arrived[0]
+        session.send(link, int(Frame.HELLO), [b"gmn2", b"123", b"10.0.0.2"])
+        assert kernel_session.receive(kernel_end) == (Frame.HELLO, [b"gmn2", b"123", b"10.0.0.2"])
+        forged = bytearray()  # a frame from someone who saw the traffic but has no session key
+        body = struct.pack("!I", 4) + b"gmn2"
+        forged += struct.pack("!IBI", len(body) + 5, int(Frame.SPAWN), 1) + body + b"\0" * secure_store.TAG
+        link.sendall(bytes(forged))
+        with pytest.raises(secure_store.StoreTampered):
+            kernel_session.receive(kernel_end)
+        link.close()
+        kernel_end.close()
+    finally:
+        server.close()

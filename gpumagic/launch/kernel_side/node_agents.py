@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpumagic.launch.allocation import Allocation, srun_command
+from gpumagic.launch.allocation import Allocation, srun_command, srun_environment
 from gpumagic.launch.plan import command_environment
 from gpumagic.launch.process_set import ProcessSet
 from gpumagic.launch.rank_side.agent import AgentError, read_events
@@ -141,8 +141,7 @@ def start_agents(
     if allocation is None:
         return NodeAgents(run_dir, local, None, None, [])
     nodes = allocation.nodes_to_start(nnodes)
-    env = command_environment()
-    env.pop("CUDA_VISIBLE_DEVICES", None)  # each node's GPUs are Slurm's to give its step
+    env = srun_environment(command_environment())
     try:
         with open_private(files.agents / "srun.log") as log:
             srun = subprocess.Popen(

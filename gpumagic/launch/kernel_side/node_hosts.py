@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumagic.launch import secure_store
-from gpumagic.launch.allocation import Allocation, srun_command
+from gpumagic.launch.allocation import Allocation, srun_command, srun_environment
 from gpumagic.launch.host_link import PING_S, Frame, HostStart, number, whole
 from gpumagic.launch.kernel_side.group_members import GroupError
 from gpumagic.launch.kernel_side.node_agents import last_line, node_timeout
@@ -661,8 +661,7 @@ def start_with_srun(allocation: Allocation, run_dir: Path) -> Callable[[list[str
     each node's GPUs Slurm's to give; its output in the run's private launch directory."""
 
     def launch(nodes: list[str], command: list[str]) -> list[subprocess.Popen]:
-        env = command_environment()
-        env.pop("CUDA_VISIBLE_DEVICES", None)
+        env = srun_environment(command_environment())
         with open_private(RunFiles(run_dir).launch / "hosts.log") as log:
             try:
                 return [

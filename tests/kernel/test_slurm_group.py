@@ -234,3 +234,22 @@ def test_a_group_from_a_kernel_on_a_node_of_the_allocation_puts_its_rank_0_there
     assert "kernel on gmn1" in done.stdout and "['gmn1', 'gmn2']" in done.stdout, done.stdout
     assert "[rank 0 @gmn1] hello from gmn1" in done.stdout and "[rank 1 @gmn2] hello from gmn2" in done.stdout
     assert "{0: ('gmn1', 3.0), 1: ('gmn2', 3.0)}" in done.stdout, done.stdout
+
+
+def test_a_rank_that_will_not_stop_on_the_other_node_is_killed_there_and_replaced(allocation, start_kernel):
+    kernel = start_kernel(**allocation)
+    kernel.ok(SETUP)
+    kernel.ok("%ddp start -n 1 --nnodes 2 --gpus none --no-dashboard --grace 1s", timeout=180)
+    kernel.ok("%%ddp\nimport signal, torch\nscratch = rank + 100")
+    before = rank_pids(kernel)
+    stuck = kernel.run(
+        "%%ddp --timeout 2s\nif rank == 1:\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n    while True:\n"
+        "        pass\n'x'",
+        timeout=60,
+    )
+    assert stuck.error is not None and stuck.error[0] == "CellInterrupted", stuck
+    assert "rank 1 did not stop and was killed" in stuck.error[1] and "lost on rank 1: scratch" in stuck.error[1]
+    after = rank_pids(kernel)
+    assert after[0] == before[0] and after[1] != before[1] and not psutil.pid_exists(before[1])
+    kernel.ok("%%ddp -o now\nimport socket\nt = torch.ones(1)\ndist.all_reduce(t)\n(socket.gethostname(), t.item())")
+    assert kernel.ok("print(now)").stdout.strip() == "{0: ('gmn1', 2.0), 1: ('gmn2', 2.0)}"

@@ -222,6 +222,7 @@ class NodeHosts:
         self.remote: dict[int, RemoteRank] = {}
         self.silence_s = node_silence()
         self._far: dict[int, _Far] = {}
+        self._abandoned: list[_Far] = []  # replaced before their end was heard: the bridge closes them
         self._arrivals: queue.Queue[tuple[socket.socket, secure_store.Session]] = queue.Queue()
         self._wake_read, self._wake_write = os.pipe()
         self._closing = False
@@ -323,8 +324,8 @@ class NodeHosts:
         for fd in fds.values():
             os.set_blocking(fd, False)
         old = self._far.get(rank)
-        if old is not None:
-            old.close()
+        if old is not None and old.fds:  # one whose end was not heard (killed, silent): the bridge lets it go
+            self._abandoned.append(old)
         self._far[rank] = _Far(remote, fds)  # before SPAWN: the bridge finds it for the rank's first words
         self.remote[rank] = remote
         self._wake()
@@ -379,7 +380,7 @@ class NodeHosts:
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
-        for far in self._far.values():
+        for far in [*self._far.values(), *self._abandoned]:
             far.close()
         for fd in (self._wake_read, self._wake_write):
             with contextlib.suppress(OSError):
@@ -398,6 +399,8 @@ class NodeHosts:
             selector.register(link.connection, selectors.EVENT_READ, ("host", link, ""))
         try:
             while not self._closing:
+                while self._abandoned:
+                    self._forget(selector, self._abandoned.pop())
                 for far in list(self._far.values()):
                     self._interest(selector, far)
                 for key, mask in selector.select(0.25):

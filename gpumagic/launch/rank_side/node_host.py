@@ -156,7 +156,7 @@ class NodeHost:
                 return 1
             try:
                 return self._serve()
-            except HostEnded as err:
+            except (HostEnded, OSError, ConnectionError) as err:  # the kernel is gone, or its link failed under us
                 _log.debug("the host ends its ranks: %s", err)
                 self._end_all()
                 return 1

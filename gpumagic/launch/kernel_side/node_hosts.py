@@ -40,7 +40,7 @@ from gpumagic.launch.kernel_side.group_members import GroupError
 from gpumagic.launch.kernel_side.node_agents import last_line, node_timeout
 from gpumagic.launch.options import LaunchOptions
 from gpumagic.launch.plan import LaunchPlan, Placement, command_environment
-from gpumagic.launch.process_set import Exit
+from gpumagic.launch.process_set import Exit, ProcessSet
 from gpumagic.launch.store_server import StoreServer
 from gpumagic.run_dirs.launch_files import store_key
 from gpumagic.run_dirs.layout import RunFiles
@@ -52,6 +52,7 @@ SILENCE_VARIABLE = "GPUMAGIC_NODE_SILENCE"
 NODE_SILENCE_S = 5.0  # a host that said nothing for this long (it pings every second) stopped answering
 STARTED_TIMEOUT_S = 30.0  # for a host to fork a rank
 HOSTS_END_S = 5.0  # for srun to end once its hosts were told to stop
+SRUN_GRACE_S = 3.0  # then for srun to end at its SIGTERM
 
 
 def node_silence() -> float:
@@ -79,11 +80,10 @@ class HostLinkServer(StoreServer):
 class HostLink:
     """One node's host as the kernel sees it: its proven connection, and whether it still answers."""
 
-    def __init__(self, connection: socket.socket, session: secure_store.Session, node: str, pid: int) -> None:
+    def __init__(self, connection: socket.socket, session: secure_store.Session, node: str) -> None:
         self.connection = connection
         self.session = session
         self.node = node
-        self.pid = pid
         self.node_rank = -1
         self.heard = time.monotonic()
         self.sent = time.monotonic()
@@ -135,6 +135,12 @@ class RemoteRank:
 
     def join(self, timeout: float | None = None) -> None:
         self.done.wait(timeout)
+
+    def settle(self, within: float) -> None:
+        """Wait ``within`` seconds for its host's word that it ended (it was told to end); without one, it ended
+        here, as stopped and lost."""
+        self.join(within)
+        self.end(None, time.time(), True, lost=f"node {self.node} did not say it ended")
 
     def end(self, exitcode: int | None, when: float, stopped: bool, lost: str | None = None) -> None:
         """Record how it ended (the first word wins) and wake whoever polls its sentinel."""
@@ -219,7 +225,6 @@ class NodeHosts:
         self.launch = launch
         self.links: list[HostLink] = []  # by node rank
         self.launched: list[subprocess.Popen] = []  # srun (or, for a test on one machine, the hosts themselves)
-        self.remote: dict[int, RemoteRank] = {}
         self.silence_s = node_silence()
         self._far: dict[int, _Far] = {}
         self._abandoned: list[_Far] = []  # replaced before their end was heard: the bridge closes them
@@ -316,8 +321,9 @@ class NodeHosts:
             GroupError: its node does not answer (named), or did not start it.
         """
         host = self.host_of(rank)
+        cannot = "rank {rank} cannot start there; %ddp restart starts a fresh group"
         if host.gone is not None:
-            raise GroupError(f"{host.gone}: rank {rank} cannot start there; %ddp restart starts a fresh group")
+            raise GroupError(f"{host.gone}: {cannot.format(rank=rank)}")
         remote = RemoteRank(rank, host)
         fds = {"message": os.dup(theirs.fileno()), "status": os.dup(status_theirs.fileno()),
                "output": os.dup(writer.fileno())}  # fmt: skip
@@ -327,11 +333,10 @@ class NodeHosts:
         if old is not None and old.fds:  # one whose end was not heard (killed, silent): the bridge lets it go
             self._abandoned.append(old)
         self._far[rank] = _Far(remote, fds)  # before SPAWN: the bridge finds it for the rank's first words
-        self.remote[rank] = remote
         self._wake()
         if not host.send(Frame.SPAWN, number(rank)):
             host.gone = host.gone or f"node {host.node}'s host ended (its link failed)"
-            raise GroupError(f"{host.gone}: rank {rank} cannot start there; %ddp restart starts a fresh group")
+            raise GroupError(f"{host.gone}: {cannot.format(rank=rank)}")
         deadline = time.monotonic() + STARTED_TIMEOUT_S
         while not remote.started.wait(0.1):
             if host.gone is not None or time.monotonic() > deadline:
@@ -373,13 +378,9 @@ class NodeHosts:
         for process in self.launched:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(max(0.1, deadline - time.monotonic()))
-            if process.poll() is None:
-                process.terminate()  # srun: SIGTERM ends its step's tasks
-                try:
-                    process.wait(3.0)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+        srun = ProcessSet([p for p in self.launched if p.poll() is None])
+        srun.stop(signal.SIGTERM, grace_s=SRUN_GRACE_S)  # srun: SIGTERM ends its step's tasks; SIGKILL after
+        srun.close()
         for far in [*self._far.values(), *self._abandoned]:
             far.close()
         for fd in (self._wake_read, self._wake_write):
@@ -558,7 +559,8 @@ def _hello(connection: socket.socket, session: secure_store.Session) -> HostLink
         connection.settimeout(None)
         if code != Frame.HELLO:
             raise ValueError(f"a host's first frame was {code}, not HELLO")
-        return HostLink(connection, session, fields[0].decode(), whole(fields[1]))
+        _log.debug("node %s's host (pid %s, address %s) linked", *(f.decode() for f in fields[:3]))
+        return HostLink(connection, session, fields[0].decode())
     except (OSError, ConnectionError, ValueError, IndexError):
         _log.debug("a proven host did not say HELLO; dropped", exc_info=True)
         with contextlib.suppress(OSError):
@@ -624,8 +626,7 @@ class RemoteRanks:
         self.stopped.add(index)
         process = self.processes[index]
         self.hosts.kill(process.rank)
-        process.join(5.0)
-        process.end(None, time.time(), True, lost=f"node {process.node} did not say it ended")
+        process.settle(5.0)
         return self._record(index) or self.exits[index]
 
     def end_leftovers(self, indices: Iterable[int] | None = None) -> None:
@@ -635,11 +636,8 @@ class RemoteRanks:
         running = self.running
         self.stopped.update(running)
         self.hosts.stop(first, grace_s)
-        now = time.time()
         for index in running:
-            process = self.processes[index]
-            process.join(1.0)
-            process.end(None, now, True, lost=f"node {process.node} did not say it ended")
+            self.processes[index].settle(1.0)
             self._record(index)
         return signal.Signals(first).name
 

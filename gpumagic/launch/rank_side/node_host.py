@@ -82,19 +82,17 @@ def main(argv: list[str] | None = None) -> int:
         _log.debug("the host cannot start", exc_info=True)
         print(f"gpumagic host on {name}: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
-    return NodeHost(link, session, files, name, args.connect).run()
+    return NodeHost(link, session, files, name).run()
 
 
 class NodeHost:
     """One node's host: ``run`` serves the link until the kernel stops the group or is gone."""
 
-    def __init__(self, link: socket.socket, session: secure_store.Session, files: RunFiles, name: str,
-                 address: str) -> None:  # fmt: skip
+    def __init__(self, link: socket.socket, session: secure_store.Session, files: RunFiles, name: str) -> None:
         self.link = link
         self.session = session
         self.files = files
         self.name = name
-        self.address = address
         self.ranks: dict[int, _Rank] = {}  # global rank -> its process and pipes
         self.processes = ProcessSet([], groups=True)  # each rank leads its process group
         self.index: dict[int, int] = {}  # global rank -> its index in ``processes``
@@ -250,31 +248,33 @@ class NodeHost:
         self.ranks[rank] = _Rank(rank, process, started.connection, started.status, started.output)
         self.send(Frame.STARTED, number(rank), number(process.pid))
         # where it runs, as a launch's rank records it: this node's sampler (the dashboard's resources) reads it
-        started = {"rank": rank, "attempt": 0, "pid": process.pid, "host": socket.gethostname(), "started": time.time()}
+        record = {"rank": rank, "attempt": 0, "pid": process.pid, "host": socket.gethostname(), "started": time.time()}
         try:
-            write_private(self.files.rank_start(rank), json.dumps(started).encode())
+            write_private(self.files.rank_start(rank), json.dumps(record).encode())
         except OSError:
             _log.debug("rank %d's start record could not be written; the dashboard misses its resources", rank,
                        exc_info=True)  # fmt: skip
 
-    def _relay(self, what: str, rank: _Rank) -> None:
-        """What a rank wrote on one of its pipes, to the kernel whole."""
+    def _relay(self, what: str, rank: _Rank) -> bool:
+        """What a rank wrote on one of its pipes, to the kernel whole (a message pipe's: all it holds now); whether
+        more may wait (output relayed, one read at a time)."""
         try:
             if what == "output":
                 data = os.read(rank.output.fileno(), 65536)
                 if data:
                     self.send(Frame.OUT, number(rank.rank), data)
-                else:
-                    rank.ended_pipes.add(what)
-                return
+                    return True
+                rank.ended_pipes.add(what)
+                return False
             connection, code = (rank.message, Frame.MSG) if what == "message" else (rank.status, Frame.STATUS)
             while connection.poll():
                 self.send(code, number(rank.rank), connection.recv_bytes())
         except BlockingIOError:
-            return
+            return False
         except (EOFError, OSError):
             rank.ended_pipes.add(what)
             _log.debug("rank %d's %s pipe ended: it is ending (its pidfd tells)", rank.rank, what)
+        return False
 
     def _ended(self, exit: Exit | None) -> None:
         """A rank ended: what it said and wrote goes first, then its end; what it started ends with it."""
@@ -285,12 +285,9 @@ class NodeHost:
         if held is None:
             return
         self.processes.end_leftovers([exit.index])
-        for what in ("message", "status"):
-            if what not in held.ended_pipes:
-                self._relay(what, held)
-        with contextlib.suppress(OSError):
-            while "output" not in held.ended_pipes and (data := os.read(held.output.fileno(), 65536)):
-                self.send(Frame.OUT, number(held.rank), data)
+        for what in ("message", "status", "output"):
+            while what not in held.ended_pipes and self._relay(what, held):
+                pass
         for handle in (held.message, held.status, held.output):
             with contextlib.suppress(OSError):
                 handle.close()

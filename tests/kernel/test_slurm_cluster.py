@@ -305,17 +305,24 @@ def test_a_rank_dying_on_the_other_node_restarts_the_group_across_the_allocation
     assert kernel.ok("print(out)").stdout.strip() == "{0: ('gmn1', 1, 2.0), 1: ('gmn2', 1, 2.0)}"
 
 
+def send_until_printed(kernel, cell: str, *texts: str, timeout: float = 90) -> str:
+    """Send ``cell`` (it runs on) and read its output until it printed each of ``texts``; what it printed."""
+    msg_id = kernel.client.execute(cell)
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while not all(text in seen for text in texts):
+        assert time.monotonic() < deadline, seen
+        message = kernel.client.get_iopub_msg(timeout=timeout)
+        if message["parent_header"].get("msg_id") == msg_id and message["msg_type"] == "stream":
+            seen += message["content"]["text"]
+    return seen
+
+
 def start_forever_across_nodes(kernel) -> dict[str, int]:
     """Send a cell whose ranks, one on each node, print forever; once both printed, their pids by node."""
     kernel.ok("%load_ext gpumagic")
-    msg_id = kernel.client.execute("%%launch_ddp -n 1 --nnodes 2 --gpus none\n" + FOREVER)
-    seen = ""
-    deadline = time.monotonic() + 90
-    while "[rank 1] working" not in seen or "[rank 0] working" not in seen:
-        assert time.monotonic() < deadline, seen
-        message = kernel.client.get_iopub_msg(timeout=90)
-        if message["parent_header"].get("msg_id") == msg_id and message["msg_type"] == "stream":
-            seen += message["content"]["text"]
+    seen = send_until_printed(kernel, "%%launch_ddp -n 1 --nnodes 2 --gpus none\n" + FOREVER, "[rank 0] working",
+                              "[rank 1] working")  # fmt: skip
     files = RunFiles(Path(seen.split("run directory ", 1)[1].split()[0]))
     starts = [json.loads(files.rank_start(r).read_text()) for r in (0, 1)]
     return {start["host"]: start["pid"] for start in starts}
@@ -366,6 +373,14 @@ def test_a_kernel_on_a_node_of_the_allocation_runs_ranks_there_and_srun_starts_t
         "print('kernel on', socket.gethostname())\n"
         "print(gpumagic.launch_ddp(f, 1, nnodes=2, gpus='none'))\n"
     )
+    done = run_on_first_node(allocation, script)
+    assert "kernel on gmn1" in done.stdout and "ranks on this node (gmn1) and gmn2" in done.stdout, done.stdout
+    assert "{0: ('gmn1', 2.0), 1: ('gmn2', 2.0)}" in done.stdout, done.stdout
+
+
+def run_on_first_node(allocation: dict, script: Path) -> subprocess.CompletedProcess:
+    """Run ``script`` as a step on the allocation's first node (gmn1), as Jupyter runs where Open OnDemand or
+    batchspawner start it there; it must succeed."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ["PYTHONPATH"]])}
     done = subprocess.run(
         ["srun", "--overlap", f"--jobid={allocation['SLURM_JOB_ID']}", "--nodelist=gmn1", "-N1", "-n1",
@@ -373,8 +388,7 @@ def test_a_kernel_on_a_node_of_the_allocation_runs_ranks_there_and_srun_starts_t
         env=env, capture_output=True, text=True, timeout=180, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "kernel on gmn1" in done.stdout and "ranks on this node (gmn1) and gmn2" in done.stdout, done.stdout
-    assert "{0: ('gmn1', 2.0), 1: ('gmn2', 2.0)}" in done.stdout, done.stdout
+    return done
 
 
 def command_line(process: psutil.Process) -> str:
@@ -404,19 +418,32 @@ def test_a_node_that_does_not_answer_is_named_and_nothing_is_left(allocation, on
     assert not [p for p in psutil.Process().children(recursive=True) if "gpumagic.agent" in command_line(p)]
 
 
+# (environment, options, what the one-line error says): a launch's and a %ddp group's across the nodes alike
+MULTI_NODE_MISTAKES = [
+    ({}, "-n 1 --nnodes 3 --gpus none", "--nnodes 3, but Slurm allocation"),
+    ({"PATH": "/nonexistent"}, "-n 1 --nnodes 2 --gpus none", "with srun, which is not on PATH"),
+    ({}, "-n 1 --nnodes 2 --gpus 0", "names this machine's GPUs, and no rank runs here"),
+]
+
+
 @pytest.mark.parametrize(
     ("environment", "line", "says"),
     [
-        ({}, "-n 1 --nnodes 3 --gpus none", "--nnodes 3, but Slurm allocation"),
-        ({"PATH": "/nonexistent"}, "-n 1 --nnodes 2 --gpus none", "with srun, which is not on PATH"),
+        *MULTI_NODE_MISTAKES,
         ({}, "-n 1 --nnodes 2 --node-rank 0 --gpus none", "leave out --node-rank"),
-        ({}, "-n 1 --nnodes 2 --gpus 0", "names this machine's GPUs, and no rank runs here"),
         ({"SLURM_JOB_ID": "", "SLURM_JOBID": ""}, "-n 1 --nnodes 2 --gpus none", "notebook inside a Slurm allocation"),
     ],
 )
 def test_multi_node_mistakes_are_one_line_errors(allocation, shell, monkeypatch, environment, line, says):
+    said = refused_inside(allocation, monkeypatch, environment, lambda: shell.run_cell_magic("launch_ddp", line, "1"))
+    assert says in said, said
+
+
+def refused_inside(allocation: dict, monkeypatch, environment: dict, run) -> str:
+    """The one-line UsageError ``run()`` raises inside the allocation, with ``environment`` over its variables."""
     for name, value in {**allocation, **environment}.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(UsageError) as caught:
-        shell.run_cell_magic("launch_ddp", line, "1")
-    assert says in str(caught.value) and "\n" not in str(caught.value), caught.value
+        run()
+    assert "\n" not in str(caught.value), caught.value
+    return str(caught.value)

@@ -7,16 +7,21 @@ from __future__ import annotations
 import ast
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
-from IPython.core.error import UsageError
 
-from tests.kernel.test_slurm_cluster import ALL_REDUCE, FOREVER, on_steps, wait_for
+from tests.kernel.test_slurm_cluster import (
+    ALL_REDUCE,
+    FOREVER,
+    MULTI_NODE_MISTAKES,
+    on_steps,
+    refused_inside,
+    run_on_first_node,
+    send_until_printed,
+    wait_for,
+)
 
 pytestmark = pytest.mark.kernel
 
@@ -78,14 +83,8 @@ def test_every_ddp_feature_reaches_the_other_node(allocation, start_kernel):
     kernel.ok(SETUP)
     kernel.ok("%ddp start -n 1 --nnodes 2 --gpus none --output all --no-dashboard", timeout=180)
     # the stop button: both nodes stop at one point, the replicas still alike, the group goes on
-    msg_id = kernel.client.execute("%%ddp\n" + FOREVER.replace("'working'", "'working on', rank"))
-    seen = ""
-    deadline = time.monotonic() + 60
-    while "working on 1" not in seen or "working on 0" not in seen:
-        assert time.monotonic() < deadline, seen
-        message = kernel.client.get_iopub_msg(timeout=60)
-        if message["parent_header"].get("msg_id") == msg_id and message["msg_type"] == "stream":
-            seen += message["content"]["text"]
+    forever = "%%ddp\n" + FOREVER.replace("'working'", "'working on', rank")
+    send_until_printed(kernel, forever, "working on 0", "working on 1", timeout=60)
     content, took = kernel.interrupt()
     assert content["status"] == "error" and content["ename"] == "CellInterrupted", content
     print(f"the stop button across 2 nodes: the cell returned {took:.2f}s after the interrupt")
@@ -197,20 +196,15 @@ def test_the_dashboard_draws_both_nodes_and_a_shutdown_leaves_nothing(allocation
 @pytest.mark.parametrize(
     ("environment", "line", "says"),
     [
-        ({}, "-n 1 --nnodes 3 --gpus none", "--nnodes 3, but Slurm allocation"),
-        ({"PATH": "/nonexistent"}, "-n 1 --nnodes 2 --gpus none", "with srun, which is not on PATH"),
-        ({}, "-n 1 --nnodes 2 --gpus 0", "names this machine's GPUs, and no rank runs here"),
+        *MULTI_NODE_MISTAKES,
         ({}, "-n 1 --nnodes 2 --gpus none --pdb", "unrecognized arguments: --pdb"),
         ({"SLURM_JOB_ID": "", "SLURM_JOBID": ""}, "-n 1 --nnodes 2 --gpus none", "nodes of a Slurm allocation"),
     ],
 )
 def test_group_mistakes_across_nodes_are_the_launchs_one_line_errors(allocation, shell, monkeypatch, environment,
                                                                       line, says):  # fmt: skip
-    for name, value in {**allocation, **environment}.items():
-        monkeypatch.setenv(name, value)
-    with pytest.raises(UsageError) as caught:
-        shell.run_line_magic("ddp", f"start {line}")
-    assert says in str(caught.value) and "\n" not in str(caught.value), caught.value
+    said = refused_inside(allocation, monkeypatch, environment, lambda: shell.run_line_magic("ddp", f"start {line}"))
+    assert says in said, said
 
 
 def test_a_group_from_a_kernel_on_a_node_of_the_allocation_puts_its_rank_0_there(allocation, tmp_path):
@@ -224,13 +218,7 @@ def test_a_group_from_a_kernel_on_a_node_of_the_allocation_puts_its_rank_0_there
         "    print(group.nodes, flush=True)\n"
         f"    print(group.exec({ALL_REDUCE!r}), flush=True)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ["PYTHONPATH"]])}
-    done = subprocess.run(
-        ["srun", "--overlap", f"--jobid={allocation['SLURM_JOB_ID']}", "--nodelist=gmn1", "-N1", "-n1",
-         sys.executable, str(script)],
-        env=env, capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = run_on_first_node(allocation, script)
     assert "kernel on gmn1" in done.stdout and "['gmn1', 'gmn2']" in done.stdout, done.stdout
     assert "[rank 0 @gmn1] hello from gmn1" in done.stdout and "[rank 1 @gmn2] hello from gmn2" in done.stdout
     assert "{0: ('gmn1', 3.0), 1: ('gmn2', 3.0)}" in done.stdout, done.stdout

@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the owners' own signatures
     from gpumagic.launch.kernel_side.ddp import launch_ddp, spawn
     from gpumagic.launch.kernel_side.group import CellFailed, CellInterrupted
     from gpumagic.launch.kernel_side.session import ddp_group, ranks
+    from gpumagic.launch.rank_side.checkpoints import CheckpointError, checkpoint, restore
     from gpumagic.launch.rank_side.group_rank import keep
     from gpumagic.launch.seeding import seed
     from gpumagic.run_dirs.store import list_runs as runs
@@ -83,6 +84,9 @@ _EXPORTS = {
     "ddp_group": ("gpumagic.launch.kernel_side.session", "ddp_group"),
     "ranks": ("gpumagic.launch.kernel_side.session", "ranks"),
     "keep": ("gpumagic.launch.rank_side.group_rank", "keep"),
+    "checkpoint": ("gpumagic.launch.rank_side.checkpoints", "checkpoint"),
+    "restore": ("gpumagic.launch.rank_side.checkpoints", "restore"),
+    "CheckpointError": ("gpumagic.launch.rank_side.checkpoints", "CheckpointError"),
     "seed": ("gpumagic.launch.seeding", "seed"),
     "runs": ("gpumagic.run_dirs.store", "list_runs"),
     "load_run": ("gpumagic.run_dirs.store", "load_run"),
@@ -96,6 +100,7 @@ _EXPORTS = {
 __all__ = [  # the errors above, load_ipython_extension and every name of _EXPORTS
     "CellFailed",
     "CellInterrupted",
+    "CheckpointError",
     "GpuLeasedError",
     "GpumagicError",
     "InvalidArgument",
@@ -107,6 +112,7 @@ __all__ = [  # the errors above, load_ipython_extension and every name of _EXPOR
     "LeaseDirectoryError",
     "NoGpuError",
     "NotEnoughGpusError",
+    "checkpoint",
     "compare",
     "ddp_group",
     "gpus",
@@ -123,6 +129,7 @@ __all__ = [  # the errors above, load_ipython_extension and every name of _EXPOR
     "plot_run",
     "ranks",
     "release",
+    "restore",
     "runs",
     "seed",
     "select_jobs",

@@ -18,22 +18,34 @@ from typing import Any
 
 import cloudpickle
 
+from gpumagic.devices.placement import Request
 from gpumagic.errors import InvalidArgument, KillRefused, ReportedError
-from gpumagic.jobs import executors
+from gpumagic.jobs import executors, local
 from gpumagic.jobs.executors import Entry, Submission, executor_of
 from gpumagic.launch.kernel_side.output import RankOutput
 from gpumagic.launch.option_table import default, on, option
 from gpumagic.launch.options import LaunchOptions
 from gpumagic.launch.shipping import pack, ship_cell, ship_function
-from gpumagic.run_dirs import records
+from gpumagic.run_dirs import checkpoint_files, records
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.signing import read_sealed
 from gpumagic.run_dirs.store import Run
-from gpumagic.units import format_duration, parse_duration
+from gpumagic.units import format_duration, parse_duration, parse_size
 
 _log = logging.getLogger(__name__)
 
 KILL_GRACE_S = 5.0
+
+
+class _Same:
+    """Left out of ``Job.resume``: the option stays as the earlier attempt had it."""
+
+    def __repr__(self) -> str:
+        return "SAME"
+
+
+SAME = _Same()
+RESUMABLE = ("gpus", "min_free", "memory_limit", "ddp", "backend", "timeout", "hang_after")  # Job.resume's options
 STATES = (*records.ACTIVE, *records.ENDED)  # every status a job can have
 
 
@@ -203,6 +215,65 @@ class Job:
         runs_on.kill(self.path, info, grace_s)
         return self.status
 
+    def resume(
+        self,
+        *,
+        gpus: int | str | _Same | None = SAME,
+        min_free: str | int | _Same | None = SAME,
+        memory_limit: bool | _Same = SAME,
+        ddp: int | _Same | None = SAME,
+        backend: str | _Same | None = SAME,
+        timeout: str | float | _Same = SAME,
+        hang_after: str | float | _Same = SAME,
+    ) -> Job:
+        """Start a new attempt of this ended job (killed, failed, lost, cancelled) in its directory: it queues
+        again, and its code's ``gpumagic.restore`` loads the last checkpoint any attempt saved. Options left out
+        stay as they were; the earlier attempt's output, error and metrics move to ``attempts/N/``. Returns self.
+
+        >>> gpumagic.job("A1").resume(gpus=2, timeout="2h")  # doctest: +SKIP
+
+        Raises:
+            InvalidArgument: the job is active or finished, a malformed option, or a Slurm job (Slurm resumes a
+                requeued job itself).
+        """
+        info = self.info
+        runs_on = executor_of(info)
+        if info.get("executor") == "slurm":
+            raise InvalidArgument(
+                f"job {info['name']} ran on Slurm: a requeue (preemption, scontrol requeue) resumes it by itself; "
+                "%jobs resume is for this machine's jobs"
+            )
+        local.check_resumable(info["name"], runs_on.end(info).status)
+        spec = records.read_spec(self.path)
+        given = dict(zip(RESUMABLE, (gpus, min_free, memory_limit, ddp, backend, timeout, hang_after), strict=True))
+        changed = {name: value for name, value in given.items() if value is not SAME}
+        for name, value in changed.items():  # the table's checks, in the words a submission gets
+            check = option("job", name).check
+            if check is not None:
+                check(value)
+        changes: dict[str, Any] = {}
+        if {"gpus", "min_free", "ddp"} & changed.keys():
+            changes["request"] = _resumed_request(spec, changed).to_json()
+        if "ddp" in changed:
+            changes["ddp"] = changed["ddp"]
+        if "memory_limit" in changed:
+            changes["memory_limit"] = changed["memory_limit"]
+        if {"backend", "timeout", "hang_after"} & changed.keys():
+            launch = LaunchOptions(
+                changed.get("ddp", spec.ddp),
+                backend=changed.get("backend", spec.backend),
+                timeout=changed.get("timeout", spec.timeout_s or default("job", "timeout")),
+                hang_after=changed.get("hang_after", spec.hang_after_s if spec.hang_after_s is not None else 0),
+            )
+            changes.update(backend=launch.backend, timeout_s=launch.timeout_s, hang_after_s=launch.hang_after_s)
+        if (
+            changes.get("memory_limit", spec.memory_limit)
+            and Request.from_json(changes.get("request", spec.request)).min_free is None
+        ):
+            raise InvalidArgument("memory_limit caps a job at the memory it declares: give min_free too")
+        local.resume(self.path, changes)
+        return self
+
     def remove(self) -> None:
         """Delete the job's directory (output, metrics, result). Raises InvalidArgument while it is active."""
 
@@ -220,6 +291,9 @@ class Job:
         text = f"{info['name']}: {ended.status}{where}, {format_duration(records.elapsed(info))}"
         if ended.status != "finished" and ended.why:
             text += f" ({ended.why})"
+        resumed = resumed_note(self.path, info)
+        if resumed:
+            text += f", {resumed}"
         latest = format_metrics(self.last_metrics())
         return text + (f" · {latest}" if latest else "")
 
@@ -530,8 +604,33 @@ def _dependencies(after: Any) -> list[str]:
     return names
 
 
+def _resumed_request(spec: records.JobSpec, changed: Mapping[str, Any]) -> Request:
+    """The GPU request of a resumed job: the earlier one, with the GPUs, memory or ranks ``changed``, checked
+    against this machine as a submission is."""
+    earlier = Request.from_json(spec.request)
+    if "gpus" not in changed and "ddp" not in changed and earlier.uuids:  # the same named GPUs
+        free = changed["min_free"]
+        return Request(earlier.wants, earlier.uuids, parse_size(free) if free is not None else None)
+    if "gpus" in changed:
+        gpus = changed["gpus"]
+    else:  # other ranks, one GPU each as a submission gives, unless it ran on the CPU
+        gpus = earlier.wants if "ddp" not in changed else None if earlier.wants else 0
+    min_free = changed.get("min_free", earlier.min_free)
+    request, _ = local.check_resources(gpus, min_free, changed.get("ddp", spec.ddp), None)
+    return request
+
+
 def _short(value: Any) -> str:
     return value if isinstance(value, str) else repr(value) if not isinstance(value, float) else f"{value:g}"
+
+
+def resumed_note(path: Path, info: Mapping[str, Any]) -> str:
+    """``resumed from step 12,400 (attempt 2)`` when this attempt of the job restored a checkpoint; else empty."""
+    restored = checkpoint_files.restored(path)
+    attempt = int(info.get("attempt") or 1) + int(info.get("slurm_restarts") or 0)
+    if restored is None or restored.attempt != attempt or not restored.step:
+        return ""
+    return f"resumed from step {restored.step:,} (attempt {attempt})"
 
 
 def format_metrics(latest: Mapping[str, tuple[float, float]]) -> str:

@@ -85,6 +85,35 @@ def submit(entries: list[Entry], resources: tuple[Request, Inventory | None], su
     return paths
 
 
+def resume(path: Path, changes: dict[str, Any]) -> int:
+    """Start the next attempt of the ended job at ``path`` with ``changes`` to its spec (``records.start_attempt``):
+    it queues again, and its code restores from its checkpoints. Returns the attempt's number.
+
+    Raises:
+        InvalidArgument: it is active, or finished (``api.Job.resume`` says so first; checked again under the lock,
+            against a second kernel resuming it at the same moment).
+    """
+    request = Request.from_json(changes.get("request") or records.read_spec(path).request)
+    if request.wants:
+        lease_directory.lease_dir()  # an unusable lease directory is refused before anything moves
+    with records.names_locked():
+        info = records.read(path)
+        check_resumable(info["name"], end(info).status)
+        attempt = records.start_attempt(path, changes)
+    _start_runner(path)
+    return attempt
+
+
+def check_resumable(name: str, status: str) -> None:
+    """Raises InvalidArgument unless a job that is ``status`` can be resumed (it ended, without finishing)."""
+    if status in records.ACTIVE:
+        raise InvalidArgument(
+            f"job {name} is {status}; resume starts a new attempt of an ended job (%jobs kill {name} first)"
+        )
+    if status == "finished":
+        raise InvalidArgument(f"job {name} finished; there is nothing to resume (submit it again for a new run)")
+
+
 def end(info: Mapping[str, Any]) -> RunEnd:
     """How the job ended, or that it is active: as recorded, or ``lost`` when it should be alive but its runner is
     gone (``run_dirs.run_end``)."""

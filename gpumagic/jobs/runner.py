@@ -204,6 +204,7 @@ class _Runner:
         from gpumagic.launch.kernel_side import local
         from gpumagic.launch.kernel_side.output import RankOutput
         from gpumagic.launch.plan import LaunchPlan, place_on
+        from gpumagic.launch.rank_side.checkpoints import ATTEMPT_VARIABLE
         from gpumagic.launch.rank_side.memory_cap import MEMORY_LIMIT_VARIABLE
 
         ddp = spec.ddp
@@ -231,7 +232,10 @@ class _Runner:
             master_port=local.loopback_port(None),
             timeout_s=float(spec.timeout_s or 1800.0),
             hang_after_s=float(spec.hang_after_s or 0.0) if ddp else 0.0,
-            extra_env={MEMORY_LIMIT_VARIABLE: str(int(reserve))} if capped else None,
+            extra_env={
+                ATTEMPT_VARIABLE: str(spec.attempt or 1),  # for restore's "resumed from step N (attempt 2)"
+                **({MEMORY_LIMIT_VARIABLE: str(int(reserve))} if capped else {}),
+            },
         )
         records.update(
             self.run_dir,

@@ -15,7 +15,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from gpumagic.errors import GpumagicError
-from gpumagic.jobs.api import STATES, JobRequest, job, list_jobs, select_jobs, submit_cell
+from gpumagic.jobs.api import RESUMABLE, STATES, JobRequest, job, list_jobs, select_jobs, submit_cell
 from gpumagic.launch.kernel_side.output import cell_number, in_kernel
 from gpumagic.magics.parsing import (
     Help,
@@ -106,12 +106,21 @@ def _jobs_parsers() -> dict[str, Parser]:
         metavar="COND",
         help="keep the runs that pass COND: lr<=0.001, opt=adam, name~A- (repeatable)",
     )
+    resume = Parser(
+        "%jobs resume",
+        "Start a new attempt of an ended job (killed, failed, lost): it queues again, and its gpumagic.restore loads\n"
+        "the last checkpoint any attempt saved. Options given replace the earlier attempt's; the rest stay.\n"
+        "Example: %jobs resume A1 --gpus 2 --timeout 2h",
+    )
+    resume.add_argument("name")
+    add_options(resume, "job", only=RESUMABLE, changes=True)
     helper = Parser("%jobs help", "Help on a subcommand.")
     helper.add_argument("subcommand", nargs="?")
     return {
         "list": listing,
         "logs": logs,
         "kill": kill,
+        "resume": resume,
         "wait": wait,
         "result": result,
         "rm": remove,
@@ -128,6 +137,7 @@ _OVERVIEW = (
     "  %jobs                      list them: status, why they wait, GPUs, elapsed, latest metrics\n"
     "  %jobs logs NAME [-f]       output so far; -f follows it\n"
     "  %jobs kill NAME...         stop them (SIGTERM, then SIGKILL)\n"
+    "  %jobs resume NAME [opts]   a new attempt of an ended job, from its last checkpoint\n"
     "  %jobs wait NAME...         block until they end\n"
     "  %jobs result NAME          the result (x = %jobs result A1)\n"
     "  %jobs rm NAME...           delete ended jobs\n"
@@ -223,6 +233,14 @@ def _kill(args: argparse.Namespace) -> Any:
     return Help("\n".join(lines))
 
 
+def _resume(args: argparse.Namespace) -> Any:
+    changes = {name: value for name, value in vars(args).items() if name in RESUMABLE}
+    if changes.get("ddp") is not None:
+        changes["ddp"] = whole_number(changes["ddp"], "%jobs resume: --ddp needs a number of ranks")
+    resumed = job(args.name).resume(**changes)
+    return Help(resumed.describe())
+
+
 def _wait(args: argparse.Namespace) -> Any:
     jobs = [job(name) for name in args.names]
     limit = parse_duration(args.timeout) if args.timeout is not None else None
@@ -305,6 +323,7 @@ _HANDLERS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "list": _list,
     "logs": _logs,
     "kill": _kill,
+    "resume": _resume,
     "wait": _wait,
     "result": _result,
     "rm": _remove,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import html
 import shlex
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -148,12 +148,14 @@ def slurm_options(args: argparse.Namespace, prog: str) -> dict[str, Any] | None:
     return given
 
 
-def add_options(parser: argparse.ArgumentParser, surface: str) -> None:
+def add_options(parser: argparse.ArgumentParser, surface: str, only: Collection[str] = (),
+                changes: bool = False) -> None:  # fmt: skip
     """The flags of every option of ``surface`` in the option table (``launch.option_table``), in its order, each
-    in its section of the help."""
+    in its section of the help; ``only``: these options alone. ``changes``: an option left out of the line is
+    left out of the parsed arguments (``%jobs resume``: what is not given stays as it was)."""
     sections: dict[str, Any] = {}
     for entry in on(surface):
-        if not entry.flags:
+        if not entry.flags or (only and entry.name not in only):
             continue  # the Python API's alone
         target = parser
         if entry.group is not None:
@@ -167,6 +169,8 @@ def add_options(parser: argparse.ArgumentParser, surface: str) -> None:
             more.update(default=entry.default_on(surface), type=entry.parse, choices=entry.choices)
             if entry.metavar is not None:
                 more["metavar"] = entry.metavar
+        if changes:
+            more.update(default=argparse.SUPPRESS, help=entry.help.replace("{default}", "as before"))
         target.add_argument(*entry.flags, **more)
 
 

@@ -21,6 +21,9 @@ A run directory is a launch's, a background job's or a kernel's own (``run_dirs.
     ranks/rank-R.fatal.A.txt    rank R's Python stack when a fatal signal (SIGSEGV, SIGABRT ...) ended attempt A
     ranks/rank-R.usage.jsonl    rank R's memory and CPU (GPU) use, sampled by its node's agent (multi-node runs)
     agents/                     elastic agents' events and logs
+    checkpoints/step-N.<id>.pt  a checkpoint (``gpumagic.checkpoint``), kept across attempts and restarts
+    checkpoints/step-N.seal     its seal: the file's name, size and SHA-256 under the user's key
+    checkpoints/restored.json   what ``gpumagic.restore`` loaded last, and when (``run_dirs.checkpoint_files``)
     job.json payload.pkl output.log result.pkl error.txt kill.json runner.log .reserve   a background job's
                                 (``run_dirs.records``)
 
@@ -161,6 +164,11 @@ class RunFiles:
     def rank_debug_socket(self, rank: int) -> Path:
         """Where a rank kept alive after a failure (``--pdb``) serves its post-mortem debugger: private."""
         return self.launch / f"debug-{rank}.sock"
+
+    @property
+    def checkpoints(self) -> Path:
+        """``gpumagic.checkpoint``'s files: they outlive attempts (requeues, resumes, restarts) of the run."""
+        return self.root / "checkpoints"
 
     @property
     def agents(self) -> Path:

@@ -55,7 +55,8 @@ class JobSpec:
     """What the runner runs, as sealed in the job's ``job.json``: the job's id (its directory's name) and name,
     when it was submitted, its GPU request (``jobs.queue.Request``'s JSON), its ranks (``ddp``; ``None``: one
     process), backend, process group timeout (seconds), the jobs it waits for, the kernel's ``sys.path`` and
-    working directory, whether each rank is capped at its reservation, and the hang report threshold (seconds)."""
+    working directory, whether each rank is capped at its reservation, the hang report threshold (seconds), and
+    which attempt this is (``%jobs resume`` starts the next)."""
 
     id: str
     name: str
@@ -69,6 +70,7 @@ class JobSpec:
     cwd: str | None = None
     memory_limit: bool | None = None
     hang_after_s: float | None = None
+    attempt: int | None = None  # 1 (or None): the first; ``start_attempt`` counts the resumes
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> JobSpec:
@@ -176,6 +178,45 @@ def create(name: str, packed: bytes, reserve: bool = True, **fields: Any) -> Pat
             raise DiskFull(path.parent, err.reason, err.errno) from None  # the job is gone: name where it was to be
         raise
     return path
+
+
+ATTEMPT_FILES = ("output.log", "error.txt", "result.pkl", "kill.json", "runner.log", "ranks", "metrics")
+ATTEMPT_RESET = {"started": None, "ended": None, "exit": "", "exitcode": None, "signal": None, "gpus": [],
+                 "gpu_uuids": [], "pids": None, "runner_pid": None, "runner_start": None, "hang": None}  # fmt: skip
+
+
+def start_attempt(path: Path, changes: dict[str, Any]) -> int:
+    """Make the ended job at ``path`` ready for its next attempt (``%jobs resume``): what the earlier attempt left
+    (its output, error, result, ranks' files, metrics, kill request) moves into ``attempts/<its number>/``; its
+    checkpoints stay, for the new attempt to restore; ``job.json`` is sealed again with ``changes`` (the new
+    request, ranks, timeout ...) and the attempt's number, and ``run.json`` reads queued. Returns the new attempt's
+    number. Call under ``names_locked()``, once the job has ended.
+
+    Raises:
+        DiskFull: no space to write them (the earlier attempt's files stay where they were moved).
+    """
+    spec = dataclasses.asdict(read_spec(path))
+    earlier = int(spec.get("attempt") or 1)
+    files = RunFiles(path)
+    kept = files.root / "attempts" / str(earlier)
+    kept.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for name in ATTEMPT_FILES:
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(files.root / name, kept / name)
+    now = time.time()
+    spec.update(changes, attempt=earlier + 1, submitted=now)  # it queues as a new submission would
+    write_sealed(files.job, json.dumps(spec).encode())
+    private.write_private(files.output, b"")
+    fields = {k: v for k, v in changes.items() if k in ("request", "ddp", "backend", "timeout_s", "hang_after_s",
+                                                        "memory_limit")}  # fmt: skip
+    if "ddp" in changes:
+        fields["ranks"] = changes["ddp"] or 1
+    store.update_run(
+        path, **ATTEMPT_RESET, **fields, status="queued", reason="starting", resumed=now,
+        attempt=earlier + 1, attempts_kept=str(files.root / "attempts"),
+    )  # fmt: skip
+    _reserve(path)
+    return earlier + 1
 
 
 def read_spec(path: Path) -> JobSpec:

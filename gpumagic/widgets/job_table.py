@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpumagic.devices.placement import Request
-from gpumagic.jobs.api import format_metrics
+from gpumagic.jobs.api import format_metrics, resumed_note
 from gpumagic.jobs.executors import executor_of
 from gpumagic.jobs.queue import one_line_why
 from gpumagic.run_dirs import records
@@ -61,6 +61,9 @@ def job_row(
     shown = ""
     if status not in ("queued", "cancelled"):
         shown = format_metrics(latest if latest is not None else job.last_metrics())
+    resumed = resumed_note(job.path, info)
+    if resumed:
+        why = f"{why} · {resumed}" if why else resumed
     line = one_line_why(why, _request(info) if status == "queued" else None, place)
     return JobRow(info["name"], status, gpus, format_duration(records.elapsed(info)), why, shown, line)
 

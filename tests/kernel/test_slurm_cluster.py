@@ -153,18 +153,8 @@ def test_a_requeued_job_says_so_and_keeps_the_earlier_attempts_files(on_cluster)
         return attempt
 
     job = gpumagic.jobs_with(name="R1", executor="slurm", gpus=0, slurm={"time": "10m"}).submit(attempts)
-    job_id = job.info["slurm_job_id"]
     wait_for(lambda: "attempt 0" in job.logs(), 60, "the first attempt's output")
-    on_cluster.run("scontrol", "requeue", job_id)
-    requeued = wait_for(lambda: "requeued" in job.reason and job.reason, 30, "the job reads as requeued")
-    assert job.status == "queued" and "requeued by Slurm 1 time(s)" in requeued, requeued
-    wait_for(lambda: on_cluster.job_fields(job_id).get("JobState") == "PENDING", 30, "the earlier attempt ended")
-    wait_for(lambda: _nodes_idle(on_cluster), 30, "every node ended its steps")
-    # slurmd refuses a job credential made in the second it revoked the job's earlier one (slurmctld.log: "Killing
-    # non-startable batch JobId=3: Job credential revoked"; the new attempt then fails at once, 3 full runs of 7)
-    revoked_by = int(time.time())
-    wait_for(lambda: int(time.time()) > revoked_by + 1, 5, "a later second than the earlier attempt's end")
-    on_cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")  # Slurm holds a requeued job 2 min
+    requeue_and_release(on_cluster, job)
     assert job.wait(timeout="90s") == "finished", job.reason
     assert job.result() == 1
     assert "attempt 1" in job.logs() and "attempt 0" not in job.logs()
@@ -172,6 +162,56 @@ def test_a_requeued_job_says_so_and_keeps_the_earlier_attempts_files(on_cluster)
     assert "attempt 0" in (kept / "ranks" / "rank-0.log").read_text()
     assert (kept / "metrics" / "rank-0.bin").exists()
     assert job.last_metrics()["attempt"][1] == 1  # this attempt's curve, not mixed with the earlier one's
+
+
+def requeue_and_release(cluster, job) -> None:
+    """``scontrol requeue`` the running ``job``, check it reads as requeued, and have Slurm start it again now."""
+    job_id = job.info["slurm_job_id"]
+    cluster.run("scontrol", "requeue", job_id)
+    requeued = wait_for(lambda: "requeued" in job.reason and job.reason, 30, "the job reads as requeued")
+    assert job.status == "queued" and "requeued by Slurm 1 time(s)" in requeued, requeued
+    wait_for(lambda: cluster.job_fields(job_id).get("JobState") == "PENDING", 30, "the earlier attempt ended")
+    wait_for(lambda: _nodes_idle(cluster), 30, "every node ended its steps")
+    # slurmd refuses a job credential made in the second it revoked the job's earlier one (slurmctld.log: "Killing
+    # non-startable batch JobId=3: Job credential revoked"; the new attempt then fails at once, 3 full runs of 7)
+    revoked_by = int(time.time())
+    wait_for(lambda: int(time.time()) > revoked_by + 1, 5, "a later second than the earlier attempt's end")
+    cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")  # Slurm holds a requeued job 2 min
+
+
+def test_a_requeued_job_resumes_from_its_checkpoint(on_cluster):
+    def train(steps, stop_at=None):
+        """Restore, train with a checkpoint each step; the first attempt waits at ``stop_at``. Without ``stop_at``,
+        in this process: the run that was never requeued."""
+        import time
+
+        import torch
+
+        import gpumagic
+
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        start = gpumagic.restore(model=model, optimizer=optimizer) if stop_at else 0
+        for step in range(start, steps):
+            optimizer.zero_grad()
+            model(torch.ones(3, 4) * step).pow(2).mean().backward()
+            optimizer.step()
+            if stop_at:
+                gpumagic.checkpoint(step + 1, model=model, optimizer=optimizer)
+            if step + 1 == stop_at and start == 0:
+                print("waiting at", stop_at, flush=True)
+                time.sleep(600)
+        return start, model.weight.detach().clone()
+
+    job = gpumagic.jobs_with(name="C1", executor="slurm", gpus=0, slurm={"time": "10m"}).submit(train, 5, 2)
+    wait_for(lambda: "waiting at 2" in job.logs(), 90, "the first attempt's checkpoint of step 2")
+    requeue_and_release(on_cluster, job)
+    assert job.wait(timeout="90s") == "finished", job.reason
+    start, weight = job.result()
+    assert start == 2, "the requeued attempt went on from step 2, not from 0"
+    assert "resumed from step 2 (attempt 2)" in job.describe()
+    assert weight.equal(train(5)[1]), "the weights of a run that was never requeued"
 
 
 def _slurm_says(cluster, job_id: str) -> str:

@@ -62,6 +62,9 @@ def flush() -> None:
             telemetry.flush()
         except (OSError, ValueError):
             _log.debug("the telemetry's last points could not be written", exc_info=True)
+    checkpoints = sys.modules.get("gpumagic.run_dirs.checkpoint_files")
+    if checkpoints is not None:  # the last checkpoint's seal: without it the one before is the latest
+        checkpoints.settle()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

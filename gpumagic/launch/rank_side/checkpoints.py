@@ -1,0 +1,329 @@
+"""``gpumagic.checkpoint(step, **state)`` and ``gpumagic.restore(**state)``: a run's state saved into its own
+directory (``run_dirs.checkpoint_files``) and loaded back in place, the same call in a launch's ranks, a
+``%ddp`` group's, a background job's and a plain script given ``GPUMAGIC_RUN_DIR``.
+
+In a process group of several ranks every rank calls both: the ranks first agree on the step (a mismatch is named
+on every rank, never a hang), rank 0 writes, and every rank hears whether it could; on restore rank 0 chooses the
+checkpoint, every rank checks its seal and loads it, and a rank that cannot (another model's shapes) fails all of
+them with one line. Because checkpoints live in the run's directory, whatever runs the code again in that
+directory resumes from them: a Slurm requeue, ``%jobs resume``, a ``--max-restarts`` restart.
+
+State values with ``state_dict()`` (models, optimizers, schedulers, ``GradScaler``) are saved by their state
+dict: a DDP-wrapped or ``torch.compile``-d model as the module inside it, so a checkpoint fits the model wrapped
+or not; an FSDP model (FSDP1 or ``fully_shard``) as its full state dict, gathered on rank 0 and given back to
+every rank's shards. Other values are pickled and restored into the same dict, list or set in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from gpumagic.errors import GpumagicError, InvalidArgument
+from gpumagic.run_dirs import checkpoint_files
+from gpumagic.run_dirs.checkpoint_files import Checkpoint
+from gpumagic.run_dirs.store import RUN_DIR_VARIABLE
+
+_log = logging.getLogger(__name__)
+
+ATTEMPT_VARIABLE = "GPUMAGIC_ATTEMPT"  # a background job's attempt (1 first; %jobs resume adds one)
+FORMAT = 1  # the layout of what torch.save writes: {"gpumagic": {...}, "state": {name: value}}
+
+
+class CheckpointError(GpumagicError):
+    """A checkpoint could not be saved or restored; the message names the file, the rank and what to do."""
+
+
+def checkpoint(step: int, /, **state: Any) -> Path:
+    """Save ``state`` as the checkpoint of ``step`` (the steps done: ``restore`` returns it as the step to go on
+    from) into this run's directory, atomically and sealed; the last two are kept.
+
+    Every rank of a process group calls it with the same step; rank 0 writes. Costs about what ``torch.save``
+    of the same state costs (the seal is hashed while the file is written).
+
+    >>> gpumagic.checkpoint(step + 1, model=model, optimizer=optimizer, scheduler=scheduler)  # doctest: +SKIP
+
+    Returns:
+        The checkpoint's file.
+    Raises:
+        InvalidArgument: no state, a step that is not a whole number >= 0, ranks that disagree on the step, or no
+            run to save into. CheckpointError: rank 0 could not write it (every rank raises). DiskFull.
+    """
+    _check_step(step)
+    if not state:
+        raise InvalidArgument("gpumagic.checkpoint(step, model=model, optimizer=optimizer): name the state to save")
+    run_dir = _run_dir("checkpoint")
+    group = _process_group()
+    if group is not None:
+        _agree_on_step(group, step)
+    saved = {name: _state_of(name, value, state) for name, value in state.items()}
+    rank = group.get_rank() if group is not None else 0
+    written: Path | None = None
+    failure: BaseException | None = None
+    if rank == 0:
+        # lazy: torch is imported by the rank's code before it saves anything
+        import torch
+
+        document = {"gpumagic": {"format": FORMAT, "step": step, "kinds": _kinds(state)}, "state": saved}
+        try:
+            written = checkpoint_files.write(run_dir, step, tuple(state), lambda path: torch.save(document, path))
+        except Exception as err:  # noqa: BLE001 - told to every rank below, then raised here as it was
+            _log.debug("rank 0 could not save the checkpoint; every rank is told", exc_info=True)
+            failure = err
+    if group is not None:
+        told = [None if failure is None else f"{type(failure).__name__}: {failure}", str(written or "")]
+        group.broadcast_object_list(told, src=0)
+        if rank != 0 and told[0] is not None:
+            raise CheckpointError(f"rank 0 could not save the checkpoint of step {step}: {told[0]}")
+        written = Path(told[1])
+    if failure is not None:
+        raise failure
+    assert written is not None
+    return written
+
+
+def restore(**state: Any) -> int:
+    """Load this run's latest checkpoint (of any earlier attempt: a requeue, a resume, a restart) into ``state``'s
+    objects in place, and return its step: the step to go on from; 0 when there is none (nothing is changed).
+
+    Every rank of a process group calls it and gets the same step. A half-written or damaged checkpoint is never
+    loaded (the one before it is).
+
+    >>> start = gpumagic.restore(model=model, optimizer=optimizer)  # doctest: +SKIP
+    >>> for step in range(start, total_steps): ...  # doctest: +SKIP
+
+    Raises:
+        InvalidArgument: no state, or no run to restore from. CheckpointError: the checkpoint does not fit
+            (a missing name, other shapes: one line naming the file and what differs), on every rank.
+    """
+    if not state:
+        raise InvalidArgument("gpumagic.restore(model=model, optimizer=optimizer): name the state to load into")
+    run_dir = _run_dir("restore")
+    group = _process_group()
+    rank = group.get_rank() if group is not None else 0
+    entry = checkpoint_files.latest(run_dir) if rank == 0 else None  # the newest whose file matches its seal
+    chosen = [str(entry.seal) if entry is not None else ""]
+    if group is not None:
+        group.broadcast_object_list(chosen, src=0)
+    if not chosen[0]:
+        return 0
+    problem: str | None = None
+    step = 0
+    try:
+        if entry is None:  # another rank: it checks the seal and the file itself
+            entry = _entry_at(Path(chosen[0]), run_dir)
+        step = entry.step
+        problem = _load(entry, state)
+    except (CheckpointError, checkpoint_files.CheckpointDamaged) as err:
+        problem = str(err)
+    except Exception as err:  # noqa: BLE001 - told to every rank: one rank raising alone would leave the rest waiting
+        _log.debug("the checkpoint could not be loaded", exc_info=True)
+        problem = f"checkpoint {Path(chosen[0]).name} could not be loaded: {type(err).__name__}: {err}"
+    if group is not None:
+        problems = [None] * group.get_world_size()
+        group.all_gather_object(problems, problem)
+        failed = [(r, p) for r, p in enumerate(problems) if p]
+        if failed:
+            who, what = failed[0]
+            alike = len(failed) == len(problems) and len({p for _, p in failed}) == 1  # every rank, the same way
+            raise CheckpointError(what if alike else f"rank {who}: {what}")
+    elif problem:
+        raise CheckpointError(problem)
+    if rank == 0:
+        checkpoint_files.record_restored(run_dir, step, _attempt())
+    return step
+
+
+def _check_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        if hasattr(step, "item") and getattr(step, "ndim", 1) == 0:  # a tensor or numpy scalar
+            raise InvalidArgument(f"the checkpoint's step is a whole number >= 0; pass int(step), got {step!r}")
+        raise InvalidArgument(f"the checkpoint's step is a whole number >= 0 (the steps done), got {step!r}")
+
+
+def _run_dir(what: str) -> Path:
+    """The run directory of this process (every rank of a launch, group or job has one)."""
+    value = os.environ.get(RUN_DIR_VARIABLE)
+    if not value:
+        raise InvalidArgument(
+            f"gpumagic.{what} works in a run's code: %%launch_ddp, %%ddp, a background job (%%launch_bg, "
+            f"gpumagic.submit) or a script given {RUN_DIR_VARIABLE}=DIR; this process has no run directory"
+        )
+    return Path(value)
+
+
+def _attempt() -> int:
+    """This run's attempt: the job's (1 first, one more for each ``%jobs resume``) plus Slurm's requeues."""
+    return int(os.environ.get(ATTEMPT_VARIABLE) or 1) + int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+def _process_group() -> Any:
+    """``torch.distributed`` when its default process group is initialized with more than one rank, else None."""
+    dist = sys.modules.get("torch.distributed")  # never imports torch: a run that never joined has no group
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    return dist
+
+
+def _agree_on_step(group: Any, step: int) -> None:
+    steps: list[Any] = [None] * group.get_world_size()
+    group.all_gather_object(steps, step)
+    if len(set(steps)) > 1:
+        by_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
+        raise InvalidArgument(f"every rank checkpoints the same step, got {by_rank}; nothing was saved")
+
+
+def _inner(value: Any) -> Any:
+    """The module inside a DDP wrapper or a ``torch.compile``-d module (its state dict without their prefixes)."""
+    while True:
+        kind = type(value).__name__
+        if kind == "DistributedDataParallel" and hasattr(value, "module"):
+            value = value.module
+        elif kind == "OptimizedModule" and hasattr(value, "_orig_mod"):
+            value = value._orig_mod
+        else:
+            return value
+
+
+def _is_fsdp(value: Any) -> bool:
+    """An FSDP1 wrapper or a module ``fully_shard`` has sharded (FSDP2)."""
+    return any(cls.__name__ in ("FullyShardedDataParallel", "FSDPModule") for cls in type(value).__mro__)
+
+
+def _full_options(**more: Any) -> Any:
+    # lazy: torch.distributed.checkpoint, only for FSDP models
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True, **more)
+
+
+def _state_of(name: str, value: Any, state: Mapping[str, Any]) -> Any:
+    """What is saved of ``value``: an FSDP model's full state dict, or its optimizer's (collectives: every rank
+    calls them; rank 0 gets the dicts), a state dict, or the value itself."""
+    value = _inner(value)
+    if _is_fsdp(value):
+        # lazy: torch.distributed.checkpoint, only for FSDP models
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(value, options=_full_options())
+    model = _fsdp_model_of(value, state)
+    if model is not None:
+        # lazy: torch.distributed.checkpoint, only for FSDP models
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, value, options=_full_options())
+    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+        return value.state_dict()
+    return value
+
+
+def _fsdp_model_of(optimizer: Any, state: Mapping[str, Any]) -> Any:
+    """The FSDP model among ``state``'s values whose parameters ``optimizer`` steps, if it steps one (its state
+    is sharded like the model's, and saved and loaded through the model)."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list) or not groups or not groups[0].get("params"):
+        return None
+    first = id(groups[0]["params"][0])
+    for value in state.values():
+        model = _inner(value)
+        if _is_fsdp(model) and any(id(p) == first for p in model.parameters()):
+            return model
+    return None
+
+
+def _kinds(state: Mapping[str, Any]) -> dict[str, str]:
+    kinds = {}
+    for name, value in state.items():
+        inner = _inner(value)
+        if _is_fsdp(inner):
+            kinds[name] = "fsdp model"
+        elif _fsdp_model_of(inner, state) is not None:
+            kinds[name] = "fsdp optimizer"
+        else:
+            kinds[name] = "state_dict" if hasattr(inner, "load_state_dict") else "value"
+    return kinds
+
+
+def _entry_at(seal: Path, run_dir: Path) -> Checkpoint:
+    """The checkpoint rank 0 chose, read and checked again by this rank (its seal and its file)."""
+    for entry in checkpoint_files.sealed(run_dir):
+        if entry.seal == seal:
+            checkpoint_files.verify(entry)
+            return entry
+    raise CheckpointError(f"checkpoint {seal} is gone or no longer sealed; it was removed while being restored")
+
+
+def _load(entry: Checkpoint, state: Mapping[str, Any]) -> str | None:
+    """Load ``entry`` into ``state``'s objects; the first reason it does not fit, or None."""
+    # lazy: torch is imported by the rank's code before it restores anything
+    import torch
+
+    document = torch.load(entry.path, map_location="cpu", weights_only=False)
+    saved = document.get("state") if isinstance(document, dict) else None
+    if not isinstance(saved, dict):
+        return f"checkpoint {entry.path.name} is not one gpumagic.checkpoint wrote"
+    missing = [name for name in state if name not in saved]
+    if missing:
+        held = ", ".join(saved) or "nothing"
+        absent = ", ".join(map(repr, missing))
+        return f"checkpoint {entry.path.name} (step {entry.step}) has no {absent}; it holds {held}"
+    return _load_all(saved, state, entry.path.name)
+
+
+def _load_all(saved: Mapping[str, Any], state: Mapping[str, Any], file: str) -> str | None:
+    """Load ``saved`` into ``state``; the first reason it does not fit, or None. An FSDP model and its optimizer
+    are loaded through ``set_*_state_dict``: collectives, made in the same order on every rank, each rank giving
+    the full state dict it read."""
+    problem = None
+    for name, value in state.items():
+        target = _inner(value)
+        model = target if _is_fsdp(target) else _fsdp_model_of(target, state)
+        if model is not None:
+            # lazy: torch.distributed.checkpoint, only for FSDP models
+            from torch.distributed.checkpoint import state_dict as dcp
+
+            try:
+                if model is target:
+                    dcp.set_model_state_dict(model, saved[name], options=_full_options())
+                else:
+                    dcp.set_optimizer_state_dict(model, target, saved[name], options=_full_options())
+            except (RuntimeError, ValueError, KeyError) as err:
+                problem = problem or _misfit(file, name, err)
+            continue
+        if problem is not None:
+            continue
+        try:
+            _load_one(target, saved[name])
+        except (RuntimeError, ValueError, KeyError, TypeError) as err:
+            problem = _misfit(file, name, err)
+    return problem
+
+
+def _load_one(target: Any, value: Any) -> None:
+    if callable(getattr(target, "load_state_dict", None)):
+        target.load_state_dict(value)
+    elif isinstance(target, dict) and isinstance(value, Mapping):
+        target.clear()
+        target.update(value)
+    elif isinstance(target, list) and isinstance(value, list):
+        target[:] = value
+    elif isinstance(target, set) and isinstance(value, (set, frozenset)):
+        target.clear()
+        target.update(value)
+    else:
+        raise TypeError(
+            f"restore loads in place, and this {type(target).__name__} cannot be changed in place; keep such values "
+            "in a dict: gpumagic.checkpoint(step, extra={'epoch': epoch}), then gpumagic.restore(extra=extra)"
+        )
+
+
+def _misfit(file: str, name: str, err: BaseException) -> str:
+    """One line: the file, the name, and what differs (load_state_dict's report is several lines)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    lines = lines[1:] if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else lines
+    detail = "; ".join(line.rstrip(".") for line in lines)
+    return f"checkpoint {file} does not fit {name!r}: {detail or type(err).__name__}"

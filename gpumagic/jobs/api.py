@@ -8,6 +8,7 @@ import fnmatch
 import itertools
 import logging
 import os
+import secrets
 import shutil
 import sys
 import time
@@ -18,19 +19,18 @@ from typing import Any
 
 import cloudpickle
 
-from gpumagic.devices.placement import Request
 from gpumagic.errors import InvalidArgument, KillRefused, ReportedError
-from gpumagic.jobs import executors, local
+from gpumagic.jobs import attempts, executors, notify
 from gpumagic.jobs.executors import Entry, Submission, executor_of
 from gpumagic.launch.kernel_side.output import RankOutput
-from gpumagic.launch.option_table import default, on, option
+from gpumagic.launch.option_table import check_notify_wait, default, on, option
 from gpumagic.launch.options import LaunchOptions
 from gpumagic.launch.shipping import pack, ship_cell, ship_function
 from gpumagic.run_dirs import checkpoint_files, records
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.signing import read_sealed
 from gpumagic.run_dirs.store import Run
-from gpumagic.units import format_duration, parse_duration, parse_size
+from gpumagic.units import format_duration, parse_duration
 
 _log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class _Same:
 
 
 SAME = _Same()
-RESUMABLE = ("gpus", "min_free", "memory_limit", "ddp", "backend", "timeout", "hang_after")  # Job.resume's options
+RESUMABLE = attempts.RESUMABLE
 STATES = (*records.ACTIVE, *records.ENDED)  # every status a job can have
 
 
@@ -225,53 +225,21 @@ class Job:
         backend: str | _Same | None = SAME,
         timeout: str | float | _Same = SAME,
         hang_after: str | float | _Same = SAME,
+        slurm: Mapping[str, Any] | _Same = SAME,
     ) -> Job:
-        """Start a new attempt of this ended job (killed, failed, lost, cancelled) in its directory: it queues
-        again, and its code's ``gpumagic.restore`` loads the last checkpoint any attempt saved. Options left out
-        stay as they were; the earlier attempt's output, error and metrics move to ``attempts/N/``. Returns self.
+        """Start a new attempt of this ended job (killed, failed, lost, timed out, cancelled) in its directory, on
+        the executor it ran on: it queues again, and its code's ``gpumagic.restore`` loads the last checkpoint any
+        attempt saved. Options left out stay as they were (``slurm``: the Slurm options given replace those of the
+        earlier attempt, ``{"time": "4h"}``); the earlier attempt's output, error and metrics move to
+        ``attempts/N/``. Returns self.
 
         >>> gpumagic.job("A1").resume(gpus=2, timeout="2h")  # doctest: +SKIP
 
         Raises:
-            InvalidArgument: the job is active or finished, a malformed option, or a Slurm job (Slurm resumes a
-                requeued job itself).
+            InvalidArgument: the job is active or finished, or a malformed option (named).
         """
-        info = self.info
-        runs_on = executor_of(info)
-        if info.get("executor") == "slurm":
-            raise InvalidArgument(
-                f"job {info['name']} ran on Slurm: a requeue (preemption, scontrol requeue) resumes it by itself; "
-                "%jobs resume is for this machine's jobs"
-            )
-        local.check_resumable(info["name"], runs_on.end(info).status)
-        spec = records.read_spec(self.path)
-        given = dict(zip(RESUMABLE, (gpus, min_free, memory_limit, ddp, backend, timeout, hang_after), strict=True))
-        changed = {name: value for name, value in given.items() if value is not SAME}
-        for name, value in changed.items():  # the table's checks, in the words a submission gets
-            check = option("job", name).check
-            if check is not None:
-                check(value)
-        changes: dict[str, Any] = {}
-        if {"gpus", "min_free", "ddp"} & changed.keys():
-            changes["request"] = _resumed_request(spec, changed).to_json()
-        if "ddp" in changed:
-            changes["ddp"] = changed["ddp"]
-        if "memory_limit" in changed:
-            changes["memory_limit"] = changed["memory_limit"]
-        if {"backend", "timeout", "hang_after"} & changed.keys():
-            launch = LaunchOptions(
-                changed.get("ddp", spec.ddp),
-                backend=changed.get("backend", spec.backend),
-                timeout=changed.get("timeout", spec.timeout_s or default("job", "timeout")),
-                hang_after=changed.get("hang_after", spec.hang_after_s if spec.hang_after_s is not None else 0),
-            )
-            changes.update(backend=launch.backend, timeout_s=launch.timeout_s, hang_after_s=launch.hang_after_s)
-        if (
-            changes.get("memory_limit", spec.memory_limit)
-            and Request.from_json(changes.get("request", spec.request)).min_free is None
-        ):
-            raise InvalidArgument("memory_limit caps a job at the memory it declares: give min_free too")
-        local.resume(self.path, changes)
+        given = (gpus, min_free, memory_limit, ddp, backend, timeout, hang_after, slurm)
+        attempts.resume(self.path, {k: v for k, v in zip(RESUMABLE, given, strict=True) if v is not SAME})
         return self
 
     def remove(self) -> None:
@@ -294,6 +262,8 @@ class Job:
         resumed = resumed_note(self.path, info)
         if resumed:
             text += f", {resumed}"
+        if info.get("notify_problem"):
+            text += f"; {info['notify_problem']}"
         latest = format_metrics(self.last_metrics())
         return text + (f" · {latest}" if latest else "")
 
@@ -315,13 +285,17 @@ class Job:
 class JobRequest:
     """What a submission asks for, checked once: its GPUs (a count, default 1, or a device spec), the memory it
     reserves on each (``min_free``) and whether that caps it (``memory_limit``), the jobs it waits for
-    (``after``), where it runs (``executor``, ``slurm``), and the launch options of its DDP group (``launch``:
-    ``nprocs`` ranks, ``backend``, ``timeout``); ``JobRequest.of`` takes them as ``submit`` does."""
+    (``after``), who is told of it (``notify``, ``notify_wait``), where it runs (``executor``, ``slurm``), and the
+    launch options of its DDP group (``launch``: ``nprocs`` ranks, ``backend``, ``timeout``); ``JobRequest.of``
+    takes them as ``submit`` does."""
 
     gpus: int | str | None = default("job", "gpus")
     min_free: str | int | None = default("job", "min_free")
     memory_limit: bool = default("job", "memory_limit")
     after: Any = default("job", "after")
+    notify: str | Sequence[str] | None = default("job", "notify")
+    notify_wait: str | float = default("job", "notify_wait")
+    requeue_on_timeout: int = default("job", "requeue_on_timeout")
     executor: str = default("job", "executor")
     slurm: Mapping[str, Any] | None = default("job", "slurm")
     launch: LaunchOptions = field(default_factory=LaunchOptions)
@@ -330,6 +304,8 @@ class JobRequest:
         for entry in on("job"):  # the table's checks of the options it holds (its launch checks its own)
             if entry.check is not None and entry.name in _HELD:
                 entry.check(getattr(self, entry.name))
+        if self.requeue_on_timeout and self.executor != "slurm":
+            raise InvalidArgument("requeue_on_timeout is for Slurm's time limit: use it with executor='slurm'")
         if self.memory_limit and self.min_free is None:
             raise InvalidArgument(
                 "memory_limit caps a job at the memory it declares: give min_free too (--min-free 20GB)"
@@ -392,6 +368,9 @@ def jobs_with(
     memory_limit: bool = default("job", "memory_limit"),
     ddp: int | None = default("job", "ddp"),
     after: str | Job | Iterable[str | Job] | None = default("job", "after"),
+    notify: str | Sequence[str] | None = default("job", "notify"),
+    notify_wait: str | float = default("job", "notify_wait"),
+    requeue_on_timeout: int = default("job", "requeue_on_timeout"),
     backend: str | None = default("job", "backend"),
     timeout: str | float = default("job", "timeout"),
     hang_after: str | float = default("job", "hang_after"),
@@ -415,6 +394,13 @@ def jobs_with(
             (``torch.cuda.set_per_process_memory_fraction``); an overrun fails naming the limit.
         ddp: run as a DDP group of this many ranks (process group initialized, as ``launch_ddp``).
         after: name(s) or Job(s) that must finish first; if one fails, this job is cancelled.
+        notify: who is told when the job finishes, fails, is killed or requeued: an ``https://`` URL (a POST of
+            JSON: the job, its status, duration, best and last metrics, the failure's last traceback lines) or
+            ``"cmd:COMMAND"`` (the same JSON on its stdin), or a list of them; default ``$GPUMAGIC_NOTIFY``.
+        notify_wait: with ``notify``, also tell once when the job has waited this long for GPUs (0: never).
+        requeue_on_timeout: on Slurm, near the time limit (Slurm's signal, ``slurm={"signal_delay": "5m"}`` ahead,
+            90 s by default) the job's next ``gpumagic.checkpoint`` saves and the job requeues itself, up to this
+            many times; its ``gpumagic.restore`` goes on from there.
         backend, timeout: of the process group with ``ddp``.
         hang_after: with ``ddp``, a collective waiting this long writes who is stuck where to the job's log
             (0: off).
@@ -431,6 +417,9 @@ def jobs_with(
         memory_limit=memory_limit,
         ddp=ddp,
         after=after,
+        notify=notify,
+        notify_wait=notify_wait,
+        requeue_on_timeout=requeue_on_timeout,
         backend=backend,
         timeout=timeout,
         hang_after=hang_after,
@@ -476,12 +465,14 @@ def sweep(
     memory_limit: bool = False,
     ddp: int | None = None,
     after: str | Iterable[str] | None = None,
+    notify: str | Sequence[str] | None = None,
     **fixed: Any,
 ) -> list[Job]:
     """One job per point of ``grid`` (every combination): ``fn(**point, **fixed)``, named ``name-k=v,...``.
 
     Example: ``sweep(train, {"lr": [1e-3, 1e-4], "width": [64, 128]})`` submits four jobs, queued on free GPUs.
-    All names are taken together: if one exists already, no job is submitted.
+    All names are taken together: if one exists already, no job is submitted. ``notify`` (default
+    ``$GPUMAGIC_NOTIFY``) is told once, when every job of the sweep has ended: one summary, best run first.
     """
     if not isinstance(grid, Mapping) or not grid:
         raise InvalidArgument("grid must be a non-empty dict of parameter name -> list of values")
@@ -490,7 +481,9 @@ def sweep(
             raise InvalidArgument(f"grid keys are argument names of fn, got {key!r}")
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
             raise InvalidArgument(f"grid[{key!r}] must be a non-empty list of values, got {values!r}")
-    request = JobRequest.of(gpus=gpus_per_job, min_free=min_free, memory_limit=memory_limit, ddp=ddp, after=after)
+    request = JobRequest.of(
+        gpus=gpus_per_job, min_free=min_free, memory_limit=memory_limit, ddp=ddp, after=after, notify=notify
+    )
     base = name or getattr(fn, "__name__", "job")
     entries = []
     for combination in itertools.product(*grid.values()):
@@ -499,7 +492,8 @@ def sweep(
         packed = pack(ship_function(fn, (), {**point, **fixed}, rank_first=False))
         params = {k: _short(v) for k, v in point.items()}
         entries.append(Entry(records.sanitize_name(f"{base}-{label}"), base, packed, params))
-    return _create(entries, request, f"{getattr(fn, '__name__', 'fn')}()")
+    sweep_id = f"{records.sanitize_name(base)}-{secrets.token_hex(4)}"
+    return _create(entries, request, f"{getattr(fn, '__name__', 'fn')}()", sweep_id)
 
 
 def job(name: str) -> Job:
@@ -571,7 +565,7 @@ def select_jobs(names: str | Iterable[str] | None = None, states: str | Iterable
     return selected
 
 
-def _create(entries: list[Entry], request: JobRequest, description: str) -> list[Job]:
+def _create(entries: list[Entry], request: JobRequest, description: str, sweep: str | None = None) -> list[Job]:
     """The executor checks what it is asked, takes every name (all or none), writes the jobs and starts them."""
     runs_on = executors.named(request.executor)
     resources = runs_on.check_resources(request.gpus, request.min_free, request.ddp, request.slurm)
@@ -583,6 +577,11 @@ def _create(entries: list[Entry], request: JobRequest, description: str) -> list
         description,
         request.memory_limit,
         request.launch.hang_after_s,
+        tuple(notify.targets_of(request.notify)),
+        check_notify_wait(request.notify_wait),
+        sweep,
+        len(entries) if sweep else 0,
+        request.requeue_on_timeout,
     )
     return [Job(path) for path in runs_on.submit(entries, resources, submission)]
 
@@ -604,22 +603,6 @@ def _dependencies(after: Any) -> list[str]:
     return names
 
 
-def _resumed_request(spec: records.JobSpec, changed: Mapping[str, Any]) -> Request:
-    """The GPU request of a resumed job: the earlier one, with the GPUs, memory or ranks ``changed``, checked
-    against this machine as a submission is."""
-    earlier = Request.from_json(spec.request)
-    if "gpus" not in changed and "ddp" not in changed and earlier.uuids:  # the same named GPUs
-        free = changed["min_free"]
-        return Request(earlier.wants, earlier.uuids, parse_size(free) if free is not None else None)
-    if "gpus" in changed:
-        gpus = changed["gpus"]
-    else:  # other ranks, one GPU each as a submission gives, unless it ran on the CPU
-        gpus = earlier.wants if "ddp" not in changed else None if earlier.wants else 0
-    min_free = changed.get("min_free", earlier.min_free)
-    request, _ = local.check_resources(gpus, min_free, changed.get("ddp", spec.ddp), None)
-    return request
-
-
 def _short(value: Any) -> str:
     return value if isinstance(value, str) else repr(value) if not isinstance(value, float) else f"{value:g}"
 
@@ -627,7 +610,7 @@ def _short(value: Any) -> str:
 def resumed_note(path: Path, info: Mapping[str, Any]) -> str:
     """``resumed from step 12,400 (attempt 2)`` when this attempt of the job restored a checkpoint; else empty."""
     restored = checkpoint_files.restored(path)
-    attempt = int(info.get("attempt") or 1) + int(info.get("slurm_restarts") or 0)
+    attempt = records.attempt_of(info)
     if restored is None or restored.attempt != attempt or not restored.step:
         return ""
     return f"resumed from step {restored.step:,} (attempt {attempt})"

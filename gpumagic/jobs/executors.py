@@ -38,6 +38,11 @@ class Submission:
     description: str
     memory_limit: bool = False  # cap each process at its reservation (local jobs with min_free)
     hang_after_s: float = 10.0  # --hang-after of a DDP job's ranks: the report goes to the job's log
+    notify: tuple[str, ...] = ()  # the targets told of the job's end (``jobs.notify``)
+    notify_wait_s: float = 3600.0  # ... and of a wait for GPUs this long (0: never)
+    sweep: str | None = None  # the sweep the jobs make (one summary is sent for all of them), and how many
+    sweep_size: int = 0
+    requeue_on_timeout: int = 0  # Slurm: near the time limit, save and requeue so many times
 
     def record(self, entry: Entry) -> dict[str, Any]:
         """The fields of ``run.json`` every executor writes for one of these jobs."""
@@ -47,6 +52,10 @@ class Submission:
             "timeout_s": self.timeout_s,
             "hang_after_s": self.hang_after_s,
             "params": entry.params,
+            "notify": list(self.notify),  # sealed in job.json too: the runner reads its targets from there
+            "notify_wait_s": self.notify_wait_s,
+            "requeue_on_timeout": self.requeue_on_timeout,
+            **({"sweep": self.sweep, "sweep_size": self.sweep_size} if self.sweep else {}),
             "description": self.description,
             "uid": os.getuid(),
             "cwd": os.getcwd(),

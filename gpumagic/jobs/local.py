@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +21,7 @@ from gpumagic.devices.model import MAX_GPUS, Inventory
 from gpumagic.devices.processes import end_processes, is_same_process
 from gpumagic.devices.spec import parse_spec, resolve
 from gpumagic.errors import InvalidArgument
+from gpumagic.jobs import notify
 from gpumagic.jobs.executors import Entry, Submission
 from gpumagic.jobs.queue import Request, Ticket, place, remove_tickets
 from gpumagic.launch.plan import command_environment
@@ -148,6 +150,8 @@ def kill(path: Path, info: Mapping[str, Any], grace_s: float) -> None:
     stop_process_tree(info.get("runner_pid"), grace_s)
     remove_tickets(path.name)
     records.record_killed(path, f"killed with %jobs kill (SIGKILL: still running {grace_s:g}s after SIGTERM)")
+    # a runner ended by SIGKILL told nobody; one that told first is not repeated; a slow target never holds the kill
+    threading.Thread(target=notify.notify, args=(path, "killed"), name="gpumagic-notify", daemon=True).start()
 
 
 def runner_alive(info: Mapping[str, Any]) -> bool:

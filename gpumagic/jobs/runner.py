@@ -85,6 +85,20 @@ class _Runner:
 
             leases.book().release_all()
             records.release_reserve(self.run_dir)  # _finish released it, unless the job ended without a record
+        self._tell_the_end()
+
+    def _tell_the_end(self) -> None:
+        """Tell the job's targets how it ended, once its end is recorded and its GPUs are free (``jobs.notify``)."""
+        # lazy: the spawn ranks import this module as their main; only the runner tells
+        from gpumagic.jobs import notify
+
+        try:
+            status = records.read(self.run_dir).get("status", "")
+        except (OSError, ValueError):
+            _log.debug("the job's end cannot be read; nobody is told of it", exc_info=True)
+            return
+        if status in records.ENDED:
+            notify.notify(self.run_dir, status)
 
     def _run_job(self, spec: records.JobSpec) -> None:
         try:
@@ -189,13 +203,29 @@ class _Runner:
         request = queue.Request.from_json(spec.request)
         if request.wants == 0:
             return []
-        return queue.wait_for_gpus(
-            self.name,
-            request,
-            float(spec.submitted),
-            self.run_dir.name,
-            lambda why: records.update(self.run_dir, reason=why),
-        )
+        waited = time.time() - float(spec.submitted)
+        telling = None
+        if spec.notify and spec.notify_wait_s:  # its targets hear once that it has waited that long
+            telling = threading.Timer(max(0.0, spec.notify_wait_s - waited), self._tell_waiting, (spec.notify_wait_s,))
+            telling.daemon = True
+            telling.start()
+        try:
+            return queue.wait_for_gpus(
+                self.name,
+                request,
+                float(spec.submitted),
+                self.run_dir.name,
+                lambda why: records.update(self.run_dir, reason=why),
+            )
+        finally:
+            if telling is not None:
+                telling.cancel()
+
+    def _tell_waiting(self, waited_s: float) -> None:
+        # lazy: the spawn ranks import this module as their main; only the runner tells
+        from gpumagic.jobs import notify
+
+        notify.notify(self.run_dir, "waiting", waited_s=waited_s)
 
     def _run(self, spec: records.JobSpec, gpus: list[Any]) -> None:
         # lazy: the spawn ranks import this module as their main; only the runner needs the launch

@@ -31,7 +31,7 @@ from gpumagic.devices.shared_files import one_line
 from gpumagic.errors import InvalidArgument
 from gpumagic.jobs import slurm_state
 from gpumagic.jobs.executors import Entry, Submission
-from gpumagic.jobs.local import stop_process_tree
+from gpumagic.jobs.local import check_resumable, stop_process_tree
 from gpumagic.jobs.queue import Request
 from gpumagic.jobs.slurm_state import SlurmState
 from gpumagic.jobs.slurm_task import Task  # also gpumagic.jobs.slurm.Task, as jobs submitted before pickled it
@@ -41,6 +41,8 @@ from gpumagic.run_dirs.launch_files import write_spec
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.private import private_umask
 from gpumagic.run_dirs.run_end import RunEnd, run_end
+from gpumagic.run_dirs.signing import read_sealed
+from gpumagic.run_dirs.store import record_end
 from gpumagic.units import parse_duration, parse_size
 
 LOCAL_VARIABLE = "GPUMAGIC_SLURM"
@@ -57,6 +59,7 @@ KEYS = (
     "account",
     "qos",
     "constraint",
+    "signal_delay",
     "additional",
 )
 QUEUED_STATES = ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED")
@@ -104,8 +107,7 @@ def submit(entries: list[Entry], target: Target, submission: Submission) -> list
             **(params.get("slurm_additional_parameters") or {}),
             "dependency": "afterok:" + ":".join(_slurm_ids(submission.after, target.cluster)),
         }
-    use_cuda = uses_gpus(params)
-    backend = choose_backend(submission.backend, use_cuda=use_cuda)
+    backend = choose_backend(submission.backend, use_cuda=uses_gpus(params))
     written = []
     with records.names_locked():
         names = records.take_names([(entry.name, entry.base) for entry in entries])
@@ -120,16 +122,12 @@ def submit(entries: list[Entry], target: Target, submission: Submission) -> list
                 request=Request(0).to_json(),
                 ddp=ranks if ranks > 1 else None,
                 runner_pid=None,
+                slurm_options=dict(target.options or {}),  # as given: a resume changes some and keeps the rest
+                slurm_gpus=target.gpus,
                 **submission.record(entry),
             )
-            spec = {
-                "backend": backend if ranks > 1 or submission.ddp else None,
-                "use_cuda": use_cuda,
-                "timeout_s": submission.timeout_s,
-                "threads_per_rank": int(params.get("cpus_per_task") or 1),
-                "sys_path": [p for p in sys.path if p],
-            }
-            write_spec(RunFiles(path), spec, entry.packed)
+            write_spec(RunFiles(path), _launch_spec(params, backend, ranks > 1 or bool(submission.ddp),
+                                                    submission.timeout_s), entry.packed)  # fmt: skip
             written.append((job_name, path))
     for done, (job_name, path) in enumerate(written):
         try:
@@ -141,6 +139,52 @@ def submit(entries: list[Entry], target: Target, submission: Submission) -> list
             raise InvalidArgument(f"submitting job {job_name} failed: {_refusal(err)}{before}") from None
         records.update(path, reason=f"submitted as Slurm job {fields['slurm_job_id']}", slurm=params, **fields)
     return [path for _, path in written]
+
+
+def _launch_spec(params: Mapping[str, Any], backend: str, group: bool, timeout_s: float) -> dict[str, Any]:
+    """How the job's ranks run (``launch/spec.json``): their backend (with a process group), CUDA, timeout."""
+    return {
+        "backend": backend if group else None,
+        "use_cuda": uses_gpus(params),
+        "timeout_s": timeout_s,
+        "threads_per_rank": int(params.get("cpus_per_task") or 1),
+        "sys_path": [p for p in sys.path if p],
+    }
+
+
+def resume(path: Path, info: Mapping[str, Any], changes: dict[str, Any], gpus: Any, options: Any) -> int:
+    """Submit the next attempt of the ended Slurm job at ``path`` to the cluster it ran on: ``options`` (Slurm's:
+    ``{"time": "4h", "partition": "long"}``) replace the earlier ones, ``gpus`` (per node) and ``changes`` (ranks,
+    backend, timeout) too. Returns the attempt's number.
+
+    Raises:
+        InvalidArgument: a malformed option, no Slurm here, or sbatch's refusal (the job then reads failed, and
+            can be resumed again).
+    """
+    where = str(info.get("slurm_cluster") or "slurm")
+    check_available(where)
+    given = {**(info.get("slurm_options") or {}), **(options or {})}
+    per_node = info.get("slurm_gpus") if gpus is None else gpus
+    params, ranks = parameters("check", given, per_node, changes.get("ddp", info.get("ddp")), where)
+    spec = records.read_spec(path)
+    backend = choose_backend(changes.get("backend", spec.backend), use_cuda=uses_gpus(params))
+    changes = {**changes, "ddp": ranks if ranks > 1 else None, "slurm_options": given, "slurm_gpus": per_node}
+    with records.names_locked():
+        now = records.read(path)
+        check_resumable(now["name"], end(now).status)
+        attempt = records.start_attempt(path, changes)
+        packed = read_sealed(RunFiles(path).job_payload, f"job {now['name']}'s code")
+        group = ranks > 1 or bool(spec.ddp)
+        timeout_s = float(changes.get("timeout_s", spec.timeout_s) or 1800.0)
+        write_spec(RunFiles(path), _launch_spec(params, backend, group, timeout_s), packed)
+    try:
+        fields = _submit_directory(path, {**params, "name": now["name"]}, where)
+    except Exception as err:  # noqa: BLE001 - sbatch's own refusal (partition, limits) is the user's answer
+        why = f"resubmitting attempt {attempt} failed: {_refusal(err)}"
+        record_end(path, "failed", why)
+        raise InvalidArgument(f"job {now['name']}: {why}") from None
+    records.update(path, reason=f"submitted as Slurm job {fields['slurm_job_id']}", slurm=params, **fields)
+    return attempt
 
 
 def _refusal(err: BaseException) -> str:
@@ -176,7 +220,9 @@ def parameters(
 
     ``slurm`` takes ``partition``, ``time`` ("2h", minutes), ``nodes``, ``tasks_per_node``, ``gpus_per_node``,
     ``gres`` ("gpu:a100:4", instead of ``gpus_per_node``), ``cpus_per_task``, ``mem`` ("64GB", per node),
-    ``account``, ``qos``, ``constraint`` and ``additional`` (any other sbatch option: ``{"exclusive": True}``).
+    ``account``, ``qos``, ``constraint``, ``signal_delay`` (how long before the time limit Slurm signals the job:
+    "5m", 90 s by default; ``requeue_on_timeout`` saves then) and ``additional`` (any other sbatch option:
+    ``{"exclusive": True}``).
     ``gpus`` (per node) defaults to one per task; ``ddp`` (ranks in all) sets the tasks per node.
 
     Raises:
@@ -219,6 +265,9 @@ def parameters(
         result["cpus_per_task"] = _whole(options["cpus_per_task"], "cpus_per_task", 1, 4096)
     if options.get("mem") is not None:
         result["mem_gb"] = max(1, round(parse_size(options["mem"]) / 2**30))
+    if options.get("signal_delay") is not None:  # Slurm's signal ahead of the time limit (submitit's USR2)
+        delay = options["signal_delay"]
+        result["slurm_signal_delay_s"] = max(1, round(float(delay) if _is_number(delay) else parse_duration(delay)))
     for key in ("partition", "account", "qos", "constraint"):
         if options.get(key) is not None:
             result[f"slurm_{key}"] = _text(options[key], key)

@@ -19,13 +19,16 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
 import cloudpickle
 
+from gpumagic.jobs import notify
 from gpumagic.launch.failures import LaunchError
 from gpumagic.launch.plan import torchrun_variables
+from gpumagic.launch.rank_side.checkpoints import ATTEMPT_VARIABLE, REQUEUE_VARIABLE, time_limit_near
 from gpumagic.launch.rank_side.output_routing import flush
 from gpumagic.launch.rank_side.process_group import TOKEN_VARIABLE
 from gpumagic.launch.rank_side.rank import run_rank
@@ -62,13 +65,18 @@ class Task:
         rank, world_size = env.global_rank, env.num_tasks
         master = "127.0.0.1" if cluster_of(run_dir) == "local" else env.hostnames[0]
         restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-        token = attempt_token(restarts)
+        info = records.read(run_dir)
+        base = int(info.get("attempt_base") or 0)  # the attempts before this submission (%jobs resume)
+        attempt = base + 1 + restarts
+        token = attempt_token(attempt)
         os.environ.update(
             torchrun_environment(env.job_id, rank, env.local_rank, world_size, env.num_nodes, env.node, master)
         )
         os.environ[TOKEN_VARIABLE] = token
+        os.environ[ATTEMPT_VARIABLE] = str(base + 1)  # restore adds Slurm's requeues (SLURM_RESTART_COUNT)
         if restarts:  # Slurm requeued the job (preemption, node failure, scontrol requeue): this is attempt N + 1
-            keep_earlier_attempt(run_dir, rank, restarts)
+            keep_earlier_attempt(run_dir, rank, attempt - 1)
+        watch_time_limit(run_dir, info, getattr(submitit.JobEnvironment, "USR_SIG", "USR2"))
         if rank == 0:
             fields: dict[str, Any] = {"slurm_restarts": restarts} if restarts else {}
             if restarts:  # an end the earlier attempt recorded is not this one's
@@ -76,6 +84,8 @@ class Task:
             records.update(
                 run_dir, status="running", reason="", started=time.time(), slurm_nodes=list(env.hostnames), **fields
             )
+            if restarts:  # preempted, or requeued (scontrol requeue, a node's failure): its targets hear it goes on
+                notify.notify(run_dir, "requeued", requeues=restarts)
         watch = StopWatch(RunFiles(run_dir), rank, world_size, token) if world_size > 1 else None
         code = run_rank(run_dir)
         if watch is not None:
@@ -95,9 +105,29 @@ def cluster_of(run_dir: Path) -> str:
     return str(records.read(run_dir).get("slurm_cluster", "slurm"))
 
 
-def attempt_token(restarts: int) -> str:
-    """The token of a Slurm attempt's files: its published store, its stop file, its end's claim."""
-    return f"slurm-{restarts}"
+def attempt_token(attempt: int) -> str:
+    """The token of a Slurm attempt's files (its published store, its stop file, its end's claim): its number
+    among all the job's attempts, requeues and resumes alike, so none meets an earlier attempt's files."""
+    return f"slurm-{attempt}"
+
+
+def watch_time_limit(run_dir: Path, info: Mapping[str, Any], signal_name: str) -> None:
+    """Hear Slurm's signal ahead of the time limit (``--signal``, submitit's ``USR2`` at ``signal_delay``): with
+    ``requeue_on_timeout`` left, the rank's next ``gpumagic.checkpoint`` saves and requeues the job; otherwise the
+    rank says once that the limit is near (submitit's own handler would raise into the user's code)."""
+    number = getattr(signal, f"SIG{signal_name}", signal.SIGUSR2)
+    allowed = int(records.read_spec(run_dir).requeue_on_timeout or 0)
+    done = int(info.get("timeout_requeues") or 0)
+    if allowed > done:
+        os.environ[REQUEUE_VARIABLE] = f"{done + 1}/{allowed}"
+        signal.signal(number, time_limit_near)
+        return
+
+    def say(*_: Any) -> None:
+        why = f"its {allowed} requeue(s) are used" if allowed else "requeue_on_timeout was not asked"
+        os.write(2, f"[gpumagic] the Slurm time limit is near; the job is not requeued ({why})\n".encode())
+
+    signal.signal(number, say)
 
 
 def torchrun_environment(
@@ -116,12 +146,13 @@ def torchrun_environment(
     )
 
 
-def keep_earlier_attempt(run_dir: Path, rank: int, restarts: int) -> None:
+def keep_earlier_attempt(run_dir: Path, rank: int, earlier: int) -> None:
     """Move what ``rank`` left of the attempt before this one (its log, start, result, errors, metrics; rank 0 also
-    the job's result and error) into ``attempts/<restarts - 1>/``, so a requeued job never overwrites it. Each rank
-    moves its own files: the ranks of the new attempt start at once."""
+    the job's result and error) into ``attempts/<earlier>/`` (that attempt's number, 1 for the first), so a
+    requeued job never overwrites it. Each rank moves its own files: the ranks of the new attempt start at once.
+    Checkpoints stay: the new attempt restores from them."""
     files = RunFiles(run_dir)
-    kept = RunFiles(files.root / "attempts" / str(restarts - 1))
+    kept = RunFiles(files.root / "attempts" / str(earlier))
     mine = [files.rank_log(rank), files.rank_start(rank), files.rank_result(rank), *files.rank_errors(rank)]
     mine += [*files.ranks.glob(f"rank-{rank}.fatal.*.txt"), files.metric_names(rank), files.metric_points(rank)]
     if rank == 0:
@@ -204,6 +235,7 @@ def record_if_last(run_dir: Path, world_size: int, token: str) -> bool:
         error = LaunchError(outcomes, failure)
         write_private(files.error, (error.report() + "\n").encode())
         record_end(run_dir, "failed", error.headline())
+        notify.notify(run_dir, "failed")
         return True
     values = {
         rank: cloudpickle.loads(read_sealed(files.rank_result(rank), f"rank {rank}'s result"))
@@ -211,6 +243,7 @@ def record_if_last(run_dir: Path, world_size: int, token: str) -> bool:
     }
     write_sealed(files.result, cloudpickle.dumps(values if world_size > 1 else values[0]))
     record_end(run_dir, "finished", "finished", exitcode=0)
+    notify.notify(run_dir, "finished")
     return True
 
 

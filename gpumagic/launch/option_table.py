@@ -10,6 +10,8 @@ Surfaces: ``launch`` (``%%launch_ddp``, ``launch_ddp``, ``spawn``, ``LaunchOptio
 
 from __future__ import annotations
 
+import shlex
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +71,45 @@ def check_memory_limit(memory_limit: object) -> None:
     """Raises InvalidArgument unless ``memory_limit`` is a bool."""
     if not isinstance(memory_limit, bool):
         raise InvalidArgument(f"memory_limit is True or False, got {memory_limit!r}")
+
+
+def check_notify_wait(value: str | float) -> float:
+    """``--notify-wait``: how long a job waits for GPUs before its targets hear of it (0: never).
+
+    >>> check_notify_wait("1h")
+    3600.0
+    """
+    return parse_duration(value, at_most=365 * 86400, what="--notify-wait")
+
+
+def check_requeue_on_timeout(value: object) -> None:
+    """Raises InvalidArgument unless ``value`` is a number of requeues from 0 to 1000."""
+    if not is_whole(value, 0, 1000):
+        raise InvalidArgument(f"requeue_on_timeout is a number of requeues from 0 to 1000, got {value!r}")
+
+
+def check_notify(notify: object) -> None:
+    """Raises InvalidArgument unless ``notify`` is None or targets (one or a list): each an ``http(s)://`` URL or
+    ``cmd:COMMAND`` (``jobs.notify``)."""
+    if notify is None:
+        return
+    for target in [notify] if isinstance(notify, str) else notify if isinstance(notify, (list, tuple)) else [notify]:
+        if not isinstance(target, str) or not target.strip():
+            raise InvalidArgument(f"notify takes an http(s) URL or cmd:COMMAND, got {target!r}")
+        target = target.strip()
+        if target.startswith("cmd:"):
+            try:
+                words = shlex.split(target[4:])
+            except ValueError:
+                words = []
+            if not words:
+                raise InvalidArgument(f"notify {target!r}: cmd: needs a command (cmd:mail -s done me@lab.org)")
+            continue
+        parsed = urllib.parse.urlsplit(target)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise InvalidArgument(
+                f"notify {target!r} is neither an http(s) URL (https://hooks.example.org/...) nor cmd:COMMAND"
+            )
 
 
 def check_start_method(start_method: object) -> None:
@@ -182,6 +223,37 @@ OPTIONS: tuple[Option, ...] = (
         "job",
         flag=True,
         metavar="NAME",
+    ),
+    _option(
+        "notify",
+        "str | Sequence[str] | None",
+        None,
+        "tell TARGET when the job ends, is requeued or waits long: an http(s) URL (POST of JSON) or cmd:COMMAND "
+        "(JSON on its stdin); default $GPUMAGIC_NOTIFY",
+        "job",
+        flag=True,
+        metavar="TARGET",
+        check=check_notify,
+    ),
+    _option(
+        "notify_wait",
+        "str | float",
+        "1h",
+        "with --notify: tell it once when the job has waited this long for GPUs ({default}; 0: never)",
+        "job",
+        check=check_notify_wait,
+        **_DURATION,
+    ),
+    _option(
+        "requeue_on_timeout",
+        "int",
+        0,
+        "on Slurm: near the time limit the job's next gpumagic.checkpoint saves and requeues it, up to N times",
+        "job",
+        flag=True,
+        metavar="N",
+        parse=int,
+        check=check_requeue_on_timeout,
     ),
     _option(
         "nprocs",

@@ -114,6 +114,7 @@ def _jobs_parsers() -> dict[str, Parser]:
     )
     resume.add_argument("name")
     add_options(resume, "job", only=RESUMABLE, changes=True)
+    add_slurm_arguments(resume, shape=True, executor=False)
     helper = Parser("%jobs help", "Help on a subcommand.")
     helper.add_argument("subcommand", nargs="?")
     return {
@@ -237,6 +238,9 @@ def _resume(args: argparse.Namespace) -> Any:
     changes = {name: value for name, value in vars(args).items() if name in RESUMABLE}
     if changes.get("ddp") is not None:
         changes["ddp"] = whole_number(changes["ddp"], "%jobs resume: --ddp needs a number of ranks")
+    slurm = slurm_options(args, "%jobs resume")
+    if slurm:
+        changes["slurm"] = slurm
     resumed = job(args.name).resume(**changes)
     return Help(resumed.describe())
 

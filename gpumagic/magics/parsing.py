@@ -15,7 +15,9 @@ from IPython.core.error import UsageError
 
 from gpumagic.launch.option_table import on
 
-SLURM_FLAGS = ("partition", "time", "nodes", "tasks_per_node", "gres", "account", "qos", "constraint")
+SLURM_FLAGS = (
+    "partition", "time", "nodes", "tasks_per_node", "gres", "account", "qos", "constraint", "signal_delay"
+)  # fmt: skip
 
 
 class Parser(argparse.ArgumentParser):
@@ -108,10 +110,12 @@ def whole_number(text: str, what: str) -> int:
         raise UsageError(f"{what}, got {text!r}") from None
 
 
-def add_slurm_arguments(parser: argparse.ArgumentParser, shape: bool) -> None:
-    """``--executor slurm`` and the Slurm options (``shape``: --nodes and --tasks-per-node too)."""
+def add_slurm_arguments(parser: argparse.ArgumentParser, shape: bool, executor: bool = True) -> None:
+    """``--executor slurm`` (unless not ``executor``: a resume runs where the job ran) and the Slurm options
+    (``shape``: --nodes and --tasks-per-node too)."""
     group = parser.add_argument_group("on Slurm (submitit; docs/multi-node.md)")
-    group.add_argument("--executor", default="local", choices=("local", "slurm"), help="where the job runs (local)")
+    if executor:
+        group.add_argument("--executor", default="local", choices=("local", "slurm"), help="where the job runs (local)")
     group.add_argument("--partition", help="Slurm partition")
     group.add_argument("--time", metavar="DURATION", help="Slurm time limit: 90m, 2h (default 1h)")
     if shape:
@@ -123,6 +127,9 @@ def add_slurm_arguments(parser: argparse.ArgumentParser, shape: bool) -> None:
     group.add_argument("--constraint", help="Slurm node features")
     group.add_argument("--cpus-per-task", metavar="N", help="CPUs per task")
     group.add_argument("--mem", metavar="SIZE", help="memory per node: 64GB")
+    group.add_argument(
+        "--signal-delay", metavar="DURATION", help="Slurm's signal this long before the time limit (90s): 5m"
+    )
     group.add_argument(
         "--sbatch", action="append", metavar="KEY=VALUE", help="any other sbatch option, repeatable: exclusive=1"
     )
@@ -138,7 +145,7 @@ def slurm_options(args: argparse.Namespace, prog: str) -> dict[str, Any] | None:
         if not sep or not key.strip():
             raise UsageError(f"{prog}: --sbatch takes KEY=VALUE (exclusive=1, mail-type=END), got {item!r}")
         extra[key.strip()] = value.strip()
-    if args.executor != "slurm":
+    if getattr(args, "executor", "slurm") != "slurm":
         if given or extra:
             flags = ", ".join("--" + key.replace("_", "-") for key in [*given, *(["sbatch"] if extra else [])])
             raise UsageError(f"{prog}: {flags} need --executor slurm")

@@ -32,7 +32,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,9 @@ class JobSpec:
     memory_limit: bool | None = None
     hang_after_s: float | None = None
     attempt: int | None = None  # 1 (or None): the first; ``start_attempt`` counts the resumes
+    notify: list[str] | None = None  # targets told of its end (``jobs.notify``): commands run, so only from here
+    notify_wait_s: float | None = None
+    requeue_on_timeout: int | None = None  # a Slurm job near its time limit saves and requeues itself so often
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> JobSpec:
@@ -182,21 +185,28 @@ def create(name: str, packed: bytes, reserve: bool = True, **fields: Any) -> Pat
 
 ATTEMPT_FILES = ("output.log", "error.txt", "result.pkl", "kill.json", "runner.log", "ranks", "metrics")
 ATTEMPT_RESET = {"started": None, "ended": None, "exit": "", "exitcode": None, "signal": None, "gpus": [],
-                 "gpu_uuids": [], "pids": None, "runner_pid": None, "runner_start": None, "hang": None}  # fmt: skip
+                 "gpu_uuids": [], "pids": None, "runner_pid": None, "runner_start": None, "hang": None,
+                 "slurm_restarts": 0, "notify_problem": None}  # fmt: skip
 
 
-def start_attempt(path: Path, changes: dict[str, Any]) -> int:
+def attempt_of(info: Mapping[str, Any]) -> int:
+    """Which attempt of the job ``info`` describes is the current one: 1 for the first; each ``%jobs resume`` and
+    each Slurm requeue (preemption, ``scontrol requeue``, a time-limit requeue) starts the next."""
+    return int(info.get("attempt_base") or 0) + 1 + int(info.get("slurm_restarts") or 0)
+
+
+def start_attempt(path: Path, changes: Mapping[str, Any]) -> int:
     """Make the ended job at ``path`` ready for its next attempt (``%jobs resume``): what the earlier attempt left
     (its output, error, result, ranks' files, metrics, kill request) moves into ``attempts/<its number>/``; its
     checkpoints stay, for the new attempt to restore; ``job.json`` is sealed again with ``changes`` (the new
-    request, ranks, timeout ...) and the attempt's number, and ``run.json`` reads queued. Returns the new attempt's
-    number. Call under ``names_locked()``, once the job has ended.
+    request, ranks, timeout ...) and the attempt's number, and ``run.json`` reads queued with ``changes``'
+    fields. Returns the new attempt's number. Call under ``names_locked()``, once the job has ended.
 
     Raises:
         DiskFull: no space to write them (the earlier attempt's files stay where they were moved).
     """
-    spec = dataclasses.asdict(read_spec(path))
-    earlier = int(spec.get("attempt") or 1)
+    info = read(path)
+    earlier = attempt_of(info)
     files = RunFiles(path)
     kept = files.root / "attempts" / str(earlier)
     kept.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -204,18 +214,17 @@ def start_attempt(path: Path, changes: dict[str, Any]) -> int:
         with contextlib.suppress(FileNotFoundError):
             os.replace(files.root / name, kept / name)
     now = time.time()
-    spec.update(changes, attempt=earlier + 1, submitted=now)  # it queues as a new submission would
-    write_sealed(files.job, json.dumps(spec).encode())
+    spec = dataclasses.asdict(read_spec(path))
+    spec.update({k: v for k, v in changes.items() if k in spec}, attempt=earlier + 1, submitted=now)
+    write_sealed(files.job, json.dumps(spec).encode())  # it queues as a new submission would
     private.write_private(files.output, b"")
-    fields = {k: v for k, v in changes.items() if k in ("request", "ddp", "backend", "timeout_s", "hang_after_s",
-                                                        "memory_limit")}  # fmt: skip
-    if "ddp" in changes:
-        fields["ranks"] = changes["ddp"] or 1
+    fields = {**ATTEMPT_RESET, **changes, **({"ranks": changes["ddp"] or 1} if "ddp" in changes else {})}
     store.update_run(
-        path, **ATTEMPT_RESET, **fields, status="queued", reason="starting", resumed=now,
-        attempt=earlier + 1, attempts_kept=str(files.root / "attempts"),
+        path, **fields, status="queued", reason="starting", resumed=now, attempt_base=earlier,
+        attempts_kept=str(files.root / "attempts"),
     )  # fmt: skip
-    _reserve(path)
+    if info.get("executor") != "slurm":  # a job without a runner of ours needs no space for its runner's record
+        _reserve(path)
     return earlier + 1
 
 

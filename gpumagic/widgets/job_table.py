@@ -61,9 +61,9 @@ def job_row(
     shown = ""
     if status not in ("queued", "cancelled"):
         shown = format_metrics(latest if latest is not None else job.last_metrics())
-    resumed = resumed_note(job.path, info)
-    if resumed:
-        why = f"{why} · {resumed}" if why else resumed
+    for note in (resumed_note(job.path, info), info.get("notify_problem")):
+        if note:
+            why = f"{why} · {note}" if why else note
     line = one_line_why(why, _request(info) if status == "queued" else None, place)
     return JobRow(info["name"], status, gpus, format_duration(records.elapsed(info)), why, shown, line)
 

@@ -158,7 +158,7 @@ def test_a_requeued_job_says_so_and_keeps_the_earlier_attempts_files(on_cluster)
     assert job.wait(timeout="90s") == "finished", job.reason
     assert job.result() == 1
     assert "attempt 1" in job.logs() and "attempt 0" not in job.logs()
-    kept = Path(job.info["slurm_attempts_kept"]) / "0"
+    kept = Path(job.info["slurm_attempts_kept"]) / "1"  # the first attempt's files
     assert "attempt 0" in (kept / "ranks" / "rank-0.log").read_text()
     assert (kept / "metrics" / "rank-0.bin").exists()
     assert job.last_metrics()["attempt"][1] == 1  # this attempt's curve, not mixed with the earlier one's
@@ -166,9 +166,14 @@ def test_a_requeued_job_says_so_and_keeps_the_earlier_attempts_files(on_cluster)
 
 def requeue_and_release(cluster, job) -> None:
     """``scontrol requeue`` the running ``job``, check it reads as requeued, and have Slurm start it again now."""
+    cluster.run("scontrol", "requeue", job.info["slurm_job_id"])
+    release_requeued(cluster, job)
+
+
+def release_requeued(cluster, job, timeout: float = 30) -> None:
+    """Once the ``job`` reads as requeued, have Slurm start it again now."""
     job_id = job.info["slurm_job_id"]
-    cluster.run("scontrol", "requeue", job_id)
-    requeued = wait_for(lambda: "requeued" in job.reason and job.reason, 30, "the job reads as requeued")
+    requeued = wait_for(lambda: "requeued" in job.reason and job.reason, timeout, "the job reads as requeued")
     assert job.status == "queued" and "requeued by Slurm 1 time(s)" in requeued, requeued
     wait_for(lambda: cluster.job_fields(job_id).get("JobState") == "PENDING", 30, "the earlier attempt ended")
     wait_for(lambda: _nodes_idle(cluster), 30, "every node ended its steps")
@@ -212,6 +217,70 @@ def test_a_requeued_job_resumes_from_its_checkpoint(on_cluster):
     assert start == 2, "the requeued attempt went on from step 2, not from 0"
     assert "resumed from step 2 (attempt 2)" in job.describe()
     assert weight.equal(train(5)[1]), "the weights of a run that was never requeued"
+
+
+def train_linear(steps, stop_at=None, every=1, fail=False):
+    """Restore, train a small model with a checkpoint each ``every`` steps. The first attempt (nothing restored)
+    at ``stop_at`` raises (``fail``) or keeps calling checkpoint there until Slurm's time limit signal makes it
+    save and requeue. Without ``stop_at``, in this process: the run that was never stopped."""
+    import time
+
+    import torch
+
+    import gpumagic
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    start = gpumagic.restore(model=model, optimizer=optimizer) if stop_at else 0
+    for step in range(start, steps):
+        optimizer.zero_grad()
+        model(torch.ones(3, 4) * step).pow(2).mean().backward()
+        optimizer.step()
+        if stop_at:
+            gpumagic.checkpoint(step + 1, every=every, model=model, optimizer=optimizer)
+        if step + 1 == stop_at and start == 0:
+            print("stopping at", stop_at, flush=True)
+            if fail:
+                raise RuntimeError("the node's disk went away")
+            while True:  # until the time limit's signal: the next checkpoint saves, and the job requeues
+                gpumagic.checkpoint(step + 1, every=every, model=model, optimizer=optimizer)
+                time.sleep(0.2)
+    return start, model.weight.detach().clone()
+
+
+def test_a_failed_slurm_job_resumed_with_more_time_goes_on_from_its_checkpoint(on_cluster):
+    job = gpumagic.jobs_with(name="C2", executor="slurm", gpus=0, slurm={"time": "10m"}).submit(
+        train_linear, 5, 3, 1, True
+    )
+    assert job.wait(timeout="90s") == "failed", job.reason
+    first = job.info["slurm_job_id"]
+    assert job.resume(slurm={"time": "20m"}) is job
+    assert job.wait(timeout="90s") == "finished", job.reason
+    start, weight = job.result()
+    assert start == 3 and weight.equal(train_linear(5)[1]), "from step 3, to the weights of an unbroken run"
+    info = job.info
+    assert info["slurm_job_id"] != first and info["slurm"]["timeout_min"] == 20
+    assert "resumed from step 3 (attempt 2)" in job.describe()
+    assert "the node's disk went away" in (job.path / "attempts" / "1" / "error.txt").read_text()
+
+
+@pytest.mark.slow
+def test_near_its_time_limit_a_job_saves_and_requeues_itself(on_cluster):
+    slurm = {"time": "1m", "signal_delay": 50}  # Slurm's shortest limit; its signal comes 50 s ahead (or sooner)
+    job = gpumagic.jobs_with(name="C3", executor="slurm", gpus=0, requeue_on_timeout=1, slurm=slurm).submit(
+        train_linear, 6, 3, 100
+    )
+    release_requeued(on_cluster, job, timeout=90)
+    assert job.wait(timeout="90s") == "finished", job.reason
+    start, weight = job.result()
+    # the signal comes at Slurm's next look at the limit: at step 3 where the first attempt waits for it, or before
+    assert 1 <= start <= 3 and weight.equal(train_linear(6)[1]), "from the step it saved, to an unbroken run's end"
+    assert job.info["timeout_requeues"] == 1
+    assert (
+        f"time limit near; saved step {start}; Slurm requeues the job"
+        in (job.path / "attempts" / "1" / "ranks" / "rank-0.log").read_text()
+    )
 
 
 def _slurm_says(cluster, job_id: str) -> str:

@@ -3,13 +3,14 @@ two gloo ranks, with FSDP2 on the CPU, and across a --max-restarts restart. Ever
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 
 import gpumagic
 from gpumagic.errors import InvalidArgument
-from gpumagic.run_dirs import checkpoint_files
+from gpumagic.run_dirs import checkpoint_files, records
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.store import RUN_DIR_VARIABLE, new_run
 
@@ -289,13 +290,14 @@ def wait_until(predicate, timeout=60.0):
 
 
 @pytest.mark.usefixtures("no_job_left_running")
-def test_a_job_killed_mid_run_and_resumed_ends_with_the_weights_of_an_unbroken_run():
+def test_a_job_killed_mid_run_and_resumed_ends_with_the_weights_of_an_unbroken_run(shell):
     job = gpumagic.jobs_with(gpus=0, name="resumed-A1").submit(train_until_killed, 6, 3)
     wait_until(lambda: "waiting to be killed" in job.logs())
     with pytest.raises(InvalidArgument, match=r"job resumed-A1 is running; resume starts a new attempt of an ended"):
         job.resume()
     assert job.kill(grace_s=1) == "killed"
-    assert job.resume(timeout="1h") is job
+    shown = shell.run_line_magic("jobs", "resume resumed-A1 --timeout 1h")
+    assert repr(shown).startswith("resumed-A1: ")
     assert job.wait("2m") == "finished", job.logs()
     start, weights = job.result()
     assert start == 3, "the second attempt resumed from the checkpoint of step 3"
@@ -308,7 +310,7 @@ def test_a_job_killed_mid_run_and_resumed_ends_with_the_weights_of_an_unbroken_r
     kept = job.path / "attempts" / "1"
     assert "waiting to be killed" in (kept / "output.log").read_text() and "waiting" not in job.logs()
     assert (kept / "kill.json").exists() and not (job.path / "kill.json").exists()
-    assert job.info["attempt"] == 2 and job.info["timeout_s"] == 3600.0
+    assert records.attempt_of(job.info) == 2 and job.info["timeout_s"] == 3600.0
     assert list(job.metrics()[0]["weight"].steps) == [4, 5, 6], "this attempt's points; the first's are kept"
     with pytest.raises(InvalidArgument, match="job resumed-A1 finished; there is nothing to resume"):
         job.resume()
@@ -322,3 +324,42 @@ def test_resume_checks_its_options_as_a_submission_does():
         job.resume(timeout="soon")
     with pytest.raises(InvalidArgument, match="memory_limit caps a job at the memory it declares"):
         job.resume(memory_limit=True)
+    with pytest.raises(InvalidArgument, match="slurm options are for a job that ran on Slurm"):
+        job.resume(slurm={"time": "2h"})
+
+
+@pytest.mark.usefixtures("no_job_left_running")
+def test_jobs_resume_mistakes_are_one_line_usage_errors(shell):
+    from IPython.core.error import UsageError
+
+    job = gpumagic.jobs_with(gpus=0, name="resumed-C1").submit(int, "three")
+    assert job.wait("2m") == "failed"
+    for line, says in [
+        ("resume", "the following arguments are required: name"),
+        ("resume nosuch", "no job named 'nosuch'"),
+        ("resume resumed-C1 --ddp two", "--ddp needs a number of ranks"),
+        ("resume resumed-C1 --bogus 1", "unrecognized arguments: --bogus 1"),
+        ("resume resumed-C1 --partition long", "slurm options are for a job that ran on Slurm"),
+        ("resume resumed-C1 --gpus 0 --min-free 1GB", "min_free needs GPUs"),
+    ]:
+        with pytest.raises(UsageError, match=re.escape(says)) as raised:
+            shell.run_line_magic("jobs", line)
+        assert "\n" not in str(raised.value), line
+    assert job.status == "failed" and not (job.path / "attempts").exists(), "no mistake started an attempt"
+
+
+def test_every_skips_the_steps_between_and_the_time_limit_saves_at_once(run_dir, monkeypatch, capfd):
+    from gpumagic.launch.rank_side import checkpoints
+
+    model, _ = make_model()
+    saved = [step for step in range(1, 8) if gpumagic.checkpoint(step, every=3, model=model) is not None]
+    assert saved == [3, 6]
+    with pytest.raises(InvalidArgument, match="every is a whole number of steps >= 1, got 0"):
+        gpumagic.checkpoint(9, every=0, model=model)
+    monkeypatch.setenv(checkpoints.REQUEUE_VARIABLE, "1/1")  # what a Slurm task that may requeue sets
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    checkpoints.time_limit_near(0, None)
+    assert gpumagic.checkpoint(7, every=3, model=model) is not None, "the signal saves the next step at once"
+    assert "saved step 7, but this is not a Slurm job; it runs on to the limit" in capfd.readouterr().err
+    assert gpumagic.checkpoint(8, every=3, model=model) is None, "once: the steps between are skipped again"
+    assert [e.step for e in checkpoint_files.sealed(run_dir)] == [7, 6]

@@ -37,6 +37,7 @@ MAX_PARAMETERS = 12
 WIDE_BY_DESIGN = {
     "gpumagic.launch.kernel_side.ddp:launch_ddp": "fn, nprocs, args, kwargs and the launch surface's options",
     "gpumagic.launch.kernel_side.ddp:spawn": "torch.multiprocessing.spawn's four and the launch surface's options",
+    "gpumagic.jobs.api:jobs_with": "the job surface's options, no more",
 }
 
 

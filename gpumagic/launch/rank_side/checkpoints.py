@@ -18,19 +18,25 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from gpumagic.errors import GpumagicError, InvalidArgument
-from gpumagic.run_dirs import checkpoint_files
+from gpumagic.launch.rank_side.output_routing import flush
+from gpumagic.run_dirs import checkpoint_files, store
 from gpumagic.run_dirs.checkpoint_files import Checkpoint
 from gpumagic.run_dirs.store import RUN_DIR_VARIABLE
 
 _log = logging.getLogger(__name__)
 
 ATTEMPT_VARIABLE = "GPUMAGIC_ATTEMPT"  # a background job's attempt (1 first; %jobs resume adds one)
+REQUEUE_VARIABLE = "GPUMAGIC_REQUEUE_ON_TIME_LIMIT"  # "k/N": a Slurm job that may requeue itself, the k-th time
+REQUEUE_WAIT_S = 120.0  # for Slurm to end a rank whose job it requeues
 FORMAT = 1  # the layout of what torch.save writes: {"gpumagic": {...}, "state": {name: value}}
 
 
@@ -38,26 +44,33 @@ class CheckpointError(GpumagicError):
     """A checkpoint could not be saved or restored; the message names the file, the rank and what to do."""
 
 
-def checkpoint(step: int, /, **state: Any) -> Path:
+def checkpoint(step: int, /, *, every: int = 1, **state: Any) -> Path | None:
     """Save ``state`` as the checkpoint of ``step`` (the steps done: ``restore`` returns it as the step to go on
-    from) into this run's directory, atomically and sealed; the last two are kept.
+    from) into this run's directory, atomically and sealed; the last two are kept. With ``every``, only a step that
+    is a multiple of it is saved (call it each step), and, in a Slurm job with ``requeue_on_timeout``, the first
+    call after Slurm's signal ahead of the time limit: it saves, and the job requeues itself.
 
     Every rank of a process group calls it with the same step; rank 0 writes. Costs about what ``torch.save``
-    of the same state costs (the seal is hashed while the file is written).
+    of the same state costs (the seal is hashed by a thread afterwards).
 
-    >>> gpumagic.checkpoint(step + 1, model=model, optimizer=optimizer, scheduler=scheduler)  # doctest: +SKIP
+    >>> gpumagic.checkpoint(step + 1, every=500, model=model, optimizer=optimizer)  # doctest: +SKIP
 
     Returns:
-        The checkpoint's file.
+        The checkpoint's file, or None where ``every`` skipped the step.
     Raises:
         InvalidArgument: no state, a step that is not a whole number >= 0, ranks that disagree on the step, or no
             run to save into. CheckpointError: rank 0 could not write it (every rank raises). DiskFull.
     """
     _check_step(step)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise InvalidArgument(f"every is a whole number of steps >= 1, got {every!r}")
     if not state:
         raise InvalidArgument("gpumagic.checkpoint(step, model=model, optimizer=optimizer): name the state to save")
     run_dir = _run_dir("checkpoint")
     group = _process_group()
+    near_limit = _time_limit_heard(group)
+    if step % every and not near_limit:
+        return None
     if group is not None:
         _agree_on_step(group, step)
     saved = {name: _state_of(name, value, state) for name, value in state.items()}
@@ -82,8 +95,74 @@ def checkpoint(step: int, /, **state: Any) -> Path:
         written = Path(told[1])
     if failure is not None:
         raise failure
-    assert written is not None
+    if near_limit:
+        _requeue(run_dir, group, step)
     return written
+
+
+def time_limit_near(signum: int, frame: Any) -> None:
+    """Slurm's signal ahead of the time limit (a job with ``requeue_on_timeout``): the next ``checkpoint`` saves
+    and requeues. A signal handler: it only takes note."""
+    global _near_limit
+    _near_limit = True
+
+
+_near_limit = False
+
+
+def _time_limit_heard(group: Any) -> bool:
+    """Whether any rank heard the time limit's signal (each hears it at its own step: they agree here, a small
+    collective in each ``checkpoint`` call of a job that can requeue, none elsewhere)."""
+    if not os.environ.get(REQUEUE_VARIABLE):
+        return False
+    if group is None:
+        return _near_limit
+    # lazy: torch is imported by the rank's code before it checkpoints
+    import torch
+
+    heard = torch.tensor([1 if _near_limit else 0])
+    group.all_reduce(heard, op=group.ReduceOp.MAX)
+    return bool(heard.item())
+
+
+def _requeue(run_dir: Path, group: Any, step: int) -> None:
+    """After the checkpoint of ``step``: rank 0 asks Slurm to requeue the job (``scontrol requeue``), and every rank
+    waits for Slurm to end it; if Slurm refuses, every rank says why once and trains on to the limit."""
+    global _near_limit
+    rank = group.get_rank() if group is not None else 0
+    refused = [""]
+    if rank == 0:
+        refused[0] = _ask_slurm_to_requeue(run_dir, step)
+    if group is not None:
+        group.broadcast_object_list(refused, src=0)
+    _near_limit = False
+    if refused[0]:
+        os.environ.pop(REQUEUE_VARIABLE, None)
+        sys.stderr.write(f"[gpumagic] rank {rank}: saved step {step}, but {refused[0]}; it runs on to the limit\n")
+        return
+    sys.stderr.write(f"[gpumagic] rank {rank}: time limit near; saved step {step}; Slurm requeues the job\n")
+    flush()
+    deadline = time.monotonic() + REQUEUE_WAIT_S
+    while time.monotonic() < deadline:  # Slurm's SIGTERM ends the rank (the task's handler) as it requeues
+        time.sleep(0.5)
+    os._exit(128 + signal.SIGTERM)
+
+
+def _ask_slurm_to_requeue(run_dir: Path, step: int) -> str:
+    """Count the requeue in the job's record and ask Slurm for it; why not, or empty."""
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    if not job_id:
+        return "this is not a Slurm job"
+    used = os.environ.get(REQUEUE_VARIABLE, "1/1").split("/")[0]
+    store.update_run(run_dir, timeout_requeues=int(used), reason=f"requeued before its time limit at step {step}")
+    try:
+        done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        _log.debug("scontrol requeue failed; the job runs on to its limit", exc_info=True)
+        return f"scontrol requeue failed ({err})"
+    if done.returncode:
+        return f"Slurm refused the requeue: {(done.stderr or done.stdout).strip()[:200]}"
+    return ""
 
 
 def restore(**state: Any) -> int:

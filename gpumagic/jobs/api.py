@@ -76,7 +76,10 @@ class Job:
     @property
     def status(self) -> str:
         """queued, running, finished, failed, killed, cancelled, or lost (its runner vanished)."""
-        return executors.status(self.info)
+        info = self.info
+        status = executors.status(info)
+        notify.tell_silent_end(self.path, info, status)  # an end nobody recorded is told by whoever sees it
+        return status
 
     @property
     def reason(self) -> str:

@@ -3,6 +3,7 @@ runner (``jobs.runner``) that records its end. Killing a job ends its runner's w
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -25,7 +26,7 @@ from gpumagic.jobs import notify
 from gpumagic.jobs.executors import Entry, Submission
 from gpumagic.jobs.queue import Request, Ticket, place, remove_tickets
 from gpumagic.launch.plan import command_environment
-from gpumagic.run_dirs import records
+from gpumagic.run_dirs import records, store
 from gpumagic.run_dirs.layout import RUNS_VARIABLE, RunFiles, runs_root
 from gpumagic.run_dirs.private import open_private
 from gpumagic.run_dirs.run_end import RunEnd, judged_here, lost, run_end
@@ -101,8 +102,14 @@ def resume(path: Path, changes: dict[str, Any]) -> int:
     with records.names_locked():
         info = records.read(path)
         check_resumable(info["name"], end(info).status)
-        attempt = records.start_attempt(path, changes)
-    _start_runner(path)
+        try:
+            attempt = records.start_attempt(path, changes)
+            _start_runner(path)
+        except BaseException as err:  # never left queued without a runner: it reads failed, and can be resumed again
+            with contextlib.suppress(OSError):
+                records.update(path, runner_pid=None)
+                store.record_end(path, "failed", f"resuming it failed: {type(err).__name__}: {err}")
+            raise
     return attempt
 
 

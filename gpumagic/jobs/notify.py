@@ -23,6 +23,7 @@ import math
 import os
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -30,6 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from gpumagic.jobs.executors import executor_of
 from gpumagic.launch.option_table import check_notify
 from gpumagic.run_dirs import records
 from gpumagic.run_dirs.layout import RunFiles
@@ -42,7 +44,8 @@ _log = logging.getLogger(__name__)
 
 VARIABLE = "GPUMAGIC_NOTIFY"  # every job's target when it names none (several: separated by spaces)
 TRIES = 3
-TIMEOUT_S = 5.0
+TIMEOUT_S = 5.0  # of an HTTP target's answer
+COMMAND_TIMEOUT_S = 10.0  # of a command's
 BACKOFF_S = (0.5, 1.0)  # between tries
 ERROR_LINES = 15  # of the failing rank's traceback
 
@@ -70,22 +73,35 @@ def notify(path: Path, event: str, **more: Any) -> bool:
     try:
         info = records.read(path)
         targets = list(records.read_spec(path).notify or ())  # a command runs: from the sealed spec alone
-    except (OSError, ValueError, PayloadRejected):
-        _log.debug("the job at %s cannot be read; nobody is told of %s", path, event, exc_info=True)
+        if not targets:
+            return False
+        if event in records.ENDED and info.get("sweep"):
+            return _sweep_summary(info, targets)
+        if not _claim(path, f"{event}.{records.attempt_of(info)}"):
+            return False
+        _deliver(path, targets, job_message(path, info, event, **more))
+        return True
+    except (OSError, ValueError, KeyError, PayloadRejected):  # whatever it is, the job it tells of is not held
+        _log.warning("gpumagic: nobody could be told of job %s's %s", path.name, event)
+        _log.debug("telling the targets of %s failed", path, exc_info=True)
         return False
-    if not targets:
-        return False
-    if event in records.ENDED and info.get("sweep"):
-        return _sweep_summary(info, targets)
-    if not _claim(path, f"{event}.{records.attempt_of(info)}"):
-        return False
-    _deliver(path, targets, job_message(path, info, event, **more))
-    return True
+
+
+def tell_silent_end(path: Path, info: Mapping[str, Any], status: str) -> None:
+    """Whoever reads a job's state (``%jobs``, ``Job.status``) tells its targets, on a thread, of an end nobody
+    recorded: a job whose runner vanished (lost), a Slurm job its time limit or a node's failure ended. The claim
+    keeps it once; a job that names no target costs nothing."""
+    if status not in records.ENDED or not info.get("notify") or not recorded_end(info).active:
+        return
+    claims = RunFiles(path).root / "notified" / f"{status}.{records.attempt_of(info)}"
+    if claims.exists():
+        return
+    threading.Thread(target=notify, args=(path, status), name="gpumagic-notify", daemon=True).start()
 
 
 def job_message(path: Path, info: Mapping[str, Any], event: str, **more: Any) -> dict[str, Any]:
     """The JSON a target receives about one job."""
-    ended = recorded_end(info)
+    ended = executor_of(info).end(info)  # as %jobs tells it: a job whose runner vanished is lost
     start = info.get("started") or info.get("submitted") or time.time()
     message = {
         "job": info.get("name"),
@@ -163,14 +179,15 @@ def _error_tail(path: Path) -> str:
 def _sweep_summary(info: Mapping[str, Any], targets: Sequence[str]) -> bool:
     """Once every job of the sweep ``info``'s job belongs to has recorded its end: one message, best run first."""
     sweep = str(info["sweep"])
-    members = [p for p in records.all_jobs() if _read(p).get("sweep") == sweep]
-    infos = {p: _read(p) for p in members}
-    if len(members) < int(info.get("sweep_size") or 0) or any(recorded_end(i).active for i in infos.values()):
+    infos = {p: i for p in records.all_jobs() if (i := _read(p)).get("sweep") == sweep}
+    ends = {p: executor_of(i).end(i) for p, i in infos.items()}  # a member whose runner vanished reads lost
+    if len(infos) < int(info.get("sweep_size") or 0) or any(e.active for e in ends.values()):
         return False
-    home = min(members, key=lambda p: (float(infos[p].get("submitted") or 0), p.name))
-    if not _claim(home, f"sweep-{sweep}"):
+    home = min(infos, key=lambda p: (float(infos[p].get("submitted") or 0), p.name))
+    attempts = sum(records.attempt_of(i) for i in infos.values())  # a resumed member's end is told again
+    if not _claim(home, f"sweep-{sweep}.{attempts}"):
         return False
-    jobs = [job_message(p, i, recorded_end(i).status) for p, i in infos.items()]
+    jobs = [job_message(p, i, ends[p].status) for p, i in infos.items()]
     metric = _ranking_metric(jobs)
     jobs.sort(key=lambda j: _rank_key(j, metric))
     message = {

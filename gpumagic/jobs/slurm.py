@@ -169,19 +169,19 @@ def resume(path: Path, info: Mapping[str, Any], changes: dict[str, Any], gpus: A
     spec = records.read_spec(path)
     backend = choose_backend(changes.get("backend", spec.backend), use_cuda=uses_gpus(params))
     changes = {**changes, "ddp": ranks if ranks > 1 else None, "slurm_options": given, "slurm_gpus": per_node}
+    packed = read_sealed(RunFiles(path).job_payload, f"job {info['name']}'s code")  # refused before anything moves
+    group = ranks > 1 or bool(spec.ddp)
+    timeout_s = float(changes.get("timeout_s", spec.timeout_s) or 1800.0)
     with records.names_locked():
         now = records.read(path)
         check_resumable(now["name"], end(now).status)
         attempt = records.start_attempt(path, changes)
-        packed = read_sealed(RunFiles(path).job_payload, f"job {now['name']}'s code")
-        group = ranks > 1 or bool(spec.ddp)
-        timeout_s = float(changes.get("timeout_s", spec.timeout_s) or 1800.0)
-        write_spec(RunFiles(path), _launch_spec(params, backend, group, timeout_s), packed)
     try:
+        write_spec(RunFiles(path), _launch_spec(params, backend, group, timeout_s), packed)
         fields = _submit_directory(path, {**params, "name": now["name"]}, where)
     except Exception as err:  # noqa: BLE001 - sbatch's own refusal (partition, limits) is the user's answer
         why = f"resubmitting attempt {attempt} failed: {_refusal(err)}"
-        record_end(path, "failed", why)
+        record_end(path, "failed", why)  # it can be resumed again
         raise InvalidArgument(f"job {now['name']}: {why}") from None
     records.update(path, reason=f"submitted as Slurm job {fields['slurm_job_id']}", slurm=params, **fields)
     return attempt

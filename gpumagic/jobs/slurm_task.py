@@ -43,6 +43,7 @@ from gpumagic.run_dirs.store import record_end
 _log = logging.getLogger(__name__)
 
 STOP_LOOK_S = 0.25  # how often a rank looks for its attempt's stop file
+NOTIFY_WAIT_S = 30.0  # at the rank's end, for the "requeued" notification sent while it ran
 STOPPED_EXIT = 128 + signal.SIGTERM
 
 
@@ -77,6 +78,7 @@ class Task:
         if restarts:  # Slurm requeued the job (preemption, node failure, scontrol requeue): this is attempt N + 1
             keep_earlier_attempt(run_dir, rank, attempt - 1)
         watch_time_limit(run_dir, info, getattr(submitit.JobEnvironment, "USR_SIG", "USR2"))
+        telling: threading.Thread | None = None
         if rank == 0:
             fields: dict[str, Any] = {"slurm_restarts": restarts} if restarts else {}
             if restarts:  # an end the earlier attempt recorded is not this one's
@@ -85,9 +87,14 @@ class Task:
                 run_dir, status="running", reason="", started=time.time(), slurm_nodes=list(env.hostnames), **fields
             )
             if restarts:  # preempted, or requeued (scontrol requeue, a node's failure): its targets hear it goes on
-                notify.notify(run_dir, "requeued", requeues=restarts)
+                telling = threading.Thread(
+                    target=notify.notify, args=(run_dir, "requeued"), kwargs={"requeues": restarts}, daemon=True
+                )
+                telling.start()
         watch = StopWatch(RunFiles(run_dir), rank, world_size, token) if world_size > 1 else None
         code = run_rank(run_dir)
+        if telling is not None:  # told while the rank ran; a slow target holds the end a little, never the start
+            telling.join(timeout=NOTIFY_WAIT_S)
         if watch is not None:
             watch.ended(code)
         record_if_last(run_dir, world_size, token)

@@ -8,10 +8,10 @@ Each checkpoint is two files in the run's ``checkpoints/`` (``run_dirs.layout``)
 
 The data file is written under a temporary name, renamed, and only then is its seal written (atomically): a
 checkpoint without a seal, or whose file does not match its seal (a crash mid-write, a full disk, a file changed
-since), is never loaded; the one before it is. Sealing the digest, not the bytes, lets a checkpoint of many GB be
-sealed off the caller's path: a thread hashes the written file and seals it while training goes on, so
-``checkpoint`` costs what ``torch.save`` costs (``benchmarks/checkpoint_cost.py``), and ``settle`` waits for the
-seal where it matters (the next checkpoint, ``restore``, a rank's end).
+since), is never loaded; the one before it is (``open_verified``). Sealing the digest, not the bytes, lets a
+checkpoint of many GB be sealed off the caller's path: a thread hashes the written file and seals it while training
+goes on, so ``checkpoint`` costs what ``torch.save`` costs (``benchmarks/checkpoint_cost.py``), and ``settle`` waits
+for the seal where it matters (the next checkpoint, ``restore``, a rank's end).
 
 Only the newest ``KEEP`` checkpoints (by when they were written, not by step: a run restarted from step 0 keeps
 its new ones) stay. Nothing here imports torch: the caller passes the function that writes.
@@ -28,10 +28,12 @@ import logging
 import os
 import re
 import secrets
+import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from gpumagic.errors import GpumagicError
 from gpumagic.run_dirs import private
@@ -62,6 +64,7 @@ class Checkpoint:
     sha256: str
     names: tuple[str, ...]
     written: float
+    sequence: int = 0  # one more than the newest sealed before it: the order, whatever the nodes' clocks say
 
     @property
     def seal(self) -> Path:
@@ -79,11 +82,16 @@ class Restored:
 
 
 def directory(run_dir: Path) -> Path:
-    """The run's checkpoint directory, made private on first use."""
+    """The run's checkpoint directory, made private on first use.
+
+    Raises:
+        RunsDirectoryError: it is not a directory of this user's that only they can write (a file in it could be
+            swapped for another user's pickle).
+    """
     path = RunFiles(run_dir).checkpoints
-    if not path.is_dir():
-        with contextlib.suppress(FileExistsError):
-            private.private_directory(path)
+    with contextlib.suppress(FileExistsError):
+        private.private_directory(path)
+    private.check_own(path)
     return path
 
 
@@ -103,9 +111,11 @@ def write(run_dir: Path, step: int, names: tuple[str, ...], save: Callable[[str]
     final = where / f"step-{step}.{secrets.token_hex(4)}.pt"
     try:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)  # left by a process of this pid that died: its mode is not ours to trust
-        os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+            os.unlink(temporary)  # left by a process of this pid that died
+        # torch.save makes the file (in a directory only this user can enter: nobody can put a link there): on
+        # ext4 a file made empty first and then written is flushed to disk at its close (auto_da_alloc), 3× slower
         save(str(temporary))
+        os.chmod(temporary, 0o600)
         os.replace(temporary, final)
     except BaseException as err:
         with contextlib.suppress(OSError):
@@ -130,18 +140,21 @@ def _seal(path: Path, step: int, names: tuple[str, ...]) -> None:
     """Hash the checkpoint ``path`` and write its seal, then keep only the newest ``KEEP``. On a failure (a full
     disk) the checkpoint stays unsealed, and so unused, with a warning."""
     try:
-        size, digest = _digest(path)
+        with open(path, "rb", buffering=0) as handle:
+            size, digest = _digest(handle)
+        sequence = max((e.sequence for e in sealed(path.parent.parent)), default=0) + 1  # newest: not by clocks
         record = {"file": path.name, "step": step, "size": size, "sha256": digest, "names": list(names),
-                  "written": time.time()}  # fmt: skip
+                  "written": time.time(), "sequence": sequence}  # fmt: skip
         write_sealed(path.with_name(f"step-{step}.seal"), json.dumps(record).encode())
         _prune(path.parent)
-    except (OSError, GpumagicError) as err:
+    except Exception as err:  # noqa: BLE001 - a thread's failure: the checkpoint stays unsealed, and it is said
         _log.warning("gpumagic: the checkpoint %s could not be sealed (%s); the one before stays the latest", path, err)
+        _log.debug("sealing %s failed", path, exc_info=True)
 
 
 def sealed(run_dir: Path) -> list[Checkpoint]:
     """The run's checkpoints whose seal is sound, newest first, this process's own last one included (the data
-    files are not read: ``verify``)."""
+    files are not read: ``open_verified`` checks them)."""
     settle()
     where = RunFiles(run_dir).checkpoints
     try:
@@ -162,6 +175,7 @@ def sealed(run_dir: Path) -> list[Checkpoint]:
                 str(record["sha256"]),
                 tuple(record.get("names") or ()),
                 float(record["written"]),
+                int(record.get("sequence") or 0),
             )
         except (PayloadRejected, OSError, ValueError, KeyError, TypeError):
             _log.warning("gpumagic: the checkpoint seal %s is unreadable or not yours; it is ignored", where / name)
@@ -170,48 +184,44 @@ def sealed(run_dir: Path) -> list[Checkpoint]:
             _log.warning("gpumagic: the checkpoint seal %s names another step's file; it is ignored", where / name)
             continue
         found.append(entry)
-    return sorted(found, key=lambda e: (e.written, e.step), reverse=True)
+    return sorted(found, key=lambda e: (e.sequence, e.written, e.step), reverse=True)
 
 
-def verify(entry: Checkpoint) -> None:
-    """Read the checkpoint's file through and check it against its seal.
+@contextlib.contextmanager
+def open_verified(entry: Checkpoint) -> Iterator[BinaryIO]:
+    """The checkpoint's file, open, checked against its seal and rewound: read it from here (``torch.load``), so
+    what was checked is what is read (the path is opened once, not followed if it is a link, and must be a file of
+    this user's).
 
     Raises:
-        CheckpointDamaged: missing, another size, or another digest (the message names the file).
+        CheckpointDamaged: missing, not this user's, another size, or another digest (the message names the file).
     """
     try:
-        size, digest = _digest(entry.path)
+        fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as err:
         raise CheckpointDamaged(f"checkpoint {entry.path} cannot be read: {err.strerror or err}") from None
-    if size != entry.size or digest != entry.sha256:
-        raise CheckpointDamaged(
-            f"checkpoint {entry.path} does not match its seal ({size:,} bytes, {entry.size:,} sealed): it was cut "
-            "short or changed after it was written"
-        )
+    with open(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise CheckpointDamaged(f"checkpoint {entry.path} is not a file of yours; it is not loaded")
+        size, digest = _digest(handle)
+        if size != entry.size or digest != entry.sha256:
+            raise CheckpointDamaged(
+                f"checkpoint {entry.path} does not match its seal ({size:,} bytes, {entry.size:,} sealed): it was "
+                "cut short or changed after it was written"
+            )
+        handle.seek(0)
+        yield handle
 
 
-def _digest(path: Path) -> tuple[int, str]:
-    """The size and SHA-256 of the file at ``path``."""
+def _digest(handle: BinaryIO) -> tuple[int, str]:
+    """The size and SHA-256 of what is left to read of ``handle``."""
     digest = hashlib.sha256()
     size = 0
-    with open(path, "rb", buffering=0) as handle:
-        while chunk := handle.read(READ_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
+    while chunk := handle.read(READ_CHUNK):
+        digest.update(chunk)
+        size += len(chunk)
     return size, digest.hexdigest()
-
-
-def latest(run_dir: Path) -> Checkpoint | None:
-    """The newest checkpoint whose file matches its seal (after this process's own last one is sealed); a damaged
-    newer one is skipped with a warning."""
-    settle()
-    for entry in sealed(run_dir):
-        try:
-            verify(entry)
-            return entry
-        except CheckpointDamaged as err:
-            _log.warning("gpumagic: %s; the checkpoint before it is used", err)
-    return None
 
 
 def record_restored(run_dir: Path, step: int, attempt: int) -> None:

@@ -209,22 +209,23 @@ def start_attempt(path: Path, changes: Mapping[str, Any]) -> int:
     earlier = attempt_of(info)
     files = RunFiles(path)
     kept = files.root / "attempts" / str(earlier)
-    kept.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for name in ATTEMPT_FILES:
-        with contextlib.suppress(FileNotFoundError):
-            os.replace(files.root / name, kept / name)
     now = time.time()
     spec = dataclasses.asdict(read_spec(path))
     spec.update({k: v for k, v in changes.items() if k in spec}, attempt=earlier + 1, submitted=now)
+    kept.mkdir(mode=0o700, parents=True, exist_ok=True)  # what can fail for want of space comes first
     write_sealed(files.job, json.dumps(spec).encode())  # it queues as a new submission would
+    if info.get("executor") != "slurm":  # a job without a runner of ours needs no space for its runner's record
+        release_reserve(path)  # one a lost runner left
+        _reserve(path)
+    for name in ATTEMPT_FILES:  # renames within the directory: they take no space
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(files.root / name, kept / name)
     private.write_private(files.output, b"")
     fields = {**ATTEMPT_RESET, **changes, **({"ranks": changes["ddp"] or 1} if "ddp" in changes else {})}
     store.update_run(
         path, **fields, status="queued", reason="starting", resumed=now, attempt_base=earlier,
         attempts_kept=str(files.root / "attempts"),
     )  # fmt: skip
-    if info.get("executor") != "slurm":  # a job without a runner of ours needs no space for its runner's record
-        _reserve(path)
     return earlier + 1
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpumagic.devices.placement import Request
+from gpumagic.jobs import notify
 from gpumagic.jobs.api import format_metrics, resumed_note
 from gpumagic.jobs.executors import executor_of
 from gpumagic.jobs.queue import one_line_why
@@ -56,6 +57,7 @@ def job_row(
     runs_on = executor_of(info)
     ended = runs_on.end(info)
     status = ended.status
+    notify.tell_silent_end(job.path, info, status)
     gpus = runs_on.resources(info) or ("-" if status in ("queued", "cancelled") else "cpu")
     why = "" if status == "finished" else ended.short
     shown = ""

@@ -184,41 +184,6 @@ def release_requeued(cluster, job, timeout: float = 30) -> None:
     cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")  # Slurm holds a requeued job 2 min
 
 
-def test_a_requeued_job_resumes_from_its_checkpoint(on_cluster):
-    def train(steps, stop_at=None):
-        """Restore, train with a checkpoint each step; the first attempt waits at ``stop_at``. Without ``stop_at``,
-        in this process: the run that was never requeued."""
-        import time
-
-        import torch
-
-        import gpumagic
-
-        torch.manual_seed(0)
-        model = torch.nn.Linear(4, 2)
-        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-        start = gpumagic.restore(model=model, optimizer=optimizer) if stop_at else 0
-        for step in range(start, steps):
-            optimizer.zero_grad()
-            model(torch.ones(3, 4) * step).pow(2).mean().backward()
-            optimizer.step()
-            if stop_at:
-                gpumagic.checkpoint(step + 1, model=model, optimizer=optimizer)
-            if step + 1 == stop_at and start == 0:
-                print("waiting at", stop_at, flush=True)
-                time.sleep(600)
-        return start, model.weight.detach().clone()
-
-    job = gpumagic.jobs_with(name="C1", executor="slurm", gpus=0, slurm={"time": "10m"}).submit(train, 5, 2)
-    wait_for(lambda: "waiting at 2" in job.logs(), 90, "the first attempt's checkpoint of step 2")
-    requeue_and_release(on_cluster, job)
-    assert job.wait(timeout="90s") == "finished", job.reason
-    start, weight = job.result()
-    assert start == 2, "the requeued attempt went on from step 2, not from 0"
-    assert "resumed from step 2 (attempt 2)" in job.describe()
-    assert weight.equal(train(5)[1]), "the weights of a run that was never requeued"
-
-
 def train_linear(steps, stop_at=None, every=1, fail=False):
     """Restore, train a small model with a checkpoint each ``every`` steps. The first attempt (nothing restored)
     at ``stop_at`` raises (``fail``) or keeps calling checkpoint there until Slurm's time limit signal makes it
@@ -243,10 +208,22 @@ def train_linear(steps, stop_at=None, every=1, fail=False):
             print("stopping at", stop_at, flush=True)
             if fail:
                 raise RuntimeError("the node's disk went away")
-            while True:  # until the time limit's signal: the next checkpoint saves, and the job requeues
-                gpumagic.checkpoint(step + 1, every=every, model=model, optimizer=optimizer)
+            while True:  # until Slurm ends or requeues it; with every > 1 the time limit's signal makes the next
+                if every > 1:  # checkpoint save, and the job requeue itself
+                    gpumagic.checkpoint(step + 1, every=every, model=model, optimizer=optimizer)
                 time.sleep(0.2)
     return start, model.weight.detach().clone()
+
+
+def test_a_requeued_job_resumes_from_its_checkpoint(on_cluster):
+    job = gpumagic.jobs_with(name="C1", executor="slurm", gpus=0, slurm={"time": "10m"}).submit(train_linear, 5, 2)
+    wait_for(lambda: "stopping at 2" in job.logs(), 90, "the first attempt's checkpoint of step 2")
+    requeue_and_release(on_cluster, job)
+    assert job.wait(timeout="90s") == "finished", job.reason
+    start, weight = job.result()
+    assert start == 2, "the requeued attempt went on from step 2, not from 0"
+    assert "resumed from step 2 (attempt 2)" in job.describe()
+    assert weight.equal(train_linear(5)[1]), "the weights of a run that was never requeued"
 
 
 def test_a_failed_slurm_job_resumed_with_more_time_goes_on_from_its_checkpoint(on_cluster):

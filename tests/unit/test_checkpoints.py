@@ -363,3 +363,94 @@ def test_every_skips_the_steps_between_and_the_time_limit_saves_at_once(run_dir,
     assert "saved step 7, but this is not a Slurm job; it runs on to the limit" in capfd.readouterr().err
     assert gpumagic.checkpoint(8, every=3, model=model) is None, "once: the steps between are skipped again"
     assert [e.step for e in checkpoint_files.sealed(run_dir)] == [7, 6]
+
+
+def test_a_checkpoint_is_not_loaded_before_its_seal_is_written(run_dir, monkeypatch):
+    """The seal is written by a thread after checkpoint() returns: another process (a requeued attempt, a resumed
+    job) restoring meanwhile gets the checkpoint before it, never the unsealed one."""
+    import subprocess
+    import sys
+    import threading
+
+    hashing = threading.Event()
+    release = threading.Event()
+    digest = checkpoint_files._digest
+
+    def slow_digest(handle):
+        if threading.current_thread().name == "gpumagic-checkpoint-seal":
+            hashing.set()
+            release.wait(60)
+        return digest(handle)
+
+    gpumagic.checkpoint(1, extra={"step": 1})
+    checkpoint_files.settle()
+    monkeypatch.setattr(checkpoint_files, "_digest", slow_digest)
+    gpumagic.checkpoint(2, extra={"step": 2})
+    assert hashing.wait(60), "the seal's thread started"
+    restoring = "import gpumagic; found = {}; print(gpumagic.restore(extra=found), found['step'])"
+    try:
+        before = subprocess.run([sys.executable, "-c", restoring], capture_output=True, text=True, timeout=120)
+    finally:
+        release.set()
+    checkpoint_files.settle()
+    after = subprocess.run([sys.executable, "-c", restoring], capture_output=True, text=True, timeout=120)
+    assert before.stdout.split() == ["1", "1"], before.stderr
+    assert after.stdout.split() == ["2", "2"], after.stderr
+
+
+def ranks_that_hear_the_time_limit_apart():
+    """On two gloo ranks of a job that may requeue: only rank 1 hears the signal; both must save the same step at
+    once, and (no Slurm here) both go on. Then rank 0 cannot list the checkpoints: both ranks fail, none waits."""
+    import os
+
+    import torch.distributed as dist
+
+    import gpumagic
+    from gpumagic.launch.rank_side import checkpoints
+    from gpumagic.run_dirs import checkpoint_files
+
+    os.environ[checkpoints.REQUEUE_VARIABLE] = "1/1"
+    os.environ.pop("SLURM_JOB_ID", None)
+    rank = dist.get_rank()
+    if rank == 1:
+        checkpoints.time_limit_near(0, None)
+    saved = gpumagic.checkpoint(3, every=100, extra={"rank": rank})
+    unsaved = gpumagic.checkpoint(4, every=100, extra={"rank": rank})
+
+    class Unsavable:  # only rank 0 asks it for its state: the others hear why rank 0 could not save
+        def state_dict(self):
+            raise RuntimeError("the state is on a device that went away")
+
+        def load_state_dict(self, state):
+            pass
+
+    try:
+        gpumagic.checkpoint(5, broken=Unsavable())
+        broke = ""
+    except Exception as err:  # noqa: BLE001 - the test reports whatever each rank raised
+        broke = f"{type(err).__name__}: {err}"
+    if rank == 0:
+
+        def unreadable(run_dir):
+            raise PermissionError(13, "Permission denied")
+
+        checkpoint_files.sealed = unreadable
+    try:
+        gpumagic.restore(extra={})
+        failed = ""
+    except gpumagic.CheckpointError as err:
+        failed = str(err)
+    return str(saved), unsaved, failed, broke
+
+
+def test_ranks_agree_on_the_time_limit_and_a_rank_0_failure_fails_every_rank():
+    outcomes = gpumagic.launch_ddp(ranks_that_hear_the_time_limit_apart, 2, gpus="none", output="none")
+    assert outcomes[0][0] == outcomes[1][0] and outcomes[0][0].endswith(".pt"), "both saved step 3, as one"
+    assert outcomes[0][1] is None and outcomes[1][1] is None, "after it, every= skips again"
+    for rank in (0, 1):
+        assert outcomes[rank][2].startswith("the checkpoints in ") and "Permission denied" in outcomes[rank][2]
+    assert outcomes[0][3] == "RuntimeError: the state is on a device that went away"
+    assert outcomes[1][3] == (
+        "CheckpointError: rank 0 could not save the checkpoint of step 5: RuntimeError: the state is on a device "
+        "that went away"
+    )

@@ -172,3 +172,21 @@ def test_a_bad_default_in_the_environment_is_named_too(monkeypatch):
     monkeypatch.setenv(notify.VARIABLE, "mailto:me@lab.org")
     with pytest.raises(InvalidArgument, match=r"'mailto:me@lab\.org' is neither an http"):
         gpumagic.jobs_with(gpus=0).submit(print)
+
+
+def test_a_lost_job_is_told_by_whoever_sees_it_lost_once(receiver):
+    import os
+    import signal
+
+    job = gpumagic.jobs_with(gpus=0, name="N7", notify=receiver.url).submit(time.sleep, 600)
+    wait_until(lambda: job.status == "running" and job.info.get("pids"))
+    for pid in (*job.info["pids"], job.info["runner_pid"]):  # the runner and its rank die without a word
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: job.status == "lost")
+    wait_until(lambda: receiver.bodies)
+    assert [(b["job"], b["event"], b["status"]) for b in receiver.bodies] == [("N7", "lost", "lost")]
+    assert "is gone without recording an end" in receiver.bodies[0]["why"]
+    for _ in range(3):
+        assert job.status == "lost"
+    assert len(receiver.bodies) == 1

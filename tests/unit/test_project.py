@@ -188,6 +188,11 @@ def test_code_is_lint_clean_and_formatted():
             ["build and first render", "ratio to the 1 s target"],
         ),
         (
+            "checkpoint_cost.py",
+            ["--mb", "4", "--repeat", "1", "--tensors", "4"],
+            ["torch.save", "gpumagic.checkpoint (the call)", "checkpoint / torch.save:"],
+        ),
+        (
             "big_values.py",
             ["--mb", "4", "--times", "1", "--repeat", "1", "--skip-accelerate"],
             ["through shared memory", "by value, as before", "launch: X adds", "/ one copy of X"],

@@ -4,18 +4,23 @@ directory (``run_dirs.checkpoint_files``) and loaded back in place, the same cal
 
 In a process group of several ranks every rank calls both: the ranks first agree on the step (a mismatch is named
 on every rank, never a hang), rank 0 writes, and every rank hears whether it could; on restore rank 0 chooses the
-checkpoint, every rank checks its seal and loads it, and a rank that cannot (another model's shapes) fails all of
-them with one line. Because checkpoints live in the run's directory, whatever runs the code again in that
-directory resumes from them: a Slurm requeue, ``%jobs resume``, a ``--max-restarts`` restart.
+checkpoint, every rank reads and checks it, and only when all could does any load it; a rank that cannot (another
+model's shapes) fails all of them with one line. Every failure on one rank is told to the others before the next
+collective. Because checkpoints live in the run's directory, whatever runs the code again in that directory
+resumes from them: a Slurm requeue, ``%jobs resume``, a ``--max-restarts`` restart. A Slurm job with
+``requeue_on_timeout`` hears the time limit's signal (``jobs.slurm_task``); its next ``checkpoint`` saves, seals
+and asks Slurm to requeue it.
 
 State values with ``state_dict()`` (models, optimizers, schedulers, ``GradScaler``) are saved by their state
 dict: a DDP-wrapped or ``torch.compile``-d model as the module inside it, so a checkpoint fits the model wrapped
-or not; an FSDP model (FSDP1 or ``fully_shard``) as its full state dict, gathered on rank 0 and given back to
-every rank's shards. Other values are pickled and restored into the same dict, list or set in place.
+or not; an FSDP model (``fully_shard``, or FSDP1 where it can gather) and its optimizer as their full state dicts,
+gathered on rank 0 and given back to every rank's shards. Other values are pickled and restored into the same
+dict, list or set in place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -30,6 +35,7 @@ from gpumagic.errors import GpumagicError, InvalidArgument
 from gpumagic.launch.rank_side.output_routing import flush
 from gpumagic.run_dirs import checkpoint_files, store
 from gpumagic.run_dirs.checkpoint_files import Checkpoint
+from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.store import RUN_DIR_VARIABLE
 
 _log = logging.getLogger(__name__)
@@ -73,7 +79,7 @@ def checkpoint(step: int, /, *, every: int = 1, **state: Any) -> Path | None:
         return None
     if group is not None:
         _agree_on_step(group, step)
-    saved = {name: _state_of(name, value, state) for name, value in state.items()}
+    gathered = {name: _state_of(name, value, state) for name, value in state.items() if _gathered(value, state)}
     rank = group.get_rank() if group is not None else 0
     written: Path | None = None
     failure: BaseException | None = None
@@ -81,8 +87,10 @@ def checkpoint(step: int, /, *, every: int = 1, **state: Any) -> Path | None:
         # lazy: torch is imported by the rank's code before it saves anything
         import torch
 
-        document = {"gpumagic": {"format": FORMAT, "step": step, "kinds": _kinds(state)}, "state": saved}
-        try:
+        try:  # whatever fails here is told to every rank below (state_dict(), pickling, the disk)
+            saved = {name: gathered[name] if name in gathered else _state_of(name, value, state)
+                     for name, value in state.items()}  # fmt: skip
+            document = {"gpumagic": {"format": FORMAT, "step": step, "kinds": _kinds(state)}, "state": saved}
             written = checkpoint_files.write(run_dir, step, tuple(state), lambda path: torch.save(document, path))
         except Exception as err:  # noqa: BLE001 - told to every rank below, then raised here as it was
             _log.debug("rank 0 could not save the checkpoint; every rank is told", exc_info=True)
@@ -120,7 +128,8 @@ def _time_limit_heard(group: Any) -> bool:
     # lazy: torch is imported by the rank's code before it checkpoints
     import torch
 
-    heard = torch.tensor([1 if _near_limit else 0])
+    on_gpu = "nccl" in str(group.get_backend()).lower() and torch.cuda.is_available()  # NCCL reduces CUDA tensors
+    heard = torch.tensor([1 if _near_limit else 0], device=f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu")
     group.all_reduce(heard, op=group.ReduceOp.MAX)
     return bool(heard.item())
 
@@ -132,6 +141,7 @@ def _requeue(run_dir: Path, group: Any, step: int) -> None:
     rank = group.get_rank() if group is not None else 0
     refused = [""]
     if rank == 0:
+        checkpoint_files.settle()  # sealed before Slurm's SIGTERM can end the rank: else the next attempt skips it
         refused[0] = _ask_slurm_to_requeue(run_dir, step)
     if group is not None:
         group.broadcast_object_list(refused, src=0)
@@ -153,16 +163,24 @@ def _ask_slurm_to_requeue(run_dir: Path, step: int) -> str:
     job_id = os.environ.get("SLURM_JOB_ID", "")
     if not job_id:
         return "this is not a Slurm job"
-    used = os.environ.get(REQUEUE_VARIABLE, "1/1").split("/")[0]
-    store.update_run(run_dir, timeout_requeues=int(used), reason=f"requeued before its time limit at step {step}")
+    try:  # counted first: Slurm's SIGTERM may end this rank the moment the requeue is granted
+        used = int(os.environ.get(REQUEUE_VARIABLE, "1/1").split("/")[0])
+        store.update_run(run_dir, timeout_requeues=used, reason=f"requeued before its time limit at step {step}")
+    except (OSError, ValueError) as err:
+        _log.debug("the requeue could not be counted in the job's record", exc_info=True)
+        return f"the requeue could not be recorded ({err})"
+    why = ""
     try:
         done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=30)
+        if done.returncode:
+            why = f"Slurm refused the requeue: {(done.stderr or done.stdout).strip()[:200]}"
     except (OSError, subprocess.TimeoutExpired) as err:
         _log.debug("scontrol requeue failed; the job runs on to its limit", exc_info=True)
-        return f"scontrol requeue failed ({err})"
-    if done.returncode:
-        return f"Slurm refused the requeue: {(done.stderr or done.stdout).strip()[:200]}"
-    return ""
+        why = f"scontrol requeue failed ({err})"
+    if why:  # not requeued after all: the count and the reason go back
+        with contextlib.suppress(OSError):
+            store.update_run(run_dir, timeout_requeues=used - 1, reason="")
+    return why
 
 
 def restore(**state: Any) -> int:
@@ -184,37 +202,61 @@ def restore(**state: Any) -> int:
     run_dir = _run_dir("restore")
     group = _process_group()
     rank = group.get_rank() if group is not None else 0
-    entry = checkpoint_files.latest(run_dir) if rank == 0 else None  # the newest whose file matches its seal
-    chosen = [str(entry.seal) if entry is not None else ""]
+    entry: Checkpoint | None = None
+    document: Mapping[str, Any] = {}
+    problem: str | None = None
+    chosen = ["", None]  # the seal of the checkpoint rank 0 chose (empty: none), or why it could not choose
+    if rank == 0:
+        try:
+            entry, document, problem = _newest_sound(run_dir, state)
+            chosen[0] = str(entry.seal) if entry is not None else ""
+        except OSError as err:
+            _log.debug("the checkpoints could not be listed", exc_info=True)
+            chosen[1] = f"the checkpoints in {RunFiles(run_dir).checkpoints} cannot be read: {err}"
     if group is not None:
         group.broadcast_object_list(chosen, src=0)
+    if chosen[1]:
+        raise CheckpointError(chosen[1])
     if not chosen[0]:
         return 0
-    problem: str | None = None
-    step = 0
-    try:
-        if entry is None:  # another rank: it checks the seal and the file itself
+    if entry is None:  # another rank: it reads and checks the file rank 0 chose, before any rank loads it
+        try:
             entry = _entry_at(Path(chosen[0]), run_dir)
-        step = entry.step
-        problem = _load(entry, state)
-    except (CheckpointError, checkpoint_files.CheckpointDamaged) as err:
-        problem = str(err)
-    except Exception as err:  # noqa: BLE001 - told to every rank: one rank raising alone would leave the rest waiting
+            document = _read(entry, state)
+        except (CheckpointError, checkpoint_files.CheckpointDamaged) as err:
+            problem = str(err)
+        except Exception as err:  # noqa: BLE001 - told to every rank: one rank raising alone leaves the rest waiting
+            _log.debug("the checkpoint could not be read", exc_info=True)
+            problem = f"checkpoint {Path(chosen[0]).name} could not be read: {type(err).__name__}: {err}"
+    _agree(group, rank, problem)
+    assert entry is not None
+    try:
+        problem = _load_all(document, state, entry.path.name)
+    except Exception as err:  # noqa: BLE001 - as above
         _log.debug("the checkpoint could not be loaded", exc_info=True)
-        problem = f"checkpoint {Path(chosen[0]).name} could not be loaded: {type(err).__name__}: {err}"
-    if group is not None:
-        problems = [None] * group.get_world_size()
-        group.all_gather_object(problems, problem)
-        failed = [(r, p) for r, p in enumerate(problems) if p]
-        if failed:
-            who, what = failed[0]
-            alike = len(failed) == len(problems) and len({p for _, p in failed}) == 1  # every rank, the same way
-            raise CheckpointError(what if alike else f"rank {who}: {what}")
-    elif problem:
-        raise CheckpointError(problem)
+        problem = f"checkpoint {entry.path.name} could not be loaded: {type(err).__name__}: {err}"
+    _agree(group, rank, problem)
     if rank == 0:
-        checkpoint_files.record_restored(run_dir, step, _attempt())
-    return step
+        try:
+            checkpoint_files.record_restored(run_dir, entry.step, _attempt())
+        except OSError:  # only what %jobs shows ("resumed from step N") is lost
+            _log.debug("the restored step could not be recorded", exc_info=True)
+    return entry.step
+
+
+def _agree(group: Any, rank: int, problem: str | None) -> None:
+    """Raise CheckpointError on every rank when any rank has a ``problem`` (named, unless every rank has it)."""
+    if group is None:
+        if problem:
+            raise CheckpointError(problem)
+        return
+    problems: list[Any] = [None] * group.get_world_size()
+    group.all_gather_object(problems, problem)
+    failed = [(r, p) for r, p in enumerate(problems) if p]
+    if failed:
+        who, what = failed[0]
+        alike = len(failed) == len(problems) and len({p for _, p in failed}) == 1  # every rank, the same way
+        raise CheckpointError(what if alike else f"rank {who}: {what}")
 
 
 def _check_step(step: Any) -> None:
@@ -300,6 +342,12 @@ def _state_of(name: str, value: Any, state: Mapping[str, Any]) -> Any:
     return value
 
 
+def _gathered(value: Any, state: Mapping[str, Any]) -> bool:
+    """An FSDP model or its optimizer: its full state dict is gathered by every rank together."""
+    inner = _inner(value)
+    return _is_fsdp(inner) or _fsdp_model_of(inner, state) is not None
+
+
 def _fsdp_model_of(optimizer: Any, state: Mapping[str, Any]) -> Any:
     """The FSDP model among ``state``'s values whose parameters ``optimizer`` steps, if it steps one (its state
     is sharded like the model's, and saved and loaded through the model)."""
@@ -331,26 +379,44 @@ def _entry_at(seal: Path, run_dir: Path) -> Checkpoint:
     """The checkpoint rank 0 chose, read and checked again by this rank (its seal and its file)."""
     for entry in checkpoint_files.sealed(run_dir):
         if entry.seal == seal:
-            checkpoint_files.verify(entry)
             return entry
     raise CheckpointError(f"checkpoint {seal} is gone or no longer sealed; it was removed while being restored")
 
 
-def _load(entry: Checkpoint, state: Mapping[str, Any]) -> str | None:
-    """Load ``entry`` into ``state``'s objects; the first reason it does not fit, or None."""
+def _newest_sound(run_dir: Path, state: Mapping[str, Any]) -> tuple[Checkpoint | None, Mapping[str, Any], str | None]:
+    """The newest checkpoint whose file matches its seal, read (a damaged newer one is skipped with a warning),
+    and why it does not fit ``state`` (None: it does); ``(None, {}, None)`` when there is none."""
+    for entry in checkpoint_files.sealed(run_dir):
+        try:
+            return entry, _read(entry, state), None
+        except checkpoint_files.CheckpointDamaged as err:
+            _log.warning("gpumagic: %s; the checkpoint before it is used", err)
+        except CheckpointError as err:
+            return entry, {}, str(err)
+        except Exception as err:  # noqa: BLE001 - told to every rank, as a misfit is
+            _log.debug("the checkpoint could not be read", exc_info=True)
+            return entry, {}, f"checkpoint {entry.path.name} could not be read: {type(err).__name__}: {err}"
+    return None, {}, None
+
+
+def _read(entry: Checkpoint, state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The state ``entry`` holds, read from the file ``open_verified`` checked (the same open file: nothing swapped in
+    between); CheckpointError if it is not gpumagic's or lacks a name of ``state``."""
     # lazy: torch is imported by the rank's code before it restores anything
     import torch
 
-    document = torch.load(entry.path, map_location="cpu", weights_only=False)
+    with checkpoint_files.open_verified(entry) as file:
+        same_file = f"/proc/self/fd/{file.fileno()}"  # the inode checked, by path: torch's faster reader
+        document = torch.load(same_file if os.path.exists(same_file) else file, map_location="cpu", weights_only=False)
     saved = document.get("state") if isinstance(document, dict) else None
     if not isinstance(saved, dict):
-        return f"checkpoint {entry.path.name} is not one gpumagic.checkpoint wrote"
+        raise CheckpointError(f"checkpoint {entry.path.name} is not one gpumagic.checkpoint wrote")
     missing = [name for name in state if name not in saved]
     if missing:
         held = ", ".join(saved) or "nothing"
         absent = ", ".join(map(repr, missing))
-        return f"checkpoint {entry.path.name} (step {entry.step}) has no {absent}; it holds {held}"
-    return _load_all(saved, state, entry.path.name)
+        raise CheckpointError(f"checkpoint {entry.path.name} (step {entry.step}) has no {absent}; it holds {held}")
+    return saved
 
 
 def _load_all(saved: Mapping[str, Any], state: Mapping[str, Any], file: str) -> str | None:

@@ -36,7 +36,6 @@ from gpumagic.launch.option_table import check_notify
 from gpumagic.run_dirs import records
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.run_end import recorded_end
-from gpumagic.run_dirs.signing import PayloadRejected
 from gpumagic.run_dirs.store import Run
 from gpumagic.telemetry.metric_kinds import higher_is_better, lower_is_better
 
@@ -81,7 +80,7 @@ def notify(path: Path, event: str, **more: Any) -> bool:
             return False
         _deliver(path, targets, job_message(path, info, event, **more))
         return True
-    except (OSError, ValueError, KeyError, PayloadRejected):  # whatever it is, the job it tells of is not held
+    except Exception:  # noqa: BLE001 - whatever it is, the job it tells of is not held, and it is said
         _log.warning("gpumagic: nobody could be told of job %s's %s", path.name, event)
         _log.debug("telling the targets of %s failed", path, exc_info=True)
         return False
@@ -119,11 +118,6 @@ def job_message(path: Path, info: Mapping[str, Any], event: str, **more: Any) ->
     if ended.status == "failed":
         message["error"] = _error_tail(path)
     return message
-
-
-def problem(info: Mapping[str, Any]) -> str:
-    """The target that could not be told, in one line (empty: none failed)."""
-    return str(info.get("notify_problem") or "")
 
 
 def _claim(path: Path, name: str) -> bool:

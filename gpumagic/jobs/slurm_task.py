@@ -122,7 +122,7 @@ def watch_time_limit(run_dir: Path, info: Mapping[str, Any], signal_name: str) -
     """Hear Slurm's signal ahead of the time limit (``--signal``, submitit's ``USR2`` at ``signal_delay``): with
     ``requeue_on_timeout`` left, the rank's next ``gpumagic.checkpoint`` saves and requeues the job; otherwise the
     rank says once that the limit is near (submitit's own handler would raise into the user's code)."""
-    number = getattr(signal, f"SIG{signal_name}", signal.SIGUSR2)
+    number = signal.Signals.__members__.get("SIG" + signal_name.upper().removeprefix("SIG"), signal.SIGUSR2)
     allowed = int(records.read_spec(run_dir).requeue_on_timeout or 0)
     done = int(info.get("timeout_requeues") or 0)
     if allowed > done:

@@ -23,6 +23,7 @@ from IPython.core.error import UsageError
 
 import gpumagic
 from gpumagic.jobs import slurm_state
+from gpumagic.jobs.slurm_task import attempt_token
 from gpumagic.launch.allocation import parse_fields
 from gpumagic.launch.rank_side.agent import AgentError
 from gpumagic.run_dirs.launch_files import published_store
@@ -111,7 +112,7 @@ def test_a_two_node_job_reads_its_states_from_the_controller_without_accounting(
     # issue #37: rank 0 served the group's store on a port it took itself, published in the job's directory (not
     # one derived from the public job id), and Slurm wrote submitit's files and the logs under umask 077
     files = RunFiles(job.path)
-    address = published_store(files, "slurm-0")
+    address = published_store(files, attempt_token(1))  # the first attempt's
     derived = random.Random(str(job.info["slurm_job_id"])).randint(20000, 60000)
     assert address is not None and address.startswith("tcp:gmn1:") and address != f"tcp:gmn1:{derived}", address
     modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in (job.path / "slurm").rglob("*") if p.is_file()}

@@ -176,6 +176,7 @@ def ddp_checkpoint_and_restore():
     return outcome
 
 
+@pytest.mark.slow
 def test_ddp_ranks_agree_on_the_step_rank_0_writes_and_every_rank_restores():
     outcomes = gpumagic.launch_ddp(ddp_checkpoint_and_restore, 2, gpus="none", output="none")
     for rank, outcome in outcomes.items():
@@ -289,6 +290,7 @@ def wait_until(predicate, timeout=60.0):
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_job_left_running")
 def test_a_job_killed_mid_run_and_resumed_ends_with_the_weights_of_an_unbroken_run(shell):
     job = gpumagic.jobs_with(gpus=0, name="resumed-A1").submit(train_until_killed, 6, 3)
@@ -316,6 +318,7 @@ def test_a_job_killed_mid_run_and_resumed_ends_with_the_weights_of_an_unbroken_r
         job.resume()
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_job_left_running")
 def test_resume_checks_its_options_as_a_submission_does():
     job = gpumagic.jobs_with(gpus=0, name="resumed-B1").submit(int, "not a number")
@@ -328,6 +331,7 @@ def test_resume_checks_its_options_as_a_submission_does():
         job.resume(slurm={"time": "2h"})
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_job_left_running")
 def test_jobs_resume_mistakes_are_one_line_usage_errors(shell):
     from IPython.core.error import UsageError
@@ -365,6 +369,7 @@ def test_every_skips_the_steps_between_and_the_time_limit_saves_at_once(run_dir,
     assert [e.step for e in checkpoint_files.sealed(run_dir)] == [7, 6]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_is_not_loaded_before_its_seal_is_written(run_dir, monkeypatch):
     """The seal is written by a thread after checkpoint() returns: another process (a requeued attempt, a resumed
     job) restoring meanwhile gets the checkpoint before it, never the unsealed one."""
@@ -443,6 +448,7 @@ def ranks_that_hear_the_time_limit_apart():
     return str(saved), unsaved, failed, broke
 
 
+@pytest.mark.slow
 def test_ranks_agree_on_the_time_limit_and_a_rank_0_failure_fails_every_rank():
     outcomes = gpumagic.launch_ddp(ranks_that_hear_the_time_limit_apart, 2, gpus="none", output="none")
     assert outcomes[0][0] == outcomes[1][0] and outcomes[0][0].endswith(".pt"), "both saved step 3, as one"

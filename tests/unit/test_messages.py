@@ -198,7 +198,8 @@ def test_the_runner_reads_its_sealed_job_as_a_spec():
     spec = records.read_spec(path)
     assert spec == records.JobSpec(path.name, "spec", spec.submitted, {"count": 0}, ddp=2, backend="gloo", after=[])
     sealed = ("name", "submitted", "request", "ddp", "backend", "timeout_s", "after", "sys_path", "cwd")
-    assert records.RUNNER_FIELDS == (*sealed, "memory_limit", "hang_after_s")  # job.json keeps its fields
+    later = ("memory_limit", "hang_after_s", "attempt", "notify", "notify_wait_s", "requeue_on_timeout")
+    assert records.RUNNER_FIELDS == (*sealed, *later)  # job.json keeps its fields
 
 
 def test_a_recorded_collective_is_read_by_its_fields():

@@ -77,6 +77,7 @@ def lines_of(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+@pytest.mark.slow
 def test_an_ending_job_tells_each_target_once_with_its_status_duration_and_metrics(receiver, tmp_path, monkeypatch):
     told = tmp_path / "told.jsonl"
     monkeypatch.setenv(notify.VARIABLE, f"{receiver.url} cmd:cat>>{told};echo>>{told}")  # every job's default
@@ -100,6 +101,7 @@ def divide():
     return 1 / 0
 
 
+@pytest.mark.slow
 def test_a_slow_target_never_holds_the_jobs_end_and_a_dead_one_is_named_once(receiver):
     receiver.release.clear()  # the target takes the request and does not answer
     held = gpumagic.jobs_with(gpus=0, name="N3", notify=receiver.url).submit(learn, 2)
@@ -118,6 +120,7 @@ def test_a_slow_target_never_holds_the_jobs_end_and_a_dead_one_is_named_once(rec
     assert shown.count("notify") == 1
 
 
+@pytest.mark.slow
 def test_a_sweep_tells_one_summary_best_run_first_when_all_its_jobs_have_ended(receiver):
     jobs = gpumagic.sweep(scaled, {"factor": [3.0, 1.0, 2.0]}, 0, name="S", notify=receiver.url)
     assert [j.wait("2m") for j in jobs] == ["finished"] * 3
@@ -174,6 +177,7 @@ def test_a_bad_default_in_the_environment_is_named_too(monkeypatch):
         gpumagic.jobs_with(gpus=0).submit(print)
 
 
+@pytest.mark.slow
 def test_a_lost_job_is_told_by_whoever_sees_it_lost_once(receiver):
     import os
     import signal

@@ -460,3 +460,28 @@ def test_ranks_agree_on_the_time_limit_and_a_rank_0_failure_fails_every_rank():
         "CheckpointError: rank 0 could not save the checkpoint of step 5: RuntimeError: the state is on a device "
         "that went away"
     )
+
+
+def test_a_checkpoint_or_a_directory_of_another_user_is_never_trusted(run_dir, caplog):
+    if os.geteuid() != 0:
+        pytest.skip("a file of another user needs chown, as root (CI runs as root)")
+    from gpumagic.errors import RunsDirectoryError
+
+    model, _ = make_model()
+    for step in (1, 2):
+        model[0].bias.data.fill_(step)
+        gpumagic.checkpoint(step, model=model)
+    checkpoint_files.settle()
+    newest = checkpoint_files.sealed(run_dir)[0]
+    os.chown(newest.path, 65534, 65534)  # nobody's: what another user could leave where a filesystem let them
+    fresh, _ = make_model(seed=4)
+    assert gpumagic.restore(model=fresh) == 1 and fresh[0].bias.eq(1).all(), "the foreign file is skipped"
+    assert f"checkpoint {newest.path} is not a file of yours" in caplog.text
+    where = RunFiles(run_dir).checkpoints
+    os.chmod(where, 0o777)
+    with pytest.raises(RunsDirectoryError, match="not a run directory of yours that only you can use"):
+        gpumagic.checkpoint(3, model=model)
+    os.chmod(where, 0o700)
+    os.chown(where, 65534, 65534)
+    with pytest.raises(RunsDirectoryError, match="not a run directory of yours"):
+        gpumagic.checkpoint(3, model=model)

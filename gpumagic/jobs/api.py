@@ -236,7 +236,7 @@ class Job:
         earlier attempt, ``{"time": "4h"}``); the earlier attempt's output, error and metrics move to
         ``attempts/N/``. Returns self.
 
-        >>> gpumagic.job("A1").resume(gpus=2, timeout="2h")  # doctest: +SKIP
+        Example: ``gpumagic.job("A1").resume(gpus=2, timeout="2h")``.
 
         Raises:
             InvalidArgument: the job is active or finished, or a malformed option (named).

@@ -59,7 +59,7 @@ def checkpoint(step: int, /, *, every: int = 1, **state: Any) -> Path | None:
     Every rank of a process group calls it with the same step; rank 0 writes. Costs about what ``torch.save``
     of the same state costs (the seal is hashed by a thread afterwards).
 
-    >>> gpumagic.checkpoint(step + 1, every=500, model=model, optimizer=optimizer)  # doctest: +SKIP
+    Example: ``gpumagic.checkpoint(step + 1, every=500, model=model, optimizer=optimizer)`` in the training loop.
 
     Returns:
         The checkpoint's file, or None where ``every`` skipped the step.
@@ -190,8 +190,8 @@ def restore(**state: Any) -> int:
     Every rank of a process group calls it and gets the same step. A half-written or damaged checkpoint is never
     loaded (the one before it is).
 
-    >>> start = gpumagic.restore(model=model, optimizer=optimizer)  # doctest: +SKIP
-    >>> for step in range(start, total_steps): ...  # doctest: +SKIP
+    Example: ``start = gpumagic.restore(model=model, optimizer=optimizer)``, then ``for step in range(start,
+    total_steps)``.
 
     Raises:
         InvalidArgument: no state, or no run to restore from. CheckpointError: the checkpoint does not fit

@@ -41,7 +41,7 @@ def resume(path: Path, changed: Mapping[str, Any]) -> int:
     if info.get("executor") == "slurm":
         if "min_free" in changed or "memory_limit" in changed:
             raise InvalidArgument("min_free and memory_limit are for this machine's queue; on Slurm give gres or gpus")
-        return slurm.resume(path, info, changes, changed.get("gpus"), changed.get("slurm"))
+        return slurm.resume(path, info, spec, changes, changed.get("gpus"), changed.get("slurm"))
     if changed.get("slurm") is not None:
         raise InvalidArgument("slurm options are for a job that ran on Slurm; this one ran on this machine")
     if {"gpus", "min_free", "ddp"} & changed.keys():

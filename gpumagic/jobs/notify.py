@@ -6,12 +6,13 @@ that reads the same JSON on its standard input (``cmd:mail -s job me@lab.org``, 
 JSON names the job, the event and its status, how long it ran, the best and last values of each metric of rank 0,
 and for a failure the last lines of the failing rank's traceback.
 
-Who sends: the job's runner after it recorded the end and gave back its GPUs (this machine), the rank that records
-a Slurm job's end, rank 0 of a requeued Slurm attempt, the runner of a job that has waited past ``--notify-wait``.
-Each event is claimed first (a file made exclusively in the job's directory), so it is sent once whoever sees it.
-A sweep's jobs send nothing each: whichever ends last (after recording its own end) sends one summary, best run
-first. A target that is slow or down costs at most ``TRIES`` tries of ``TIMEOUT_S`` each, after the job's end is
-recorded; what could not be sent is recorded once (``notify_problem``: ``%jobs`` shows it), never raised.
+Who sends: the job's runner after it recorded the end and gave back its GPUs (this machine), the rank that records a
+Slurm job's end, rank 0 of a requeued Slurm attempt, the runner of a job that has waited past ``--notify-wait``.
+Each event is claimed first (a file made exclusively in the job's directory), so it is sent once whoever sees it. A
+sweep's jobs send nothing each: whichever ends last (after recording its own end) sends one summary, best run first.
+A target that is slow or down costs at most ``TRIES`` tries of ``TIMEOUT_S`` (a command: ``COMMAND_TIMEOUT_S``)
+each, after the job's end is recorded; what could not be sent is recorded once (``notify_problem``: ``%jobs`` shows
+it), never raised.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +94,7 @@ def tell_silent_end(path: Path, info: Mapping[str, Any], status: str) -> None:
     keeps it once; a job that names no target costs nothing."""
     if status not in records.ENDED or not info.get("notify") or not recorded_end(info).active:
         return
-    claims = RunFiles(path).root / "notified" / f"{status}.{records.attempt_of(info)}"
-    if claims.exists():
+    if (RunFiles(path).notified / f"{status}.{records.attempt_of(info)}").exists():
         return
     threading.Thread(target=notify, args=(path, status), name="gpumagic-notify", daemon=True).start()
 
@@ -122,7 +123,7 @@ def job_message(path: Path, info: Mapping[str, Any], event: str, **more: Any) ->
 
 def _claim(path: Path, name: str) -> bool:
     """Made once: whoever makes the claim file first tells the targets."""
-    claims = RunFiles(path).root / "notified"
+    claims = RunFiles(path).notified
     with contextlib.suppress(FileExistsError):
         claims.mkdir(mode=0o700)
     try:
@@ -188,7 +189,7 @@ def _sweep_summary(info: Mapping[str, Any], targets: Sequence[str]) -> bool:
         "sweep": sweep,
         "event": "sweep ended",
         "jobs_total": len(jobs),
-        "by_status": _counts(j["status"] for j in jobs),
+        "by_status": dict(Counter(j["status"] for j in jobs)),
         "ranked_by": metric,
         "jobs": jobs,
     }
@@ -216,13 +217,6 @@ def _rank_key(job: Mapping[str, Any], metric: str | None) -> tuple[int, float]:
     if job["status"] != "finished" or best is None:
         return (1, 0.0)
     return (0, best[1] if not higher_is_better(metric or "") else -best[1])
-
-
-def _counts(statuses: Iterable[str]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for status in statuses:
-        counts[status] = counts.get(status, 0) + 1
-    return counts
 
 
 def _deliver(path: Path, targets: Sequence[str], message: Mapping[str, Any]) -> None:
@@ -268,9 +262,11 @@ def _post(url: str, body: bytes) -> str:
 
 def _run_command(command: str, body: bytes) -> str:
     try:
-        done = subprocess.run(command, shell=True, input=body, capture_output=True, timeout=TIMEOUT_S * 6, check=False)
+        done = subprocess.run(
+            command, shell=True, input=body, capture_output=True, timeout=COMMAND_TIMEOUT_S, check=False
+        )
     except subprocess.TimeoutExpired:
-        return f"the command ran past {TIMEOUT_S * 6:g}s"
+        return f"the command ran past {COMMAND_TIMEOUT_S:g}s"
     except OSError as err:
         _log.debug("the notification command could not start", exc_info=True)
         return f"the command could not start ({err})"

@@ -152,10 +152,12 @@ def _launch_spec(params: Mapping[str, Any], backend: str, group: bool, timeout_s
     }
 
 
-def resume(path: Path, info: Mapping[str, Any], changes: dict[str, Any], gpus: Any, options: Any) -> int:
+def resume(
+    path: Path, info: Mapping[str, Any], spec: records.JobSpec, changes: dict[str, Any], gpus: Any, options: Any
+) -> int:
     """Submit the next attempt of the ended Slurm job at ``path`` to the cluster it ran on: ``options`` (Slurm's:
     ``{"time": "4h", "partition": "long"}``) replace the earlier ones, ``gpus`` (per node) and ``changes`` (ranks,
-    backend, timeout) too. Returns the attempt's number.
+    backend, timeout) too; ``spec``: its sealed description. Returns the attempt's number.
 
     Raises:
         InvalidArgument: a malformed option, no Slurm here, or sbatch's refusal (the job then reads failed, and
@@ -166,7 +168,6 @@ def resume(path: Path, info: Mapping[str, Any], changes: dict[str, Any], gpus: A
     given = {**(info.get("slurm_options") or {}), **(options or {})}
     per_node = info.get("slurm_gpus") if gpus is None else gpus
     params, ranks = parameters("check", given, per_node, changes.get("ddp", info.get("ddp")), where)
-    spec = records.read_spec(path)
     backend = choose_backend(changes.get("backend", spec.backend), use_cuda=uses_gpus(params))
     changes = {**changes, "ddp": ranks if ranks > 1 else None, "slurm_options": given, "slurm_gpus": per_node}
     packed = read_sealed(RunFiles(path).job_payload, f"job {info['name']}'s code")  # refused before anything moves

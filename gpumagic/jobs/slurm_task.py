@@ -67,14 +67,13 @@ class Task:
         master = "127.0.0.1" if cluster_of(run_dir) == "local" else env.hostnames[0]
         restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
         info = records.read(run_dir)
-        base = int(info.get("attempt_base") or 0)  # the attempts before this submission (%jobs resume)
-        attempt = base + 1 + restarts
+        attempt = records.attempt_of({**info, "slurm_restarts": restarts})  # rank 0 records the restarts below
         token = attempt_token(attempt)
         os.environ.update(
             torchrun_environment(env.job_id, rank, env.local_rank, world_size, env.num_nodes, env.node, master)
         )
         os.environ[TOKEN_VARIABLE] = token
-        os.environ[ATTEMPT_VARIABLE] = str(base + 1)  # restore adds Slurm's requeues (SLURM_RESTART_COUNT)
+        os.environ[ATTEMPT_VARIABLE] = str(attempt - restarts)  # restore adds Slurm's (SLURM_RESTART_COUNT)
         if restarts:  # Slurm requeued the job (preemption, node failure, scontrol requeue): this is attempt N + 1
             keep_earlier_attempt(run_dir, rank, attempt - 1)
         watch_time_limit(run_dir, info, getattr(submitit.JobEnvironment, "USR_SIG", "USR2"))
@@ -82,7 +81,7 @@ class Task:
         if rank == 0:
             fields: dict[str, Any] = {"slurm_restarts": restarts} if restarts else {}
             if restarts:  # an end the earlier attempt recorded is not this one's
-                fields.update(slurm_attempts_kept=str(RunFiles(run_dir).root / "attempts"), exit="", ended=None)
+                fields.update(slurm_attempts_kept=str(RunFiles(run_dir).attempts), exit="", ended=None)
             records.update(
                 run_dir, status="running", reason="", started=time.time(), slurm_nodes=list(env.hostnames), **fields
             )
@@ -159,7 +158,7 @@ def keep_earlier_attempt(run_dir: Path, rank: int, earlier: int) -> None:
     requeued job never overwrites it. Each rank moves its own files: the ranks of the new attempt start at once.
     Checkpoints stay: the new attempt restores from them."""
     files = RunFiles(run_dir)
-    kept = RunFiles(files.root / "attempts" / str(earlier))
+    kept = RunFiles(files.attempt(earlier))
     mine = [files.rank_log(rank), files.rank_start(rank), files.rank_result(rank), *files.rank_errors(rank)]
     mine += [*files.ranks.glob(f"rank-{rank}.fatal.*.txt"), files.metric_names(rank), files.metric_points(rank)]
     if rank == 0:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from gpumagic.devices.processes import is_running
 from gpumagic.errors import GpumagicError
 from gpumagic.run_dirs import private
 from gpumagic.run_dirs.layout import RunFiles
@@ -142,11 +143,13 @@ def _seal(path: Path, step: int, names: tuple[str, ...]) -> None:
     try:
         with open(path, "rb", buffering=0) as handle:
             size, digest = _digest(handle)
-        sequence = max((e.sequence for e in sealed(path.parent.parent)), default=0) + 1  # newest: not by clocks
+        earlier = sealed(path.parent.parent)
+        sequence = max((e.sequence for e in earlier), default=0) + 1  # the newest: not by the nodes' clocks
+        entry = Checkpoint(step, path, size, digest, names, time.time(), sequence)
         record = {"file": path.name, "step": step, "size": size, "sha256": digest, "names": list(names),
-                  "written": time.time(), "sequence": sequence}  # fmt: skip
-        write_sealed(path.with_name(f"step-{step}.seal"), json.dumps(record).encode())
-        _prune(path.parent)
+                  "written": entry.written, "sequence": sequence}  # fmt: skip
+        write_sealed(entry.seal, json.dumps(record).encode())
+        _prune(path.parent, [entry, *(e for e in earlier if e.seal != entry.seal)])  # a step saved again: one seal
     except Exception as err:  # noqa: BLE001 - a thread's failure: the checkpoint stays unsealed, and it is said
         _log.warning("gpumagic: the checkpoint %s could not be sealed (%s); the one before stays the latest", path, err)
         _log.debug("sealing %s failed", path, exc_info=True)
@@ -227,12 +230,13 @@ def _digest(handle: BinaryIO) -> tuple[int, str]:
 def record_restored(run_dir: Path, step: int, attempt: int) -> None:
     """Remember that ``restore`` loaded ``step`` in ``attempt``, for ``%jobs`` ("resumed from step N")."""
     data = json.dumps({"step": step, "attempt": attempt, "time": time.time()}).encode()
-    private.write_private(directory(run_dir) / "restored.json", data)
+    directory(run_dir)
+    private.write_private(RunFiles(run_dir).restored, data)
 
 
 def restored(run_dir: Path) -> Restored | None:
     """What ``restore`` last loaded into the run, if it loaded anything."""
-    path = RunFiles(run_dir).checkpoints / "restored.json"
+    path = RunFiles(run_dir).restored
     try:
         record = json.loads(path.read_text())
         return Restored(int(record["step"]), int(record["attempt"]), float(record["time"]))
@@ -243,10 +247,10 @@ def restored(run_dir: Path) -> Restored | None:
         return None
 
 
-def _prune(where: Path) -> None:
-    """Remove all but the newest ``KEEP`` checkpoints, data files no seal names, and temporary files of
-    processes that are gone. Only the run's writing rank calls this, after sealing its own."""
-    entries = sealed(where.parent)
+def _prune(where: Path, entries: list[Checkpoint]) -> None:
+    """Remove all but the newest ``KEEP`` of ``entries`` (every sealed checkpoint, newest first), data files no
+    seal names, and temporary files of processes that are gone. Only the run's writing rank calls this, after
+    sealing its own."""
     for entry in entries[KEEP:]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(entry.seal)
@@ -254,21 +258,9 @@ def _prune(where: Path) -> None:
     for name in os.listdir(where):
         temporary = _TEMPORARY.match(name)
         unsealed = _DATA.match(name) and name not in named
-        if unsealed or (temporary and not _alive(int(temporary.group(1)))):
+        if unsealed or (temporary and not is_running(int(temporary.group(1)))):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(where / name)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _sealing: threading.Thread | None = None  # the thread sealing the checkpoint written last

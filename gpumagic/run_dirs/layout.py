@@ -24,6 +24,8 @@ A run directory is a launch's, a background job's or a kernel's own (``run_dirs.
     checkpoints/step-N.<id>.pt  a checkpoint (``gpumagic.checkpoint``), kept across attempts and restarts
     checkpoints/step-N.seal     its seal: the file's name, size and SHA-256 under the user's key
     checkpoints/restored.json   what ``gpumagic.restore`` loaded last, and when (``run_dirs.checkpoint_files``)
+    attempts/N/                 what a job's attempt N left once the next started (a resume, a Slurm requeue)
+    notified/EVENT.N            made once a job's notification targets were told of EVENT in attempt N
     job.json payload.pkl output.log result.pkl error.txt kill.json runner.log .reserve   a background job's
                                 (``run_dirs.records``)
 
@@ -169,6 +171,25 @@ class RunFiles:
     def checkpoints(self) -> Path:
         """``gpumagic.checkpoint``'s files: they outlive attempts (requeues, resumes, restarts) of the run."""
         return self.root / "checkpoints"
+
+    @property
+    def restored(self) -> Path:
+        """What ``gpumagic.restore`` loaded last (``run_dirs.checkpoint_files``)."""
+        return self.checkpoints / "restored.json"
+
+    @property
+    def attempts(self) -> Path:
+        """Where the files of a job's earlier attempts are kept (a resume, a Slurm requeue)."""
+        return self.root / "attempts"
+
+    def attempt(self, number: int) -> Path:
+        """What attempt ``number`` (1: the first) left, once the next one started."""
+        return self.attempts / str(number)
+
+    @property
+    def notified(self) -> Path:
+        """One empty file per event a job's targets were told of (``jobs.notify``): each is told once."""
+        return self.root / "notified"
 
     @property
     def agents(self) -> Path:

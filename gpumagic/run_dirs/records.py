@@ -208,7 +208,7 @@ def start_attempt(path: Path, changes: Mapping[str, Any]) -> int:
     info = read(path)
     earlier = attempt_of(info)
     files = RunFiles(path)
-    kept = files.root / "attempts" / str(earlier)
+    kept = files.attempt(earlier)
     now = time.time()
     spec = dataclasses.asdict(read_spec(path))
     spec.update({k: v for k, v in changes.items() if k in spec}, attempt=earlier + 1, submitted=now)
@@ -222,10 +222,7 @@ def start_attempt(path: Path, changes: Mapping[str, Any]) -> int:
             os.replace(files.root / name, kept / name)
     private.write_private(files.output, b"")
     fields = {**ATTEMPT_RESET, **changes, **({"ranks": changes["ddp"] or 1} if "ddp" in changes else {})}
-    store.update_run(
-        path, **fields, status="queued", reason="starting", resumed=now, attempt_base=earlier,
-        attempts_kept=str(files.root / "attempts"),
-    )  # fmt: skip
+    store.update_run(path, **fields, status="queued", reason="starting", resumed=now, attempt_base=earlier)
     return earlier + 1
 
 

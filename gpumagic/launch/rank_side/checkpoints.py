@@ -79,7 +79,8 @@ def checkpoint(step: int, /, *, every: int = 1, **state: Any) -> Path | None:
         return None
     if group is not None:
         _agree_on_step(group, step)
-    gathered = {name: _state_of(name, value, state) for name, value in state.items() if _gathered(value, state)}
+    kinds = {name: _kind(value, state) for name, value in state.items()}
+    gathered = {name: _state_of(value, *kinds[name]) for name, value in state.items() if kinds[name][1] is not None}
     rank = group.get_rank() if group is not None else 0
     written: Path | None = None
     failure: BaseException | None = None
@@ -88,9 +89,10 @@ def checkpoint(step: int, /, *, every: int = 1, **state: Any) -> Path | None:
         import torch
 
         try:  # whatever fails here is told to every rank below (state_dict(), pickling, the disk)
-            saved = {name: gathered[name] if name in gathered else _state_of(name, value, state)
+            saved = {name: gathered[name] if name in gathered else _state_of(value, *kinds[name])
                      for name, value in state.items()}  # fmt: skip
-            document = {"gpumagic": {"format": FORMAT, "step": step, "kinds": _kinds(state)}, "state": saved}
+            labels = {name: kind for name, (kind, _) in kinds.items()}
+            document = {"gpumagic": {"format": FORMAT, "step": step, "kinds": labels}, "state": saved}
             written = checkpoint_files.write(run_dir, step, tuple(state), lambda path: torch.save(document, path))
         except Exception as err:  # noqa: BLE001 - told to every rank below, then raised here as it was
             _log.debug("rank 0 could not save the checkpoint; every rank is told", exc_info=True)
@@ -152,9 +154,7 @@ def _requeue(run_dir: Path, group: Any, step: int) -> None:
         return
     sys.stderr.write(f"[gpumagic] rank {rank}: time limit near; saved step {step}; Slurm requeues the job\n")
     flush()
-    deadline = time.monotonic() + REQUEUE_WAIT_S
-    while time.monotonic() < deadline:  # Slurm's SIGTERM ends the rank (the task's handler) as it requeues
-        time.sleep(0.5)
+    time.sleep(REQUEUE_WAIT_S)  # Slurm's SIGTERM ends the rank (the task's handler) as it requeues
     os._exit(128 + signal.SIGTERM)
 
 
@@ -315,37 +315,43 @@ def _is_fsdp(value: Any) -> bool:
     return any(cls.__name__ in ("FullyShardedDataParallel", "FSDPModule") for cls in type(value).__mro__)
 
 
-def _full_options(**more: Any) -> Any:
+def _full_options() -> Any:
     # lazy: torch.distributed.checkpoint, only for FSDP models
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=True, cpu_offload=True, **more)
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def _state_of(name: str, value: Any, state: Mapping[str, Any]) -> Any:
-    """What is saved of ``value``: an FSDP model's full state dict, or its optimizer's (collectives: every rank
-    calls them; rank 0 gets the dicts), a state dict, or the value itself."""
-    value = _inner(value)
-    if _is_fsdp(value):
+def _kind(value: Any, state: Mapping[str, Any]) -> tuple[str, Any]:
+    """How ``value`` is saved and loaded, and the FSDP model it goes through (None: none): ``fsdp model`` and
+    ``fsdp optimizer`` by their full state dicts (collectives: every rank gathers and loads them together),
+    ``state_dict`` (models, optimizers, schedulers: the module inside a DDP or ``torch.compile`` wrapper), or
+    ``value``, pickled."""
+    inner = _inner(value)
+    if _is_fsdp(inner):
+        return "fsdp model", inner
+    model = _fsdp_model_of(inner, state)
+    if model is not None:
+        return "fsdp optimizer", model
+    if callable(getattr(inner, "state_dict", None)) and callable(getattr(inner, "load_state_dict", None)):
+        return "state_dict", None
+    return "value", None
+
+
+def _state_of(value: Any, kind: str, model: Any) -> Any:
+    """What is saved of ``value`` of ``kind`` (``_kind``): an FSDP model's or optimizer's full state dict (rank 0
+    gets it), a state dict, or the value itself."""
+    if kind == "fsdp model":
         # lazy: torch.distributed.checkpoint, only for FSDP models
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(value, options=_full_options())
-    model = _fsdp_model_of(value, state)
-    if model is not None:
+        return get_model_state_dict(model, options=_full_options())
+    if kind == "fsdp optimizer":
         # lazy: torch.distributed.checkpoint, only for FSDP models
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(model, value, options=_full_options())
-    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
-        return value.state_dict()
-    return value
-
-
-def _gathered(value: Any, state: Mapping[str, Any]) -> bool:
-    """An FSDP model or its optimizer: its full state dict is gathered by every rank together."""
-    inner = _inner(value)
-    return _is_fsdp(inner) or _fsdp_model_of(inner, state) is not None
+        return get_optimizer_state_dict(model, _inner(value), options=_full_options())
+    return _inner(value).state_dict() if kind == "state_dict" else value
 
 
 def _fsdp_model_of(optimizer: Any, state: Mapping[str, Any]) -> Any:
@@ -360,19 +366,6 @@ def _fsdp_model_of(optimizer: Any, state: Mapping[str, Any]) -> Any:
         if _is_fsdp(model) and any(id(p) == first for p in model.parameters()):
             return model
     return None
-
-
-def _kinds(state: Mapping[str, Any]) -> dict[str, str]:
-    kinds = {}
-    for name, value in state.items():
-        inner = _inner(value)
-        if _is_fsdp(inner):
-            kinds[name] = "fsdp model"
-        elif _fsdp_model_of(inner, state) is not None:
-            kinds[name] = "fsdp optimizer"
-        else:
-            kinds[name] = "state_dict" if hasattr(inner, "load_state_dict") else "value"
-    return kinds
 
 
 def _entry_at(seal: Path, run_dir: Path) -> Checkpoint:
@@ -426,13 +419,13 @@ def _load_all(saved: Mapping[str, Any], state: Mapping[str, Any], file: str) -> 
     problem = None
     for name, value in state.items():
         target = _inner(value)
-        model = target if _is_fsdp(target) else _fsdp_model_of(target, state)
+        kind, model = _kind(value, state)
         if model is not None:
             # lazy: torch.distributed.checkpoint, only for FSDP models
             from torch.distributed.checkpoint import state_dict as dcp
 
             try:
-                if model is target:
+                if kind == "fsdp model":
                     dcp.set_model_state_dict(model, saved[name], options=_full_options())
                 else:
                     dcp.set_optimizer_state_dict(model, target, saved[name], options=_full_options())

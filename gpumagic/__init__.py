@@ -52,7 +52,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the owners' own signatures
     from gpumagic.launch.seeding import seed
     from gpumagic.run_dirs.store import list_runs as runs
     from gpumagic.run_dirs.store import load_run
+    from gpumagic.telemetry.exporting import export
     from gpumagic.telemetry.log import log
+    from gpumagic.telemetry.tracking import track
     from gpumagic.widgets.views import compare, plot_run, status, watch_jobs
 
 __version__ = "0.1.0"
@@ -90,7 +92,9 @@ _EXPORTS = {
     "seed": ("gpumagic.launch.seeding", "seed"),
     "runs": ("gpumagic.run_dirs.store", "list_runs"),
     "load_run": ("gpumagic.run_dirs.store", "load_run"),
+    "export": ("gpumagic.telemetry.exporting", "export"),
     "log": ("gpumagic.telemetry.log", "log"),
+    "track": ("gpumagic.telemetry.tracking", "track"),
     "compare": ("gpumagic.widgets.views", "compare"),
     "plot_run": ("gpumagic.widgets.views", "plot_run"),
     "status": ("gpumagic.widgets.views", "status"),
@@ -115,6 +119,7 @@ __all__ = [  # the errors above, load_ipython_extension and every name of _EXPOR
     "checkpoint",
     "compare",
     "ddp_group",
+    "export",
     "gpus",
     "job",
     "jobs_with",
@@ -137,6 +142,7 @@ __all__ = [  # the errors above, load_ipython_extension and every name of _EXPOR
     "status",
     "submit",
     "sweep",
+    "track",
     "use",
     "visible_gpus",
     "watch_jobs",

@@ -30,6 +30,7 @@ from gpumagic.run_dirs import checkpoint_files, records
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.signing import read_sealed
 from gpumagic.run_dirs.store import Run
+from gpumagic.telemetry.tracking import tracked_summary, trackers
 from gpumagic.units import format_duration, parse_duration
 
 _log = logging.getLogger(__name__)
@@ -267,6 +268,8 @@ class Job:
             text += f", {resumed}"
         if info.get("notify_problem"):
             text += f"; {info['notify_problem']}"
+        if tracked_summary(info):
+            text += f"; tracked: {tracked_summary(info)}"
         latest = format_metrics(self.last_metrics())
         return text + (f" · {latest}" if latest else "")
 
@@ -585,6 +588,7 @@ def _create(entries: list[Entry], request: JobRequest, description: str, sweep: 
         sweep,
         len(entries) if sweep else 0,
         request.requeue_on_timeout,
+        tuple(tracker.to_json() for tracker in trackers()),
     )
     return [Job(path) for path in runs_on.submit(entries, resources, submission)]
 

@@ -1,6 +1,7 @@
-"""The data of a comparison of runs (``gpumagic.compare``, ``%jobs compare``): the runs and jobs read from disk,
-their hyperparameters, a summary of each metric (last and best value), their curves, sorting and filtering by
-any column, and exports (``to_pandas``, ``to_csv``). ``gpumagic.widgets.compare`` draws it.
+"""The data of a comparison of runs (``gpumagic.compare``, ``%jobs compare``): the runs and jobs read from disk
+(and TensorBoard's runs: ``tensorboard_runs``), their hyperparameters, a summary of each metric (last and best
+value), their curves, sorting and filtering by any column, and exports (``to_pandas``, ``to_csv``).
+``gpumagic.widgets.compare`` draws it.
 
 Everything is read from disk when the comparison is built (``refresh()`` reads again): it works in a new kernel
 for jobs that ended long ago, and shows live jobs as far as they have got. Rank 0's metrics stand for a run.
@@ -28,10 +29,12 @@ from gpumagic.devices.inventory import read_inventory
 from gpumagic.errors import InvalidArgument
 from gpumagic.jobs import executors
 from gpumagic.jobs.api import Job, list_jobs
+from gpumagic.jobs.tensorboard_runs import TensorBoardRun, find_runs, read_run
 from gpumagic.run_dirs import records
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.store import RankReader, Run, Series, load_run
 from gpumagic.telemetry.metric_kinds import higher_is_better
+from gpumagic.telemetry.tracking import tracked_summary
 from gpumagic.units import format_duration
 
 _log = logging.getLogger(__name__)
@@ -39,6 +42,7 @@ _log = logging.getLogger(__name__)
 X_AXES = ("step", "elapsed", "time")
 SEED_KEY = "seed"
 FIXED_COLUMNS = ("name", "status", "duration", "GPUs", "GPU hours")
+TRACKED = "tracked"  # what a run was exported as: a column only where one was
 MISSING = "–"
 OPERATORS = ("<=", ">=", "==", "!=", "<", ">", "=", "~")
 COMPARE = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "=": operator.eq}
@@ -58,6 +62,7 @@ class Member:
     metrics: dict[str, Any]  # rank 0's {metric: Series}
     path: Path
     gpu_count: int = 0
+    tracked: str = ""  # tracked_summary of its run.json
     cache: dict[tuple[str, str], Any] = field(default_factory=dict)
 
     def array(self, metric: str, column: str) -> Any:
@@ -110,7 +115,8 @@ def resolve(selection: Any) -> list[Any]:
     """The jobs (``Job``) and runs (``Run``) ``selection`` names, in its order, each once.
 
     ``selection``: None (every job of this user), or one or a list of: a ``Job``, a ``Run``, a job name, a job
-    name pattern with ``*`` (``"A-*"``), a run id (or its unique prefix).
+    name pattern with ``*`` (``"A-*"``), a run id (or its unique prefix), a directory of TensorBoard runs (each
+    a ``TensorBoardRun``).
 
     Raises:
         InvalidArgument: a name that is no job or run, a pattern matching nothing, or nothing to compare.
@@ -157,15 +163,26 @@ def _named(name: str) -> list[Any]:
         return [Job(p) for p in paths]
     if records.exists(name):
         return [Job(records.find(name))]
+    folder = Path(name).is_dir()
+    tensorboard = find_runs(name) if folder else []
+    if tensorboard:
+        return tensorboard
     try:
         run = load_run(name)
     except InvalidArgument:
-        raise InvalidArgument(f"no job or run named {name!r}; %jobs lists jobs, gpumagic.runs() lists runs") from None
+        raise InvalidArgument(
+            f"no job or run named {name!r}; %jobs lists jobs, gpumagic.runs() lists runs; a directory of TensorBoard "
+            f"runs holds events.out.tfevents.* files{' (this one holds none)' if folder else ''}"
+        ) from None
     return [Job(run.path) if run.info.get("kind") == "job" else run]
 
 
 def read_member(source: Any) -> Member:
-    """A job's or run's row material as it is on disk now."""
+    """A job's or run's row material as it is on disk now (a TensorBoard run's: as it is in its event files)."""
+    if isinstance(source, TensorBoardRun):
+        read = read_run(source)  # no status in TensorBoard: its points are all there is
+        kept = {metric: _forward(series) for metric, series in read.metrics.items() if len(series)}
+        return Member(source.name, "finished", read.duration, "-", read.params, kept, source.path)
     if isinstance(source, Job):
         info = source.info
         status, duration, name = executors.status(info), records.elapsed(info), info.get("name") or source.path.name
@@ -179,7 +196,8 @@ def read_member(source: Any) -> Member:
         gpus, count = _run_gpus(info.get("gpus"), status), len(_uuids(info.get("gpus")))
     metrics = RankReader(RunFiles(source.path).metrics, 0).read()  # rank 0 stands for the run
     kept = {metric: _forward(series) for metric, series in metrics.items() if len(series)}
-    return Member(name, status, duration, gpus, dict(info.get("params") or {}), kept, source.path, count)
+    params = dict(info.get("params") or {})
+    return Member(name, status, duration, gpus, params, kept, source.path, count, tracked_summary(info))
 
 
 def _job_gpu_count(info: dict[str, Any]) -> int:
@@ -431,7 +449,8 @@ class RunComparison:
         self.sort(sort_by, descending)
 
     def _read(self) -> None:
-        self.sources = [s for s in self.sources if RunFiles(s.path).record.exists()]  # a job removed meanwhile
+        here = [(s.path if isinstance(s, TensorBoardRun) else RunFiles(s.path).record).exists() for s in self.sources]
+        self.sources = [s for s, kept in zip(self.sources, here, strict=True) if kept]  # a job removed meanwhile
         if not self.sources:
             raise InvalidArgument("no runs or jobs to compare: every one of them has been removed")
         self.members = [read_member(source) for source in self.sources]
@@ -446,11 +465,13 @@ class RunComparison:
         differing = differing_keys(self.members)
         self.shared = {key: self.members[0].params[key] for key in self.keys if key not in differing}
         shown = self.keys if self.all_columns else differing
-        self.config_columns = {key: f"{key} (config)" if key in FIXED_COLUMNS else key for key in self.keys}
+        self.config_columns = {key: f"{key} (config)" if key in (*FIXED_COLUMNS, TRACKED) else key for key in self.keys}
+        self.tracked = any(member.tracked for member in self.members)
         self.columns = [
             *FIXED_COLUMNS,
             *(self.config_columns[key] for key in shown),
             *(f"{metric} {which}" for metric in self.metrics for which in ("last", "best")),
+            *([TRACKED] if self.tracked else []),
         ]
         self._unsorted = [self._row(index, member) for index, member in enumerate(self.members)]
         self._curves: Any = None
@@ -465,6 +486,8 @@ class RunComparison:
             series = member.metrics.get(metric)
             row[f"{metric} last"] = float(series.values[-1]) if series is not None else None
             row[f"{metric} best"] = best_of(metric, member.array(metric, "values")) if series is not None else None
+        if self.tracked:
+            row[TRACKED] = member.tracked or None
         return row
 
     def refresh(self) -> None:
@@ -579,7 +602,8 @@ class RunComparison:
         """The columns of ``to_pandas`` and ``to_csv``."""
         keys = [k for k in self.keys if k != SEED_KEY]
         named = [f"{m}_{which}" for m in self.metrics for which in ("best", "last")]
-        return ["name", "status", *keys, SEED_KEY, "duration_s", "gpu_hours", "gpus", *named]
+        tracked = [TRACKED] if self.tracked else []  # only where a run was exported: as before otherwise
+        return ["name", "status", *keys, SEED_KEY, "duration_s", "gpu_hours", "gpus", *named, *tracked]
 
     def records(self) -> list[dict[str, Any]]:
         """One dict per row (in the table's order) with the ``export_columns``: every hyperparameter (numbers as
@@ -591,6 +615,7 @@ class RunComparison:
             record.update({key: plain(value) for key, value in member.params.items()})
             record.update(duration_s=member.duration, gpu_hours=member.gpu_hours, gpus=member.gpus)
             record.update({f"{m}_{w}": row[f"{m} {w}"] for m in self.metrics for w in ("best", "last")})
+            record.update({TRACKED: row[TRACKED]} if self.tracked else {})
             found.append(record)
         return found
 

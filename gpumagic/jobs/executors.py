@@ -43,6 +43,7 @@ class Submission:
     sweep: str | None = None  # the sweep the jobs make (one summary is sent for all of them), and how many
     sweep_size: int = 0
     requeue_on_timeout: int = 0  # Slurm: near the time limit, save and requeue so many times
+    track: tuple[dict[str, str], ...] = ()  # the trackers the jobs' metrics go to (``gpumagic.track``'s, sealed)
 
     def record(self, entry: Entry) -> dict[str, Any]:
         """The fields of ``run.json`` every executor writes for one of these jobs."""
@@ -55,6 +56,7 @@ class Submission:
             "notify": list(self.notify),  # sealed in job.json too: the runner reads its targets from there
             "notify_wait_s": self.notify_wait_s,
             "requeue_on_timeout": self.requeue_on_timeout,
+            "track": list(self.track),
             **({"sweep": self.sweep, "sweep_size": self.sweep_size} if self.sweep else {}),
             "description": self.description,
             "uid": os.getuid(),

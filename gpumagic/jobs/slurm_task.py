@@ -12,10 +12,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -37,8 +39,10 @@ from gpumagic.run_dirs import records
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.outcomes import rank_outcomes, read_json, root_cause
 from gpumagic.run_dirs.private import write_private
-from gpumagic.run_dirs.signing import read_sealed, write_sealed
+from gpumagic.run_dirs.signing import PayloadRejected, read_sealed, write_sealed
 from gpumagic.run_dirs.store import record_end
+from gpumagic.telemetry.exporting import POLL_S as EXPORT_POLL_S
+from gpumagic.telemetry.exporting import finish_within
 
 _log = logging.getLogger(__name__)
 
@@ -90,6 +94,7 @@ class Task:
                     target=notify.notify, args=(run_dir, "requeued"), kwargs={"requeues": restarts}, daemon=True
                 )
                 telling.start()
+        exporter = start_exporter(run_dir) if rank == 0 else None
         watch = StopWatch(RunFiles(run_dir), rank, world_size, token) if world_size > 1 else None
         code = run_rank(run_dir)
         if telling is not None:  # told while the rank ran; a slow target holds the end a little, never the start
@@ -97,6 +102,9 @@ class Task:
         if watch is not None:
             watch.ended(code)
         record_if_last(run_dir, world_size, token)
+        if exporter is not None:  # the step's end would kill it: its last points and the tracker run's end first
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                exporter.wait(timeout=finish_within() + 2 * EXPORT_POLL_S)
         if code:
             sys.stderr.write(f"rank {rank} failed (exit code {code}); see {RunFiles(run_dir).error}\n")
         # as a local rank ends, without teardown: the job's end is recorded, and a fatal signal in a destructor (a
@@ -104,6 +112,18 @@ class Task:
         # rank as this one's death; a hang there would hold the allocation. submitit's own result file is not
         # written: gpumagic reads the job's directory, and Slurm the exit code.
         exit_rank(code)
+
+
+def start_exporter(run_dir: Path) -> subprocess.Popen[bytes] | None:
+    """Rank 0's task: a process that follows the job's metrics to its trackers (``telemetry.exporting``), if it
+    has any; off the ranks, so training never waits for a tracker."""
+    try:
+        if not records.read_spec(run_dir).track:
+            return None
+    except (PayloadRejected, OSError, ValueError):
+        _log.debug("the job's description cannot be read; its metrics are not exported", exc_info=True)
+        return None  # the rank refuses such a job itself, and says why
+    return subprocess.Popen([sys.executable, "-m", "gpumagic.telemetry.exporting", str(run_dir)])
 
 
 def cluster_of(run_dir: Path) -> str:

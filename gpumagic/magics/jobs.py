@@ -29,6 +29,8 @@ from gpumagic.magics.parsing import (
     subcommand,
     whole_number,
 )
+from gpumagic.telemetry.exporting import export
+from gpumagic.telemetry.tracking import OPTION_HELP, track, trackers
 from gpumagic.units import parse_duration
 from gpumagic.widgets.compare import Comparison
 from gpumagic.widgets.job_table import JobTable
@@ -115,6 +117,22 @@ def _jobs_parsers() -> dict[str, Parser]:
     resume.add_argument("name")
     add_options(resume, "job", only=RESUMABLE, changes=True)
     add_slurm_arguments(resume, shape=True, executor=False)
+    track = Parser(
+        "%jobs track",
+        "Send the metrics of every launch, %ddp group and job started from now on to TensorBoard, MLflow or\n"
+        "W&B too (gpumagic.track): one run each there, a series per rank (loss/rank0, loss/rank1), the options\n"
+        "as its parameters. Without KIND: the trackers chosen. Example: %jobs track mlflow --tracking-uri\n"
+        "http://mlflow:5000; %jobs track wandb --stop; %jobs track none",
+    )
+    track.add_argument("kind", nargs="?", help="tensorboard, mlflow, wandb, or none (stop every one)")
+    for option, (placeholder, meant) in OPTION_HELP.items():
+        track.add_argument("--" + option.replace("_", "-"), metavar=placeholder, help=meant)
+    track.add_argument("--stop", action="store_true", help="stop sending to this tracker")
+    export = Parser(
+        "%jobs export",
+        "Send ended jobs' or runs' metrics to the trackers chosen, as new runs there (a run a tracker missed).",
+    )
+    export.add_argument("names", nargs="+", help="jobs' names or run ids")
     helper = Parser("%jobs help", "Help on a subcommand.")
     helper.add_argument("subcommand", nargs="?")
     return {
@@ -127,6 +145,8 @@ def _jobs_parsers() -> dict[str, Parser]:
         "rm": remove,
         "watch": watch,
         "compare": compare,
+        "track": track,
+        "export": export,
         "help": helper,
     }
 
@@ -144,6 +164,8 @@ _OVERVIEW = (
     "  %jobs rm NAME...           delete ended jobs\n"
     "  %jobs watch [NAME...]      live table with actions and every job's curve (A-*; --state, --metric)\n"
     "  %jobs compare [NAME...]    table and curves side by side (A-* for a sweep; --metric, --x, --sort-by)\n"
+    "  %jobs track [KIND] [opts]  metrics of launches, groups and jobs to tensorboard, mlflow or wandb too\n"
+    "  %jobs export NAME...       an ended job's or run's metrics to the trackers, again\n"
     "  %jobs help SUBCOMMAND      details"
 )
 
@@ -245,6 +267,29 @@ def _resume(args: argparse.Namespace) -> Any:
     return Help(resumed.describe())
 
 
+def _track(args: argparse.Namespace) -> Any:
+    options = {option: getattr(args, option) for option in OPTION_HELP}
+    if args.kind in (None, "none"):
+        given = [option for option in (*OPTION_HELP, "stop") if getattr(args, option)]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise UsageError(f"%jobs track: {flag} needs a tracker first: tensorboard, mlflow or wandb")
+        chosen = track(None) if args.kind == "none" else trackers()
+    else:
+        chosen = track(args.kind, stop=args.stop, **options)
+    if not chosen:
+        return Help("No tracker chosen: metrics stay in gpumagic's run directories (%jobs track KIND to add one).")
+    return Help("Metrics of what starts from now on go to:\n" + "\n".join(f"  {t.where}" for t in chosen))
+
+
+def _export(args: argparse.Namespace) -> Any:
+    lines = []
+    for name in args.names:
+        failed = export(name)
+        lines.extend(failed or [f"{name}: exported to {', '.join(t.kind for t in trackers())}"])
+    return Help("\n".join(lines))
+
+
 def _wait(args: argparse.Namespace) -> Any:
     jobs = [job(name) for name in args.names]
     limit = parse_duration(args.timeout) if args.timeout is not None else None
@@ -333,6 +378,8 @@ _HANDLERS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "rm": _remove,
     "watch": _watch,
     "compare": _compare,
+    "track": _track,
+    "export": _export,
     "help": _help,
 }
 

@@ -55,8 +55,8 @@ class JobSpec:
     """What the runner runs, as sealed in the job's ``job.json``: the job's id (its directory's name) and name,
     when it was submitted, its GPU request (``jobs.queue.Request``'s JSON), its ranks (``ddp``; ``None``: one
     process), backend, process group timeout (seconds), the jobs it waits for, the kernel's ``sys.path`` and
-    working directory, whether each rank is capped at its reservation, the hang report threshold (seconds), and
-    which attempt this is (``%jobs resume`` starts the next)."""
+    working directory, whether each rank is capped at its reservation, the hang report threshold (seconds),
+    which attempt this is (``%jobs resume`` starts the next), and the trackers its metrics are exported to."""
 
     id: str
     name: str
@@ -74,6 +74,7 @@ class JobSpec:
     notify: list[str] | None = None  # targets told of its end (``jobs.notify``): commands run, so only from here
     notify_wait_s: float | None = None
     requeue_on_timeout: int | None = None  # a Slurm job near its time limit saves and requeues itself so often
+    track: list[dict[str, str]] | None = None  # the trackers its metrics go to (``telemetry.tracking``)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> JobSpec:

@@ -123,6 +123,22 @@ def update_run(path: Path, **fields: Any) -> dict[str, Any]:
         return info
 
 
+def merge_run_entry(path: Path, field_name: str, key: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """Set ``run.json[field_name][key]`` to ``entry``, keeping the field's other keys (``update_run`` replaces a
+    whole field): two writers of one field's keys, a run's exporters say, never lose each other's.
+
+    Raises:
+        DiskFull: no space even to rewrite it in place.
+    """
+    with _update_lock, _record_lock(path):
+        record = RunFiles(path).record
+        info = json.loads(record.read_text())
+        current = info.get(field_name)
+        info[field_name] = {**(current if isinstance(current, dict) else {}), key: entry}
+        _write_json(record, info)
+        return info
+
+
 @contextlib.contextmanager
 def _record_lock(path: Path) -> Iterator[None]:
     """Hold the run directory's lock while its ``run.json`` is read, changed and replaced: a job's runner and the

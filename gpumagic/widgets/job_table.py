@@ -12,10 +12,12 @@ from gpumagic.jobs.api import format_metrics, resumed_note
 from gpumagic.jobs.executors import executor_of
 from gpumagic.jobs.queue import one_line_why
 from gpumagic.run_dirs import records
+from gpumagic.telemetry.tracking import tracked_summary
 from gpumagic.units import format_duration
 from gpumagic.widgets.live import TEXT
 
 COLUMNS = ("name", "status", "GPUs", "elapsed", "latest", "why")  # why last: it can be long
+TRACKED_COLUMNS = (*COLUMNS[:-1], "tracked", COLUMNS[-1])  # when a job of the table was tracked (gpumagic.track)
 # The status's hue on a dot beside its word, which keeps the theme's text colour (4.5:1 on light and dark
 # alike): each hue is at least 3:1 against white and against JupyterLab's dark backgrounds (#111, #212121).
 STATUS_HUES = {
@@ -40,9 +42,12 @@ class JobRow:
     why: str
     latest: str
     line: str = ""  # the why in one short line, for a table cell (``why`` in full: its tooltip)
+    tracked: str = ""  # what it is exported as (``gpumagic.track``): its tracker runs, or what failed
 
-    def cells(self) -> tuple[str, ...]:
-        return (self.name, self.status, self.gpus, self.elapsed, self.latest, self.why)
+    def cells(self, tracked: bool = False) -> tuple[str, ...]:
+        """Its cells; ``tracked``: with the tracked column (shown when a job of the table was tracked)."""
+        shown = (self.tracked,) if tracked else ()
+        return (self.name, self.status, self.gpus, self.elapsed, self.latest, *shown, self.why)
 
 
 def job_row(
@@ -67,7 +72,8 @@ def job_row(
         if note:
             why = f"{why} · {note}" if why else note
     line = one_line_why(why, _request(info) if status == "queued" else None, place)
-    return JobRow(info["name"], status, gpus, format_duration(records.elapsed(info)), why, shown, line)
+    elapsed = format_duration(records.elapsed(info))
+    return JobRow(info["name"], status, gpus, elapsed, why, shown, line, tracked_summary(info))
 
 
 def _request(info: dict[str, Any]) -> Any:
@@ -88,12 +94,14 @@ class JobTable:
 
     def __init__(self, jobs: list[Any]) -> None:
         self.rows = [job_row(j) for j in jobs]
+        self.tracked = any(row.tracked for row in self.rows)
+        self.columns = TRACKED_COLUMNS if self.tracked else COLUMNS
 
     def __repr__(self) -> str:
         if not self.rows:
             return "No background jobs yet: %%launch_bg or gpumagic.submit starts one."
-        table = [COLUMNS] + [r.cells() for r in self.rows]
-        widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS) - 1)]
+        table = [self.columns] + [r.cells(self.tracked) for r in self.rows]
+        widths = [max(len(row[i]) for row in table) for i in range(len(self.columns) - 1)]
         lines = []
         for row in table:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
@@ -105,10 +113,10 @@ class JobTable:
     def _repr_html_(self) -> str:
         if not self.rows:
             return f"<p>{html.escape(repr(self))}</p>"
-        head = "".join(f"<th style='{CELL}'>{c}</th>" for c in COLUMNS)
+        head = "".join(f"<th style='{CELL}'>{c}</th>" for c in self.columns)
         body = []
         for row in self.rows:
-            cells = [html.escape(c) for c in row.cells()]
+            cells = [html.escape(c) for c in row.cells(self.tracked)]
             cells[1] = status_html(row.status)
             cells[-1] = f"<div style='white-space:normal;min-width:24em'>{cells[-1]}</div>"  # why: in full
             body.append("<tr>" + "".join(f"<td style='{CELL}'>{c}</td>" for c in cells) + "</tr>")

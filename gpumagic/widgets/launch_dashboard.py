@@ -18,6 +18,7 @@ while nothing changes (no new metric bytes, no mark, no busy rank) its thread re
 from __future__ import annotations
 
 import contextlib
+import html
 import json
 import logging
 import threading
@@ -36,6 +37,7 @@ from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.store import RankReader
 from gpumagic.telemetry.log import TOTAL_STEPS
 from gpumagic.telemetry.metric_kinds import lower_is_better
+from gpumagic.telemetry.tracking import tracked_summary
 from gpumagic.units import MIB
 from gpumagic.widgets.live import LiveFrame, close_tree, embedded, live_model, unsynced
 from gpumagic.widgets.plots import (
@@ -59,6 +61,7 @@ RESOURCE_INTERVAL = 0.5  # s at least between samples of the ranks' resources, w
 IDLE_BUSY = 5.0  # % of a CPU (or of a GPU) under which a rank idles: 2 clock ticks (20 ms) in 0.5 s read as 4 %
 IDLE_MEMORY = 1.0  # MiB a rank's memory moves by before it is drawn again
 RATE_WINDOW = 10.0  # s of rank 0's latest points the step rate is measured over
+TRACKED_READ_S = 2.0  # s between reads of what the run is exported as
 
 
 class LaunchDashboard:
@@ -116,6 +119,7 @@ class LaunchDashboard:
         self._concluded = False
         self._frame: LiveFrame | None = None  # where it shows, in a kernel
         self._note = ""
+        self._tracked, self._tracked_read = "", 0.0  # what the run is exported as (gpumagic.track), when read
         self._figures_html = ""  # the static copy's plots
         self.total_steps: float | None = None  # what the ranks said they will run (gpumagic.log(total_steps=))
         self._pace: dict[str, str] = {}  # "metric": the one whose rank-0 points pace the step rate
@@ -600,9 +604,20 @@ class LaunchDashboard:
             clock = f"idle since {time.strftime('%H:%M:%S', time.localtime(self._idle_since))}"
         return (
             f"<b>{self.title}</b> · {self.state} · {alive}/{self.nprocs} ranks alive{progress} · {clock}"
+            + self._tracked_words()
             + note
             + self._note
         )
+
+    def _tracked_words(self) -> str:
+        """`` · tracked: mlflow 3f9c1a2b · tensorboard runs/…``: what the run is exported as (``gpumagic.track``),
+        from its ``run.json``, read every few seconds (the exporters record it once their tracker answered)."""
+        now = time.monotonic()
+        if self.run_dir is not None and (self._concluded or now - self._tracked_read > TRACKED_READ_S):
+            self._tracked_read = now
+            with contextlib.suppress(OSError, ValueError):  # being replaced: the next read has it
+                self._tracked = tracked_summary(json.loads(RunFiles(self.run_dir).record.read_text()))
+        return f" · tracked: {html.escape(self._tracked)}" if self._tracked else ""
 
 
 def _duration(seconds: float) -> str:

@@ -45,7 +45,9 @@ def compare(
     them (working in the browser alone); ``.filter("lr<=0.001")``, ``.sort("loss")``, ``.to_pandas()`` and
     ``.to_csv(path)`` from Python.
 
-    ``runs_or_jobs``: ``Job``s, job names, patterns (``"A-*"``), ``Run``s or run ids; None: every job of yours.
+    ``runs_or_jobs``: ``Job``s, job names, patterns (``"A-*"``), ``Run``s, run ids or directories of TensorBoard
+    runs (each folder of event files a run; ``loss/rank0`` read as ``loss``); None: every job of yours. Runs
+    exported to a tracker (``gpumagic.track``) get a ``tracked`` column saying as what.
     ``x``: ``"step"``, ``"elapsed"`` or ``"time"``. ``sort_by``: a column or a metric (its best value).
     Runs that differ only by ``seed`` are drawn as their mean with a ± std band (``group_seeds=False``: not).
     ``.rows`` and ``.curves`` hold the data; ``.refresh()`` reads the runs again.

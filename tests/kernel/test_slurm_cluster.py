@@ -203,6 +203,7 @@ def train_linear(steps, stop_at=None, every=1, fail=False):
         optimizer.zero_grad()
         model(torch.ones(3, 4) * step).pow(2).mean().backward()
         optimizer.step()
+        gpumagic.log(step, weight=float(model.weight.sum()))  # for a job that is tracked
         if stop_at:
             gpumagic.checkpoint(step + 1, every=every, model=model, optimizer=optimizer)
         if step + 1 == stop_at and start == 0:
@@ -225,6 +226,37 @@ def test_a_requeued_job_resumes_from_its_checkpoint(on_cluster):
     assert start == 2, "the requeued attempt went on from step 2, not from 0"
     assert "resumed from step 2 (attempt 2)" in job.describe()
     assert weight.equal(train_linear(5)[1]), "the weights of a run that was never requeued"
+
+
+def test_a_tracked_slurm_job_is_one_mlflow_and_tensorboard_run_across_its_requeue(on_cluster, tmp_path, monkeypatch):
+    from gpumagic.telemetry import tracking
+    from tests.tracker_readers import mlflow_runs, mlflow_series, tensorboard_series
+
+    monkeypatch.setattr(tracking, "_chosen", None)
+    monkeypatch.setenv("GPUMAGIC_TRACK_TIMEOUT", "60")  # the job's environment too: a busy machine's imports
+    gpumagic.track("tensorboard", logdir=str(tmp_path / "tb"))
+    gpumagic.track("mlflow", tracking_uri=str(tmp_path / "mlruns"), experiment="exp")
+    try:
+        job = gpumagic.jobs_with(name="C5", executor="slurm", gpus=0, slurm={"time": "10m"}).submit(train_linear, 5, 2)
+    finally:
+        gpumagic.track(None)  # the job carries its trackers, sealed: what the kernel chooses later changes nothing
+
+    def logged():
+        runs = mlflow_runs(tmp_path)
+        return mlflow_series(tmp_path, runs[0].info.run_id, "weight/rank0") if runs else []
+
+    points = RunFiles(job.path).metric_points(0)  # a batch: a 4-byte count, then 32 bytes a point
+    wait_for(lambda: points.exists() and points.stat().st_size >= 4 + 2 * 32, 90, "steps 0 and 1 on disk")
+    wait_for(lambda: "run_id" in job.info.get("tracking", {}).get("mlflow", {}), 90, "the exporter's MLflow run")
+    requeue_and_release(on_cluster, job)  # at once: the exporter sends what is on disk when Slurm's SIGTERM comes
+    assert job.wait(timeout="90s") == "finished", job.reason
+    wait_for(lambda: mlflow_runs(tmp_path)[0].info.status == "FINISHED", 60, "rank 0's exporter ended the run")
+    (ran,) = mlflow_runs(tmp_path)
+    assert ran.info.run_name == "C5" and ran.data.params["executor"] == "slurm"
+    assert [step for step, _ in logged()] == [0, 1, 2, 3, 4], "both attempts' steps, in one MLflow run"
+    assert logged()[-1][1] == pytest.approx(float(train_linear(5)[1].sum()), rel=1e-6), "an unbroken run's"
+    series, _ = tensorboard_series(job.info["tracking"]["tensorboard"]["logdir"])
+    assert [step for step, _ in series["weight/rank0"]] == [0, 1, 2, 3, 4]
 
 
 def test_a_failed_slurm_job_resumed_with_more_time_goes_on_from_its_checkpoint(on_cluster):

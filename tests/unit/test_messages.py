@@ -198,7 +198,7 @@ def test_the_runner_reads_its_sealed_job_as_a_spec():
     spec = records.read_spec(path)
     assert spec == records.JobSpec(path.name, "spec", spec.submitted, {"count": 0}, ddp=2, backend="gloo", after=[])
     sealed = ("name", "submitted", "request", "ddp", "backend", "timeout_s", "after", "sys_path", "cwd")
-    later = ("memory_limit", "hang_after_s", "attempt", "notify", "notify_wait_s", "requeue_on_timeout")
+    later = ("memory_limit", "hang_after_s", "attempt", "notify", "notify_wait_s", "requeue_on_timeout", "track")
     assert records.RUNNER_FIELDS == (*sealed, *later)  # job.json keeps its fields
 
 

@@ -193,6 +193,11 @@ def test_code_is_lint_clean_and_formatted():
             ["torch.save", "gpumagic.checkpoint (the call)", "checkpoint / torch.save:"],
         ),
         (
+            "tracking.py",
+            ["--calls", "2000", "--rounds", "1", "--points", "500", "--launches", "1"],
+            ["ratio tracked / untracked", "the exporter's pace", "MLflow taking connections, never answering"],
+        ),
+        (
             "big_values.py",
             ["--mb", "4", "--times", "1", "--repeat", "1", "--skip-accelerate"],
             ["through shared memory", "by value, as before", "launch: X adds", "/ one copy of X"],

@@ -21,6 +21,7 @@ from gpumagic.devices.visibility import current_visibility, hides_every_gpu
 from gpumagic.errors import InvalidArgument
 from gpumagic.launch.failures import LaunchInterrupted
 from gpumagic.launch.hang_reports import HangFollower
+from gpumagic.launch.kernel_side import tracked
 from gpumagic.launch.kernel_side.elastic import launch_elastic, prepare_elastic
 from gpumagic.launch.kernel_side.launch_handle import LaunchHandle
 from gpumagic.launch.kernel_side.local import loopback_port, run_local, store_listener
@@ -324,6 +325,7 @@ def _run_here(
         if dashboard is not None:
             dashboard.attach(run_dir, pids, rank_gpus=plan.rank_gpus, use_gpus=plan.use_cuda)
 
+    exporting = tracked.follow(run_dir, "ddp", launch, nprocs=plan.nprocs, backend=plan.backend)
     try:
         results = run_local(
             plan,
@@ -344,6 +346,7 @@ def _run_here(
         sink.flush()
         remove_launch_directories(files)
         store.finish_run(run_dir, status)
+        tracked.end(exporting, status, lambda line: writer(line + "\n"))
         if dashboard is not None:
             dashboard.finish(status)
 

@@ -23,6 +23,7 @@ from gpumagic.errors import GpumagicError, InvalidArgument
 from gpumagic.launch.allocation import Allocation
 from gpumagic.launch.failures import LaunchError, LaunchInterrupted
 from gpumagic.launch.hang_reports import HangFollower
+from gpumagic.launch.kernel_side import tracked
 from gpumagic.launch.kernel_side.node_agents import NodeAgents, start_agents
 from gpumagic.launch.kernel_side.output import RankOutput, progress_lines
 from gpumagic.launch.options import LaunchOptions
@@ -133,6 +134,7 @@ def launch_elastic(
     follower = _Follower(run_dir, world_size, launch.max_restarts, sink, write)
     hangs = HangFollower.of_run(run_dir, world_size, launch.hang_after_s, lambda text: write(text + "\n"))
     status = "failed"
+    exporting = tracked.follow(run_dir, "ddp", launch, nprocs=nprocs, world_size=world_size, backend=backend)
     try:
         _follow(agents, follower, dashboard, run_dir, spec, poll_s, hangs.poll)
         if agents.returncode != 0:
@@ -154,6 +156,7 @@ def launch_elastic(
         agents.close()
         follower.drain()
         store.finish_run(run_dir, status)
+        tracked.end(exporting, status, lambda line: write(line + "\n"))
         if dashboard is not None:
             dashboard.finish(status)
 

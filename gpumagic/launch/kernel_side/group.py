@@ -32,6 +32,7 @@ from gpumagic.errors import GpumagicError, InvalidArgument, ReportedError
 from gpumagic.launch import messages
 from gpumagic.launch.failures import LaunchError
 from gpumagic.launch.hang_reports import HangFollower, HangReport, mismatch_after_failure
+from gpumagic.launch.kernel_side import tracked
 from gpumagic.launch.kernel_side.ddp import place_on_allocation, place_ranks, stdout_writer
 from gpumagic.launch.kernel_side.group_members import (
     START_TIMEOUT_S,
@@ -196,6 +197,7 @@ class RankGroup:
         except BaseException:
             self._forget()
             raise
+        self.export = tracked.follow(run_dir, "ddp-group", launch, nprocs=nprocs, backend=self.backend)
 
     def _forget(self) -> None:
         """A start that failed: its ranks end and it leaves no run behind (the error says what went wrong)."""
@@ -217,6 +219,7 @@ class RankGroup:
         if getattr(self, "run_dir", None) is not None:
             remove_launch_directories(RunFiles(self.run_dir))
             store.finish_run(self.run_dir, status)
+            tracked.end(getattr(self, "export", None), status, self.on_note)
 
     def __enter__(self) -> RankGroup:
         return self

@@ -37,7 +37,7 @@ def log_cost_in_a_rank(calls: int, trackers: int) -> float:
     record = os.path.join(os.environ["GPUMAGIC_RUN_DIR"], "run.json")
     deadline = time.monotonic() + 60
     while len(json.load(open(record)).get("tracking") or {}) < trackers and time.monotonic() < deadline:
-        gpumagic.log(loss=0.0)  # the exporters start when the first points come
+        gpumagic.log(loss=0.0)  # points for the exporters to send while they open
         time.sleep(0.05)
     log = gpumagic.log
     return per_call_us(lambda i: log(loss=i * 0.5), calls)

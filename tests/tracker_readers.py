@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import struct
 from pathlib import Path
 
@@ -38,10 +37,17 @@ def tensorboard_series(directory: str) -> tuple[dict[str, list[tuple[int, float]
 
 
 def mlflow_client(tmp_path: Path):
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    """MLflow's client of the file store under ``tmp_path``, made as gpumagic's exporter makes one (MLflow keeps
+    the store for the URI): ``MLFLOW_ALLOW_FILE_STORE`` only meanwhile, so a test sees whether it was left set."""
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=f"file://{tmp_path / 'mlruns'}")
+    from gpumagic.telemetry.trackers.to_mlflow import file_store_allowed
+
+    uri = f"file://{tmp_path / 'mlruns'}"
+    with file_store_allowed(uri):
+        client = MlflowClient(tracking_uri=uri)
+        client.search_experiments(max_results=1)
+    return client
 
 
 def mlflow_runs(tmp_path: Path) -> list:
@@ -99,9 +105,3 @@ def wandb_run(directory: str) -> tuple[dict, dict, dict[str, list[tuple[int, flo
                 rank = key.rsplit("rank", 1)[1]
                 series.setdefault(key, []).append((row[f"rank{rank}/step"], value))
     return config, ended, series
-
-
-def wandb_service_children() -> list[str]:
-    import psutil
-
-    return [p.name() for p in psutil.Process().children(recursive=True) if "wandb" in p.name()]

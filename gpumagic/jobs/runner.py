@@ -56,7 +56,6 @@ class _Runner:
         self.sink: Any = None  # a DDP job's ranks' output, line by line with [rank N], until the job ends
         self.output_error: OSError | None = None  # why the job's output could not be written
         self.cancel: Any = None  # set to stop the job's ranks
-        self.exporting: Any = None  # the job's metrics followed to its trackers (gpumagic.track), while it runs
 
     def run(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -166,9 +165,7 @@ class _Runner:
         return f"killed by {name} sent to its runner" + (f" {when}" if when else "")
 
     def _finish(self, status: str, why: str, **fields: Any) -> None:
-        """Record the job's end last: one who reads it finds all of the job's output, its tracker runs ended, and
-        no disk held for it."""
-        self._end_export(status)
+        """Record the job's end last: one who reads it finds all of the job's output and no disk held for it."""
         self._close_output()
         records.release_reserve(self.run_dir)  # the space held for this record
         store.record_end(self.run_dir, status, why, **fields)
@@ -289,7 +286,7 @@ class _Runner:
             show=lambda text: self._output(f"{text}\n".encode()),
             record=lambda report: records.update(self.run_dir, hang=report),
         )
-        self.exporting = self._export(spec)
+        self._start_exporter(spec)
         try:
             packed = read_sealed(files.job_payload, f"job {self.name}'s code ({files.job_payload})")
             results = local.run_local(
@@ -323,32 +320,25 @@ class _Runner:
             self._output(f"{err}\n".encode())
             self._finish("failed", str(err))
         finally:
-            self._end_export("failed")  # ended without a record (a full disk): nothing but failed is known
             self._close_output()
             remove_launch_directories(files)
 
-    def _export(self, spec: records.JobSpec) -> Any:
-        """Follow the job's metrics to the trackers chosen when it was submitted (``gpumagic.track``), if any."""
+    def _start_exporter(self, spec: records.JobSpec) -> None:
+        """A process that follows the job's metrics to the trackers chosen when it was submitted (``gpumagic.track``),
+        if any, until the job's end is recorded. It leaves this process's tree at once (``telemetry.exporting``):
+        ``%jobs kill`` signals the tree, and the exporter must outlive it to send the last points and end the
+        tracker runs. What fails goes to the job's output and its ``run.json``."""
         if not spec.track:
-            return None
-        # lazy: the spawn ranks import this module as their main; only a tracked job's runner exports
-        from gpumagic.telemetry.exporting import job_parameters, start_export
-        from gpumagic.telemetry.tracking import Tracker
+            return
+        # lazy: the spawn ranks import this module as their main; only a tracked job's runner starts one
+        import subprocess
 
+        command = [sys.executable, "-m", "gpumagic.telemetry.exporting", "--detach", str(self.run_dir)]
         try:
-            chosen = [Tracker.from_json(tracker) for tracker in spec.track]
-        except InvalidArgument as err:  # a tracker's package removed since the submission, say
-            self._output(f"gpumagic: the job's metrics are not exported: {err}\n".encode())
-            return None
-        return start_export(self.run_dir, "job", job_parameters(records.read(self.run_dir)), chosen=chosen)
-
-    def _end_export(self, status: str) -> None:
-        """End the job's tracker runs with its ``status`` (at most a few seconds; one second when it was killed:
-        SIGKILL follows SIGTERM 5 s later); a tracker that failed is named once in its output. Then nothing."""
-        exporting, self.exporting = self.exporting, None
-        if exporting is not None:
-            for line in exporting.finish(status, 1.0 if status == "killed" else None):
-                self._output(f"{line}\n".encode())
+            subprocess.run(command, stdin=subprocess.DEVNULL, stdout=self.output, stderr=self.output, timeout=60)
+        except (OSError, subprocess.SubprocessError) as err:  # the job runs all the same
+            _log.debug("the job's exporter did not start", exc_info=True)
+            self._output(f"gpumagic: the job's metrics are not exported to its trackers: {err}\n".encode())
 
     def _close_output(self) -> None:
         """Write the ranks' last partial lines and close output.log (again: nothing)."""

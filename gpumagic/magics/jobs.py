@@ -275,6 +275,8 @@ def _track(args: argparse.Namespace) -> Any:
             flag = "--" + given[0].replace("_", "-")
             raise UsageError(f"%jobs track: {flag} needs a tracker first: tensorboard, mlflow or wandb")
         chosen = track(None) if args.kind == "none" else trackers()
+    elif args.stop and any(options.values()):
+        raise UsageError(f"%jobs track {args.kind} --stop takes no other option: it stops sending to {args.kind}")
     else:
         chosen = track(args.kind, stop=args.stop, **options)
     if not chosen:

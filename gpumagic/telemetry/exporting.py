@@ -26,6 +26,7 @@ from itertools import repeat
 from pathlib import Path
 from typing import Any, Protocol
 
+from gpumagic.devices.processes import is_running, process_start_time
 from gpumagic.errors import GpumagicError, InvalidArgument
 from gpumagic.run_dirs import store
 from gpumagic.run_dirs.layout import RunFiles
@@ -35,6 +36,7 @@ from gpumagic.telemetry.tracking import Tracker, trackers
 POLL_S = 1.0  # how often new points are sent: the ranks write theirs every 0.1 s
 TIMEOUT_VARIABLE = "GPUMAGIC_TRACK_TIMEOUT"
 FINISH_WITHIN_S = 3.0  # the most a run's end waits for its trackers
+LOAD_WITHIN_S = 60.0  # ... besides the import of their packages: local work, however busy the machine
 ORPHANED_WAIT_S = 60.0  # how long a job's exporter waits for the end once the task that started it is gone
 ENDED = ("finished", "failed", "killed", "interrupted", "cancelled", "lost")
 Point = tuple[int, str, float, float, float]  # rank, metric, step, value, time (seconds since the epoch)
@@ -56,6 +58,7 @@ class RunToExport:
     params: dict[str, Any] = field(default_factory=dict)
     group: str | None = None
     earlier: dict[str, Any] = field(default_factory=dict)
+    again: bool = False  # ``gpumagic.export``: a new tracker run beside any earlier one (another id, directory)
 
 
 class Destination(Protocol):
@@ -91,28 +94,36 @@ class _Follower:
         self.readers: dict[int, store.RankReader] = {}
         self.problem = ""
         self.sent = 0
+        self.loaded = threading.Event()  # its package imported (local work: the run's end waits for it)
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._follow, name=f"gpumagic-export-{tracker.kind}", daemon=True)
 
     def _follow(self) -> None:
-        export, client = self.export, None
+        export, client, kind = self.export, None, self.tracker.kind
         try:
-            with _IMPORTING:
-                # lazy: numpy (the metric files' reader) before the trackers, which import it too
-                import numpy  # noqa: F401
+            try:
+                with _IMPORTING:
+                    # lazy: numpy (the metric files' reader) before the trackers, which import it too
+                    import numpy  # noqa: F401
 
-                client = destination_for(self.tracker)
-                client.load()
+                    client = destination_for(self.tracker)
+                    client.load()
+            except ImportError as err:
+                where = f"install it where the run is exported: pip install 'gpumagic[{kind}]'"
+                raise ImportError(f"{err}; {where}") from None
+            finally:
+                self.loaded.set()
             ref = client.open(export.run)
-            export.record(self.tracker.kind, ref)
+            export.record(kind, ref)
             while not export.stopping.wait(POLL_S):
                 self._send(client)
             self._send(client)
             client.close(export.status)
+            export.record(kind, {"closed": export.status, "problem": None}, keep=True)  # a late end clears a wait's
         except Exception as err:  # noqa: BLE001 - a tracker's failure never reaches the run: it is named once
             _log.debug("exporting run %s to %s failed", export.run.run_id, self.tracker.where, exc_info=True)
             self.problem = _why(err)
-            export.record(self.tracker.kind, {"problem": self.problem}, keep=True)
+            export.record(kind, {"problem": self.problem}, keep=True)
             if client is not None:
                 try:
                     client.close("failed" if export.status == "finished" else export.status)
@@ -178,20 +189,25 @@ class Export:
 
     def finish(self, status: str, within: float | None = None) -> list[str]:
         """Send the last points, end each tracker's run with ``status`` and wait for them at most ``within``
-        seconds (``GPUMAGIC_TRACK_TIMEOUT``, 3 s) in all. Returns one line per tracker that failed or did not
-        answer in time, to say once; those still sending go on in the background until the process ends."""
+        seconds (``GPUMAGIC_TRACK_TIMEOUT``, 3 s) in all, after each tracker's package is imported (local work,
+        a second or two the first time in a process). Returns one line per tracker that failed or did not answer
+        in time, to say once (``run.json`` keeps it too); those still sending go on in the background until the
+        process ends."""
         self.status = status
         self.stopping.set()
-        deadline = time.monotonic() + (finish_within() if within is None else within)
+        for follower in self.followers:
+            follower.loaded.wait(LOAD_WITHIN_S)
+        waited = finish_within() if within is None else within
+        deadline = time.monotonic() + waited
         for follower in self.followers:
             follower.done.wait(max(0.0, deadline - time.monotonic()))
         lines = []
         for follower in self.followers:
-            where, run = follower.tracker.where, self.run.run_id
+            where, run, kind = follower.tracker.where, self.run.run_id, follower.tracker.kind
             if follower.problem:
                 lines.append(f"gpumagic: {where}: {follower.problem}; run {run} was not exported there ({_again(run)})")
             elif not follower.done.is_set():
-                waited = finish_within() if within is None else within
+                self.record(kind, {"problem": f"did not answer within {waited:g} s; may be incomplete"}, keep=True)
                 lines.append(f"gpumagic: {where} did not answer within {waited:g} s; run {run} may not be fully "
                              f"exported there ({_again(run)})")  # fmt: skip
         return lines
@@ -260,7 +276,7 @@ def _number(value: Any) -> Any:
     return value
 
 
-def export(run: Any, /, *, within: float = 600.0) -> list[str]:
+def export(run: Any, /, *, within: float = 120.0) -> list[str]:
     """Send an ended run's or job's metrics (``run``: a job's name, a run id, a ``Job`` or a ``Run``) to the
     trackers chosen with ``gpumagic.track``, all of them, as a new run there: for a run a tracker missed (it was
     unreachable) or that ended before tracking was chosen. Waits for them at most ``within`` seconds; returns a
@@ -287,30 +303,41 @@ def export(run: Any, /, *, within: float = 600.0) -> list[str]:
     if loaded.status not in ENDED:
         raise InvalidArgument(f"{loaded.id} is {loaded.status}: it is exported as it runs; export it once it ended")
     described = _described(loaded.path, loaded.info, str(loaded.info.get("kind", "run")), {}, None)
-    fresh = RunToExport(described.run_id, described.name, described.kind, described.params, described.group)
+    fresh = RunToExport(described.run_id, described.name, described.kind, described.params, described.group, again=True)
     return Export(loaded.path, chosen, fresh).start().finish(loaded.status, within)  # a new tracker run
 
 
 def main(argv: list[str]) -> int:
-    """``python -m gpumagic.telemetry.exporting RUN_DIR``: follow a background job whose ranks run elsewhere (a
-    Slurm job's rank 0 task starts it) to the trackers sealed in its description, until its end is recorded."""
+    """``python -m gpumagic.telemetry.exporting [--detach] RUN_DIR``: follow a background job to the trackers
+    sealed in its description until its end is recorded. A local job's runner starts it ``--detach``ed, out of the
+    job's process tree: ``%jobs kill`` signals that tree, and the tracker runs (W&B's service with them) must
+    outlive it to send the last points and end. A Slurm job's rank 0 task starts it in the job's step."""
     # lazy: only this process reads a job's sealed description
     from gpumagic.run_dirs import records
 
-    if len(argv) != 1:
-        sys.stderr.write("usage: python -m gpumagic.telemetry.exporting RUN_DIR\n")
+    detach = argv[:1] == ["--detach"]
+    if len(argv) != 1 + detach:
+        sys.stderr.write("usage: python -m gpumagic.telemetry.exporting [--detach] RUN_DIR\n")
         return 2
-    run_dir = Path(argv[0])
+    run_dir, watched = Path(argv[-1]), os.getppid()  # the runner, or the rank's task, that started it
+    born = process_start_time(watched)
+    if detach and os.fork():
+        os._exit(0)
+    if detach:
+        os.setsid()
+    info = records.read(run_dir)
+    if info.get("slurm_restarts"):  # a requeue: each rank moves the earlier attempt's metrics aside as it starts
+        _wait_for_ranks(RunFiles(run_dir), int(info.get("ranks") or 1))
     chosen = tuple(Tracker.from_json(t) for t in records.read_spec(run_dir).track or ())
-    exporting = start_export(run_dir, "job", job_parameters(records.read(run_dir)), chosen=chosen)
+    exporting = start_export(run_dir, "job", job_parameters(info), chosen=chosen)
     if exporting is None:
         return 0
-    # Slurm's SIGTERM (a requeue, a preemption, scancel) reaches the whole step: the points the ranks wrote are
-    # sent and the tracker runs ended as killed (a requeued job's next attempt goes on in them); SIGKILL follows
-    # only KillWait (30 s on most clusters) later
+    # Slurm's SIGTERM (a requeue, a preemption, scancel) reaches the whole step: what the ranks wrote is sent and
+    # the tracker runs end as killed (a requeued job's next attempt goes on in them); SIGKILL follows KillWait
+    # (30 s on most clusters) later
     stopped = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
-    parent, orphaned = os.getppid(), 0.0
+    gone = 0.0
     while True:
         status = records.read(run_dir).get("status", "")
         if status in ENDED:
@@ -318,14 +345,22 @@ def main(argv: list[str]) -> int:
         if stopped.is_set():
             status = "killed"
             break
-        if os.getppid() != parent:  # the task that started it ended first: the job's last rank records the end
-            orphaned = orphaned or time.monotonic()
-            if time.monotonic() - orphaned > ORPHANED_WAIT_S:  # killed, or requeued: the next attempt goes on
-                return 1
+        if not is_running(watched) or process_start_time(watched) != born:  # the end is recorded by another
+            gone = gone or time.monotonic()  # process (the job's last rank), or by nobody: a lost job
+            if time.monotonic() - gone > ORPHANED_WAIT_S:
+                status = "lost"
+                break
         stopped.wait(POLL_S)
     for line in exporting.finish(status):
         sys.stderr.write(line + "\n")
     return 0
+
+
+def _wait_for_ranks(files: RunFiles, world_size: int) -> None:
+    """Until every rank of this attempt started (its start file, written after it moved its earlier files)."""
+    deadline = time.monotonic() + ORPHANED_WAIT_S
+    while time.monotonic() < deadline and not all(files.rank_start(r).exists() for r in range(world_size)):
+        time.sleep(POLL_S / 4)
 
 
 JOB_PARAMETERS = ("ranks", "backend", "timeout_s", "hang_after_s", "gpus", "min_free", "executor", "description")

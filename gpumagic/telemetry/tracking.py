@@ -40,6 +40,7 @@ OPTION_HELP = {  # each option's placeholder and help, for %jobs track's flags
 }
 PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}  # what each imports
 WANDB_MODES = ("online", "offline", "disabled")
+MLFLOW_NAMED_URIS = ("databricks", "databricks-uc")  # URIs of MLflow's without a scheme: not paths
 DEFAULT_EXPERIMENT = "gpumagic"
 DEFAULT_PROJECT = "gpumagic"
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
@@ -86,7 +87,8 @@ class Tracker:
             values["logdir"] = _absolute(values.get("logdir") or "runs")  # torch's SummaryWriter's default
         elif kind == "mlflow":
             uri = values.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or "mlruns"
-            values["tracking_uri"] = uri if _SCHEME.match(uri) and not os.path.isabs(uri) else _file_uri(uri)
+            named = uri in MLFLOW_NAMED_URIS or (_SCHEME.match(uri) and not os.path.isabs(uri))
+            values["tracking_uri"] = uri if named else _file_uri(uri)
             values.setdefault("experiment", DEFAULT_EXPERIMENT)
         else:
             if values.get("mode") not in (None, *WANDB_MODES):
@@ -108,6 +110,11 @@ class Tracker:
         mode = f", {self.mode}" if self.mode else ""
         entity = f"{self.entity}/" if self.entity else ""
         return f"wandb project {entity}{self.project}{mode}"
+
+    def __repr__(self) -> str:
+        """``Tracker('mlflow', tracking_uri='http://mlflow:5000', experiment='gpumagic')``: its options alone."""
+        options = "".join(f", {name}={value!r}" for name, value in self.to_json().items() if name != "kind")
+        return f"Tracker({self.kind!r}{options})"
 
     def to_json(self) -> dict[str, str]:
         return {name: value for name, value in asdict(self).items() if value is not None}

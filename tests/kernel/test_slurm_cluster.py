@@ -237,26 +237,28 @@ def test_a_tracked_slurm_job_is_one_mlflow_and_tensorboard_run_across_its_requeu
     gpumagic.track("tensorboard", logdir=str(tmp_path / "tb"))
     gpumagic.track("mlflow", tracking_uri=str(tmp_path / "mlruns"), experiment="exp")
     try:
-        job = gpumagic.jobs_with(name="C5", executor="slurm", gpus=0, slurm={"time": "10m"}).submit(train_linear, 5, 2)
+        two_nodes = {"time": "10m", "nodes": 2, "tasks_per_node": 1}  # each rank moves its own files at a requeue
+        job = gpumagic.jobs_with(name="C5", executor="slurm", gpus=0, slurm=two_nodes).submit(train_linear, 5, 2)
     finally:
         gpumagic.track(None)  # the job carries its trackers, sealed: what the kernel chooses later changes nothing
 
-    def logged():
+    def logged(rank=0):
         runs = mlflow_runs(tmp_path)
-        return mlflow_series(tmp_path, runs[0].info.run_id, "weight/rank0") if runs else []
+        return mlflow_series(tmp_path, runs[0].info.run_id, f"weight/rank{rank}") if runs else []
 
-    points = RunFiles(job.path).metric_points(0)  # a batch: a 4-byte count, then 32 bytes a point
-    wait_for(lambda: points.exists() and points.stat().st_size >= 4 + 2 * 32, 90, "steps 0 and 1 on disk")
+    points = [RunFiles(job.path).metric_points(rank) for rank in (0, 1)]  # a batch: a count, then 32 bytes a point
+    wait_for(lambda: all(p.exists() and p.stat().st_size >= 4 + 2 * 32 for p in points), 90, "steps 0, 1 on disk")
     wait_for(lambda: "run_id" in job.info.get("tracking", {}).get("mlflow", {}), 90, "the exporter's MLflow run")
     requeue_and_release(on_cluster, job)  # at once: the exporter sends what is on disk when Slurm's SIGTERM comes
     assert job.wait(timeout="90s") == "finished", job.reason
     wait_for(lambda: mlflow_runs(tmp_path)[0].info.status == "FINISHED", 60, "rank 0's exporter ended the run")
     (ran,) = mlflow_runs(tmp_path)
     assert ran.info.run_name == "C5" and ran.data.params["executor"] == "slurm"
-    assert [step for step, _ in logged()] == [0, 1, 2, 3, 4], "both attempts' steps, in one MLflow run"
-    assert logged()[-1][1] == pytest.approx(float(train_linear(5)[1].sum()), rel=1e-6), "an unbroken run's"
+    for rank in (0, 1):  # each step once: the earlier attempt's files are never sent again
+        assert [step for step, _ in logged(rank)] == [0, 1, 2, 3, 4], "both attempts' steps, in one MLflow run"
+        assert logged(rank)[-1][1] == pytest.approx(float(train_linear(5)[1].sum()), rel=1e-6), "an unbroken run's"
     series, _ = tensorboard_series(job.info["tracking"]["tensorboard"]["logdir"])
-    assert [step for step, _ in series["weight/rank0"]] == [0, 1, 2, 3, 4]
+    assert [step for step, _ in series["weight/rank1"]] == [0, 1, 2, 3, 4]
 
 
 def test_a_failed_slurm_job_resumed_with_more_time_goes_on_from_its_checkpoint(on_cluster):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
+import time
 
 import pytest
 
@@ -58,6 +60,17 @@ def losses(steps: int, rank: int, factor: float = 1.0) -> list[tuple[int, float]
     return [(step, factor / (step + 1) + rank) for step in range(steps)]
 
 
+def exported(job, kinds=("tensorboard", "mlflow", "wandb")) -> dict:
+    """The job's ``tracking`` once its exporter (a process of its own) ended every tracker run."""
+    deadline = time.monotonic() + 120
+    while True:
+        tracking_entries = job.info.get("tracking") or {}
+        if all("closed" in tracking_entries.get(kind, {}) for kind in kinds):
+            return tracking_entries
+        assert time.monotonic() < deadline, f"the job's exporter ended its tracker runs: {tracking_entries}"
+        time.sleep(0.1)
+
+
 def test_a_launch_and_a_ddp_group_are_one_run_each_in_every_tracker(tmp_path, capfd):
     from gpumagic.widgets.launch_dashboard import LaunchDashboard
 
@@ -91,7 +104,8 @@ def test_a_sweeps_jobs_are_one_run_each_with_their_values_and_jobs_and_compare_s
     assert [j.wait("2m") for j in jobs] == ["finished", "finished"]
 
     for job, factor in zip(jobs, (1.0, 2.0), strict=True):
-        recorded = job.info["tracking"]
+        recorded = exported(job)
+        assert recorded["mlflow"]["closed"] == "finished"
         sweep = job.info["sweep"]  # the sweep's id: its name and its own part
         assert recorded["tensorboard"]["logdir"] == str(tmp_path / "tb" / sweep / job.name), "a sweep's together"
         series, hparams = tensorboard_series(recorded["tensorboard"]["logdir"])
@@ -109,10 +123,86 @@ def test_a_sweeps_jobs_are_one_run_each_with_their_values_and_jobs_and_compare_s
     assert table.splitlines()[0].split() == ["name", "status", "GPUs", "elapsed", "latest", "tracked", "why"]
     assert all(f"tensorboard {sweep}/{job.name} · mlflow" in table for job in jobs), "%jobs shows each job's"
 
-    exported = gpumagic.compare(str(tmp_path / "tb"))  # the other way round: TensorBoard's runs, compared
-    assert [row["name"] for row in exported.rows] == [f"tb/{sweep}/{job.name}" for job in jobs]
+    from_tensorboard = gpumagic.compare(str(tmp_path / "tb"))  # the other way round: TensorBoard's runs, compared
+    assert [row["name"] for row in from_tensorboard.rows] == [f"tb/{sweep}/{job.name}" for job in jobs]
     beside = gpumagic.compare(["T-*", tmp_path / "tb"])  # old runs line up beside new ones
     names = [job.name for job in jobs] + [f"tb/{sweep}/{job.name}" for job in jobs]
     assert [row["name"] for row in beside.rows] == names
     assert beside.curves["loss"][names[3]] == ([0, 1, 2], [v for _, v in as_float32(losses(3, 0, 2.0))])
     assert [row["tracked"] for row in beside.rows] == [tracking.tracked_summary(j.info) for j in jobs] + [None, None]
+
+
+def fails_once(steps, marker):
+    """Logs ``steps`` steps from where it got; the first attempt fails after its first two."""
+    import os
+
+    import gpumagic
+
+    start = 2 if os.path.exists(marker) else 0
+    for step in range(start, steps if start else 2):
+        gpumagic.log(step, loss=1.0 / (step + 1))
+    if not start:
+        open(marker, "w").close()
+        raise RuntimeError("the first attempt fails")
+    return start
+
+
+def test_a_resumed_job_goes_on_in_the_same_tracker_runs(tmp_path):
+    job = gpumagic.jobs_with(gpus=0, name="R1").submit(fails_once, 5, str(tmp_path / "failed-once"))
+    assert job.wait("2m") == "failed"
+    first = exported(job)
+    assert first["mlflow"]["closed"] == "failed"
+    assert job.resume() is job and job.wait("2m") == "finished"
+    second = exported(job)
+    for kind, key in (("mlflow", "run_id"), ("wandb", "id"), ("tensorboard", "logdir")):
+        assert second[kind][key] == first[kind][key], f"{kind}: the same run, attempt after attempt"
+    (ran,) = mlflow_runs(tmp_path)
+    assert ran.info.status == "FINISHED"
+    assert mlflow_series(tmp_path, ran.info.run_id, "loss/rank0") == losses(5, 0), "both attempts' steps"
+    series, _ = tensorboard_series(second["tensorboard"]["logdir"])
+    assert series["loss/rank0"] == as_float32(losses(5, 0))
+
+
+def sleeps_after_logging(steps):
+    import time
+
+    import gpumagic
+
+    for step in range(steps):
+        gpumagic.log(step, loss=1.0 / (step + 1))
+    time.sleep(600)
+
+
+def test_a_killed_job_still_sends_what_it_logged_and_ends_its_tracker_runs_killed(tmp_path):
+    """%jobs kill signals the job's whole process tree: the exporter, and W&B's service with it, are not in it."""
+    job = gpumagic.jobs_with(gpus=0, name="K1").submit(sleeps_after_logging, 3)
+    points = job.path / "metrics" / "rank-0.bin"  # a batch: a 4-byte count, then 32 bytes a point
+    deadline = time.monotonic() + 120
+    while not (points.exists() and points.stat().st_size >= 4 + 3 * 32 and "wandb" in job.info.get("tracking", {})):
+        assert time.monotonic() < deadline, "the job logged and its exporter opened its W&B run"
+        time.sleep(0.1)
+    job.kill()
+    recorded = exported(job)
+    assert {kind: entry["closed"] for kind, entry in recorded.items()} == dict.fromkeys(recorded, "killed")
+    _, ended, logged = wandb_run(recorded["wandb"]["dir"])
+    assert logged["loss/rank0"] == losses(3, 0) and ended == {"exit_code": 1}
+    (ran,) = mlflow_runs(tmp_path)
+    assert ran.info.status == "KILLED" and mlflow_series(tmp_path, ran.info.run_id, "loss/rank0") == losses(3, 0)
+
+
+def test_a_launch_tracked_to_an_unreachable_mlflow_says_so_in_one_line(tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv("GPUMAGIC_TRACK_TIMEOUT", "3")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))  # bound, never listening: refused
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+        gpumagic.track("mlflow", tracking_uri=url, experiment="exp")
+        assert gpumagic.launch_ddp(train, 2, (3,), gpus="none", output="none") == {0: 0, 1: 1}
+    said = [line for line in capfd.readouterr().out.splitlines() if line.startswith("gpumagic:")]
+    (launch,) = [r for r in gpumagic.runs() if r.info["kind"] == "ddp"]
+    assert said == [
+        f"gpumagic: mlflow at {url} (experiment exp): Unreachable: unreachable (Connection refused within 2 s); "
+        f"run {launch.id} was not exported there (its metrics stay in the run directory: "
+        f"gpumagic.export({launch.id!r}) sends them again)"
+    ], "one line for the tracker that failed, none for those that answered"
+    series, _ = tensorboard_series(launch.info["tracking"]["tensorboard"]["logdir"])
+    assert series["loss/rank1"] == as_float32(losses(3, 1))

@@ -27,7 +27,13 @@ def follow(run_dir: Path, kind: str, launch: LaunchOptions, **resolved: Any) -> 
 
 def end(export: Export | None, status: str, say: Callable[[str], None]) -> None:
     """Finish ``export`` with the run's ``status`` (waiting a few seconds at most) and ``say`` each tracker that
-    failed, once."""
-    if export is not None:
-        for line in export.finish(status):
-            say(line)
+    failed, once. An interrupt stops the waiting only: the run's results are the user's all the same."""
+    if export is None:
+        return
+    try:
+        lines = export.finish(status)
+    except KeyboardInterrupt:  # the run ended already: its results and record stand, the sending goes on behind
+        say("gpumagic: interrupted while the trackers took the run's last points; they go on in the background")
+        return
+    for line in lines:
+        say(line)

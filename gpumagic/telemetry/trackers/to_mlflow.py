@@ -4,15 +4,19 @@ as its params, its end as its status. A resumed job goes on in the same MLflow r
 
 Only ``MlflowClient`` is used, in the exporter's thread. A server is first reached with a plain connection (2 s):
 an unreachable one is named at once, where MLflow's own retries would hold the exporter four minutes. A file
-store (``file://``) is allowed in this process (``MLFLOW_ALLOW_FILE_STORE``): MLflow 3 asks for that.
+store (``file://``) is allowed while MLflow makes it (``MLFLOW_ALLOW_FILE_STORE``, which MLflow 3 asks for),
+then the variable is as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
 import socket
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -24,6 +28,9 @@ MAX_METRICS = 1000  # MLflow's log_batch takes at most 1000 metrics, 100 params 
 MAX_PARAMS = 100
 MAX_PARAM_CHARS = 6000
 STATUSES = {"finished": "FINISHED", "failed": "FAILED"}  # anything else ended it early: KILLED
+ALLOW_FILE_STORE = "MLFLOW_ALLOW_FILE_STORE"
+_environment_lock = threading.Lock()
+_log = logging.getLogger(__name__)
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-. /]")  # MLflow's metric and param names take these only
 
 
@@ -50,12 +57,12 @@ class MlflowRun:
     def open(self, run: Any) -> dict[str, Any]:
         uri = str(self.tracker.tracking_uri)
         reach(uri)
-        if uri.startswith("file:"):
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         Param = self.param
-        self.client = self.client_class(tracking_uri=uri)
+        with file_store_allowed(uri):
+            self.client = self.client_class(tracking_uri=uri)
+            self.client.search_experiments(max_results=1)  # MLflow makes the store, and keeps it for the URI
         earlier = run.earlier.get("mlflow") or {}
-        if earlier.get("run_id") and not earlier.get("problem"):  # a resumed job: its MLflow run goes on
+        if earlier.get("run_id"):  # a resumed job: its MLflow run goes on (an earlier problem may have passed)
             self.run_id, experiment_id = earlier["run_id"], earlier.get("experiment_id")
             self.client.update_run(self.run_id, status="RUNNING")
         else:
@@ -79,6 +86,7 @@ class MlflowRun:
             found = self.client.get_experiment_by_name(name)
             if found is None:
                 raise
+            _log.debug("experiment %s was created meanwhile; this run joins it", name, exc_info=True)
             return str(found.experiment_id)
 
     def write(self, points: Sequence[tuple[int, str, float, float, float]]) -> None:
@@ -93,6 +101,25 @@ class MlflowRun:
     def close(self, status: str) -> None:
         if self.client is not None and self.run_id:
             self.client.set_terminated(self.run_id, STATUSES.get(status, "KILLED"))
+
+
+@contextlib.contextmanager
+def file_store_allowed(uri: str) -> Iterator[None]:
+    """While MLflow makes a ``file:`` store: ``MLFLOW_ALLOW_FILE_STORE=true`` (MLflow 3 refuses one without it),
+    then as it was: the notebook's own use of MLflow is its own."""
+    if not uri.startswith("file:"):
+        yield
+        return
+    with _environment_lock:
+        before = os.environ.get(ALLOW_FILE_STORE)
+        os.environ[ALLOW_FILE_STORE] = "true"
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(ALLOW_FILE_STORE, None)
+            else:
+                os.environ[ALLOW_FILE_STORE] = before
 
 
 def reach(uri: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:

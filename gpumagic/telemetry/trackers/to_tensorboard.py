@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import stat
 import time
 from collections.abc import Sequence
@@ -105,10 +106,14 @@ def own_directory(directory: Path, logdir: Path) -> Path:
 
 def _fresh_directory(logdir: Path, run: Any) -> Path:
     """``logdir/<job name>`` (a sweep's jobs under ``logdir/<sweep>/``), or ``logdir/<run id>``; a name taken
-    already (a removed job's, another user's) gets the run id's end."""
+    already (a removed job's, another user's, an earlier export's) gets the run id's end, and more if need be."""
     base = logdir / _safe(run.group) if run.group else logdir
     chosen = base / _safe(run.name)
-    return chosen if not os.path.lexists(chosen) else base / f"{_safe(run.name)}-{run.run_id[-6:]}"
+    if run.again or os.path.lexists(chosen):  # exported again: beside the first, never into it
+        chosen = base / f"{_safe(run.name)}-{run.run_id[-6:]}"
+    while os.path.lexists(chosen):
+        chosen = base / f"{_safe(run.name)}-{run.run_id[-6:]}-{secrets.token_hex(2)}"
+    return chosen
 
 
 def _safe(name: str) -> str:

@@ -3,14 +3,15 @@ sweep), each rank's series of a metric as ``loss/rank0``, ``loss/rank1``, each a
 (``rank0/step``: ranks log their steps at their own pace, and W&B drops a row whose global step goes back), the
 run's parameters as its config, its end as its exit code. A resumed job goes on in the same W&B run.
 
-Each run is its own ``Run`` object (``reinit="create_new"``): the notebook's own ``wandb.run`` is never touched.
-W&B's service process is ended once the last run gpumagic opened ends, unless the notebook has a run of its own.
+Each run is its own ``Run`` object (``reinit="create_new"``): the notebook's own runs are never touched, and
+neither is W&B's service process, which W&B itself ends when the process exits (a notebook's may hold runs of the
+user's own; a job's exporter is a process of its own).
 """
 
 from __future__ import annotations
 
 import re
-import threading
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,6 @@ from gpumagic.telemetry.trackers.to_tensorboard import parameter_value, series_n
 from gpumagic.telemetry.tracking import Tracker
 
 INIT_TIMEOUT_S = 10  # wandb.init waits 90 s for an unreachable server by default
-_open_runs = 0
-_count_lock = threading.Lock()
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
@@ -38,7 +37,6 @@ class WandbRun:
         self.wandb = wandb
 
     def open(self, run: Any) -> dict[str, Any]:
-        global _open_runs
         wandb = self.wandb
         earlier = run.earlier.get("wandb") or {}
         tracker = self.tracker
@@ -51,7 +49,7 @@ class WandbRun:
             entity=tracker.entity,
             mode=tracker.mode,
             dir=tracker.dir,
-            id=earlier.get("id") or _UNSAFE.sub("-", run.run_id)[:64],
+            id=earlier.get("id") or _run_id(run),
             name=run.name,
             group=run.group,
             job_type=run.kind,
@@ -60,8 +58,6 @@ class WandbRun:
             resume="allow" if earlier.get("id") else None,
             settings=settings,
         )
-        with _count_lock:
-            _open_runs += 1
         return {"id": self.run.id, "path": "/".join(p for p in (self.run.entity, self.run.project, self.run.id) if p),
                 "dir": str(Path(self.run.dir).parent)}  # fmt: skip
 
@@ -90,16 +86,12 @@ class WandbRun:
         self.defined.add(name)
 
     def close(self, status: str) -> None:
-        global _open_runs
-        if self.run is None:
-            return
-        wandb = self.wandb
-        try:
-            self.run.finish(exit_code=0 if status == "finished" else 1)
-        finally:
-            self.run = None
-            with _count_lock:
-                _open_runs -= 1
-                last = _open_runs == 0
-            if last and wandb.run is None:  # the service gpumagic started goes with its last run
-                wandb.teardown()
+        if self.run is not None:
+            run, self.run = self.run, None
+            run.finish(exit_code=0 if status == "finished" else 1)
+
+
+def _run_id(run: Any) -> str:
+    """The W&B id of a gpumagic run (its own id; ``gpumagic.export`` again: another beside it)."""
+    base = _UNSAFE.sub("-", run.run_id)[:56]
+    return f"{base}-{secrets.token_hex(3)}" if run.again else base

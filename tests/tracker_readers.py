@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import struct
+import time
 from pathlib import Path
 
 
@@ -82,22 +83,34 @@ def wandb_records(path: str):
             pending += chunk
 
 
+def wandb_history(directory: str, timeout: float = 60.0) -> tuple[dict, dict, list[dict]]:
+    """One offline W&B run directory: its run record's config, its exit record and its history rows, once W&B's
+    service wrote the exit record (``finish`` returns before its writer has flushed the file; the exit comes last)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        (path,) = glob.glob(f"{directory}/run-*.wandb")
+        config, ended, rows = {}, {}, []
+        for record in wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                config = {_key(item): json.loads(item.value_json) for item in record.run.config.update}
+            elif kind == "exit":
+                ended = {"exit_code": record.exit.exit_code}
+            elif kind == "history":
+                rows.append({_key(item): json.loads(item.value_json) for item in record.history.item})
+        if ended or time.monotonic() > deadline:
+            return config, ended, rows
+        time.sleep(0.1)
+
+
+def _key(item) -> str:
+    return item.key or "/".join(item.nested_key)
+
+
 def wandb_run(directory: str) -> tuple[dict, dict, dict[str, list[tuple[int, float]]]]:
-    """One offline W&B run directory: its run record's config, its exit record and each series."""
-    (path,) = glob.glob(f"{directory}/run-*.wandb")
-    config, ended, rows = {}, {}, []
-    for record in wandb_records(path):
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            config = {
-                item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.run.config.update
-            }
-        elif kind == "exit":
-            ended = {"exit_code": record.exit.exit_code}
-        elif kind == "history":
-            rows.append(
-                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-            )
+    """One offline W&B run directory: its config, its exit record and each rank's series (``loss/rank0``: [(step,
+    value), ...], against the rank's own step)."""
+    config, ended, rows = wandb_history(directory)
     series: dict[str, list[tuple[int, float]]] = {}
     for row in rows:
         for key, value in row.items():

@@ -2,8 +2,9 @@
 
 Each tracker of a run has a thread of its own that tails the ranks' metric files (``RankReader``) once a second
 and sends what is new: the ranks never wait for a tracker, and ``gpumagic.log`` costs what it costs untracked.
-Whoever runs the run follows it: the kernel for a launch and a ``%ddp`` group, a background job's runner (or, on
-Slurm, a process rank 0's task starts: ``python -m gpumagic.telemetry.exporting RUN_DIR``).
+The kernel follows its launches and ``%ddp`` groups; a background job is followed by a process of its own
+(``python -m gpumagic.telemetry.exporting RUN_DIR``), which its runner starts outside the job's process tree, or
+rank 0's task on Slurm.
 
 A tracker that fails (unreachable, refusing, slow) stops being sent to for that run: what it failed with is kept
 in ``run.json`` (``tracking``) and said once when the run ends, never per point, and the run's end waits for it at
@@ -176,12 +177,15 @@ class Export:
             follower.thread.start()
         return self
 
-    def record(self, kind: str, entry: dict[str, Any], keep: bool = False) -> None:
-        """Keep what the run was exported to ``kind`` as in ``run.json`` (``keep``: add to what is there)."""
+    def record(self, kind: str, entry: dict[str, Any], keep: bool = False, unless_closed: bool = False) -> None:
+        """Keep what the run was exported to ``kind`` as in ``run.json`` (``keep``: add to what is there;
+        ``unless_closed``: not if its tracker run ended meanwhile)."""
         with self._recorded:
             try:
                 if keep:
                     earlier = json.loads(self.files.record.read_text()).get("tracking", {}).get(kind) or {}
+                    if unless_closed and "closed" in earlier:
+                        return
                     entry = {**earlier, **entry}
                 store.merge_run_entry(self.run_dir, "tracking", kind, entry)
             except (OSError, ValueError, GpumagicError):  # a full disk, or the run removed meanwhile
@@ -207,7 +211,8 @@ class Export:
             if follower.problem:
                 lines.append(f"gpumagic: {where}: {follower.problem}; run {run} was not exported there ({_again(run)})")
             elif not follower.done.is_set():
-                self.record(kind, {"problem": f"did not answer within {waited:g} s; may be incomplete"}, keep=True)
+                late = {"problem": f"did not answer within {waited:g} s; may be incomplete"}
+                self.record(kind, late, keep=True, unless_closed=True)  # the tracker may end it the moment after
                 lines.append(f"gpumagic: {where} did not answer within {waited:g} s; run {run} may not be fully "
                              f"exported there ({_again(run)})")  # fmt: skip
         return lines

@@ -28,7 +28,7 @@ from tests.tracker_readers import (
     mlflow_runs,
     mlflow_series,
     tensorboard_series,
-    wandb_records,
+    wandb_history,
     wandb_run,
 )
 
@@ -307,10 +307,8 @@ def test_the_notebooks_own_wandb_run_and_mlflow_setting_are_left_as_they_were(tm
     mine.log({"mine": 1.5})  # the user's own run goes on after gpumagic's ended
     mine.finish()
     (directory,) = glob.glob(str(own / "wandb" / "offline-run-*"))
-    rows = [record.history for record in wandb_records(glob.glob(f"{directory}/run-*.wandb")[0])
-            if record.WhichOneof("record_type") == "history"]  # fmt: skip
-    named = [(item.key or "/".join(item.nested_key), item.value_json) for row in rows for item in row.item]
-    assert [json.loads(value) for key, value in named if key == "mine"] == [1.5]
+    _, ended, rows = wandb_history(directory)
+    assert ended == {"exit_code": 0} and [row["mine"] for row in rows if "mine" in row] == [1.5]
 
 
 def test_mlflow_uris_without_a_scheme_stay_uris_and_paths_become_file_stores(tmp_path, monkeypatch):

@@ -194,7 +194,7 @@ def test_code_is_lint_clean_and_formatted():
         ),
         (
             "tracking.py",
-            ["--calls", "2000", "--rounds", "1", "--points", "500", "--launches", "1"],
+            ["--calls", "2000", "--rounds", "1", "--points", "500", "--launches", "1", "--kinds", "tensorboard"],
             ["ratio tracked / untracked", "the exporter's pace", "MLflow taking connections, never answering"],
         ),
         (

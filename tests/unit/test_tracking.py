@@ -267,6 +267,7 @@ def test_an_unreachable_mlflow_is_named_once_and_the_others_get_the_run(tmp_path
     assert mlflow_series(tmp_path, ran.info.run_id, "loss/rank1") == expected(4, 1), "sent again, every point"
 
 
+@pytest.mark.slow  # a process waits out its deadline
 def test_a_server_that_takes_the_connection_and_never_answers_holds_the_end_only_until_the_deadline(tmp_path):
     code = textwrap.dedent("""
         import json, socket, sys, time

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 from gpumagic.errors import InvalidArgument
 
@@ -151,3 +152,26 @@ def format_duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def as_number(value: Any) -> float | None:
+    """``value`` as a float where it is a number or a number's text (never a bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value if isinstance(value, (int, float)) else str(value))
+    except ValueError:
+        return None
+
+
+def plain(value: Any) -> Any:
+    """A value typed as text as a table of numbers wants it: ``"32"`` -> 32, ``"0.01"`` -> 0.01, text as it is.
+
+    >>> [plain(v) for v in ("32", "0.01", "adam", "nan", 2)]
+    [32, 0.01, 'adam', 'nan', 2]
+    """
+    if isinstance(value, str):
+        number = as_number(value)
+        if number is not None and math.isfinite(number):
+            return int(number) if re.fullmatch(r"[+-]?\d+", value.strip()) else number
+    return value

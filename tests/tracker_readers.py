@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import struct
 import time
 from pathlib import Path
@@ -118,3 +119,19 @@ def wandb_run(directory: str) -> tuple[dict, dict, dict[str, list[tuple[int, flo
                 rank = key.rsplit("rank", 1)[1]
                 series.setdefault(key, []).append((row[f"rank{rank}/step"], value))
     return config, ended, series
+
+
+def offline_trackers(monkeypatch, tmp_path: Path) -> None:
+    """The environment of a test of trackers: no ``WANDB_`` or ``MLFLOW_TRACKING`` variable of the machine's (a
+    blank ``WANDB_`` one breaks ``wandb.Settings``: removed, never emptied), W&B's own files under ``tmp_path``,
+    no ``GPUMAGIC_TRACK`` and no tracker chosen (``monkeypatch`` puts back what was)."""
+    from gpumagic.telemetry import tracking
+
+    for name in list(os.environ):
+        if name.startswith(("WANDB_", "MLFLOW_TRACKING")):
+            monkeypatch.delenv(name)
+    monkeypatch.delenv(tracking.TRACK_VARIABLE, raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    for name in ("CACHE", "CONFIG", "DATA"):
+        monkeypatch.setenv(f"WANDB_{name}_DIR", str(tmp_path / f"wandb-{name.lower()}"))
+    monkeypatch.setattr(tracking, "_chosen", None)

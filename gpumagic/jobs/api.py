@@ -268,8 +268,9 @@ class Job:
             text += f", {resumed}"
         if info.get("notify_problem"):
             text += f"; {info['notify_problem']}"
-        if tracked_summary(info):
-            text += f"; tracked: {tracked_summary(info)}"
+        tracked = tracked_summary(info)
+        if tracked:
+            text += f"; tracked: {tracked}"
         latest = format_metrics(self.last_metrics())
         return text + (f" · {latest}" if latest else "")
 

@@ -35,7 +35,7 @@ from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.store import RankReader, Run, Series, load_run
 from gpumagic.telemetry.metric_kinds import higher_is_better
 from gpumagic.telemetry.tracking import tracked_summary
-from gpumagic.units import format_duration
+from gpumagic.units import as_number, format_duration, plain
 
 _log = logging.getLogger(__name__)
 
@@ -363,25 +363,6 @@ def sort_key(value: Any) -> float | str | None:
     if number is None:
         return None if value is None else str(value)
     return None if math.isnan(number) else number
-
-
-def as_number(value: Any) -> float | None:
-    """``value`` as a float where it is a number or a number's text (never a bool), else None."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return float(value if isinstance(value, (int, float)) else str(value))
-    except ValueError:
-        return None
-
-
-def plain(value: Any) -> Any:
-    """A hyperparameter as a table of numbers wants it: ``"32"`` -> 32, ``"0.01"`` -> 0.01, text as it is."""
-    if isinstance(value, str):
-        number = as_number(value)
-        if number is not None and math.isfinite(number):
-            return int(number) if re.fullmatch(r"[+-]?\d+", value.strip()) else number
-    return value
 
 
 def matches(value: Any, op: str, wanted: str) -> bool:

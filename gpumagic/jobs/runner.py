@@ -333,9 +333,17 @@ class _Runner:
         # lazy: the spawn ranks import this module as their main; only a tracked job's runner starts one
         import subprocess
 
-        command = [sys.executable, "-m", "gpumagic.telemetry.exporting", "--detach", str(self.run_dir)]
+        # lazy: as above
+        from gpumagic.telemetry import exporting
+
         try:
-            subprocess.run(command, stdin=subprocess.DEVNULL, stdout=self.output, stderr=self.output, timeout=60)
+            subprocess.run(
+                exporting.command(self.run_dir, detach=True),
+                stdin=subprocess.DEVNULL,
+                stdout=self.output,
+                stderr=self.output,
+                timeout=60,
+            )
         except (OSError, subprocess.SubprocessError) as err:  # the job runs all the same
             _log.debug("the job's exporter did not start", exc_info=True)
             self._output(f"gpumagic: the job's metrics are not exported to its trackers: {err}\n".encode())

@@ -41,8 +41,7 @@ from gpumagic.run_dirs.outcomes import rank_outcomes, read_json, root_cause
 from gpumagic.run_dirs.private import write_private
 from gpumagic.run_dirs.signing import PayloadRejected, read_sealed, write_sealed
 from gpumagic.run_dirs.store import record_end
-from gpumagic.telemetry.exporting import POLL_S as EXPORT_POLL_S
-from gpumagic.telemetry.exporting import finish_within
+from gpumagic.telemetry import exporting
 
 _log = logging.getLogger(__name__)
 
@@ -104,7 +103,7 @@ class Task:
         record_if_last(run_dir, world_size, token)
         if exporter is not None:  # the step's end would kill it: its last points and the tracker run's end first
             with contextlib.suppress(subprocess.TimeoutExpired):
-                exporter.wait(timeout=finish_within() + 2 * EXPORT_POLL_S)
+                exporter.wait(timeout=exporting.finish_within() + 2 * exporting.POLL_S)
         if code:
             sys.stderr.write(f"rank {rank} failed (exit code {code}); see {RunFiles(run_dir).error}\n")
         # as a local rank ends, without teardown: the job's end is recorded, and a fatal signal in a destructor (a
@@ -123,7 +122,7 @@ def start_exporter(run_dir: Path) -> subprocess.Popen[bytes] | None:
     except (PayloadRejected, OSError, ValueError):
         _log.debug("the job's description cannot be read; its metrics are not exported", exc_info=True)
         return None  # the rank refuses such a job itself, and says why
-    return subprocess.Popen([sys.executable, "-m", "gpumagic.telemetry.exporting", str(run_dir)])
+    return subprocess.Popen(exporting.command(run_dir))
 
 
 def cluster_of(run_dir: Path) -> str:

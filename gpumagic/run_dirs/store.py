@@ -31,7 +31,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,17 +115,12 @@ def update_run(path: Path, **fields: Any) -> dict[str, Any]:
     Raises:
         DiskFull: no space even to rewrite it in place.
     """
-    with _update_lock, _record_lock(path):
-        record = RunFiles(path).record
-        info = json.loads(record.read_text())
-        info.update(fields)
-        _write_json(record, info)
-        return info
+    return change_run(path, lambda info: info.update(fields))
 
 
-def merge_run_entry(path: Path, field_name: str, key: str, entry: dict[str, Any]) -> dict[str, Any]:
-    """Set ``run.json[field_name][key]`` to ``entry``, keeping the field's other keys (``update_run`` replaces a
-    whole field): two writers of one field's keys, a run's exporters say, never lose each other's.
+def change_run(path: Path, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Read a run's ``run.json``, let ``change`` change it in place and write it, all under the run's lock: a
+    change that depends on what is there (one key of a field, say) never loses another writer's. Returns it.
 
     Raises:
         DiskFull: no space even to rewrite it in place.
@@ -133,8 +128,7 @@ def merge_run_entry(path: Path, field_name: str, key: str, entry: dict[str, Any]
     with _update_lock, _record_lock(path):
         record = RunFiles(path).record
         info = json.loads(record.read_text())
-        current = info.get(field_name)
-        info[field_name] = {**(current if isinstance(current, dict) else {}), key: entry}
+        change(info)
         _write_json(record, info)
         return info
 

@@ -27,12 +27,13 @@ from itertools import repeat
 from pathlib import Path
 from typing import Any, Protocol
 
-from gpumagic.devices.processes import is_running, process_start_time
+from gpumagic.devices.processes import is_same_process, process_start_time
 from gpumagic.errors import GpumagicError, InvalidArgument
 from gpumagic.run_dirs import store
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.telemetry.log import TOTAL_STEPS
 from gpumagic.telemetry.tracking import Tracker, trackers
+from gpumagic.units import plain
 
 POLL_S = 1.0  # how often new points are sent: the ranks write theirs every 0.1 s
 TIMEOUT_VARIABLE = "GPUMAGIC_TRACK_TIMEOUT"
@@ -170,7 +171,6 @@ class Export:
         self.status = "finished"
         self.stopping = threading.Event()
         self.followers = [_Follower(self, tracker) for tracker in chosen]
-        self._recorded = threading.Lock()
 
     def start(self) -> Export:
         for follower in self.followers:
@@ -179,17 +179,18 @@ class Export:
 
     def record(self, kind: str, entry: dict[str, Any], keep: bool = False, unless_closed: bool = False) -> None:
         """Keep what the run was exported to ``kind`` as in ``run.json`` (``keep``: add to what is there;
-        ``unless_closed``: not if its tracker run ended meanwhile)."""
-        with self._recorded:
-            try:
-                if keep:
-                    earlier = json.loads(self.files.record.read_text()).get("tracking", {}).get(kind) or {}
-                    if unless_closed and "closed" in earlier:
-                        return
-                    entry = {**earlier, **entry}
-                store.merge_run_entry(self.run_dir, "tracking", kind, entry)
-            except (OSError, ValueError, GpumagicError):  # a full disk, or the run removed meanwhile
-                _log.debug("run %s: what it was exported as is not recorded", self.run.run_id, exc_info=True)
+        ``unless_closed``: not if its tracker run ended meanwhile), under the run's lock."""
+
+        def change(info: dict[str, Any]) -> None:
+            tracking = info.get("tracking") if isinstance(info.get("tracking"), dict) else {}
+            earlier = tracking.get(kind) or {}
+            if not (unless_closed and "closed" in earlier):
+                info["tracking"] = {**tracking, kind: {**earlier, **entry} if keep else entry}
+
+        try:
+            store.change_run(self.run_dir, change)
+        except (OSError, ValueError, GpumagicError):  # a full disk, or the run removed meanwhile
+            _log.debug("run %s: what it was exported as is not recorded", self.run.run_id, exc_info=True)
 
     def finish(self, status: str, within: float | None = None) -> list[str]:
         """Send the last points, end each tracker's run with ``status`` and wait for them at most ``within``
@@ -259,26 +260,10 @@ def _described(
         run_id=run_dir.name,
         name=name or info.get("name") or run_dir.name,
         kind=kind,
-        params={**(params or {}), **{key: _number(value) for key, value in (info.get("params") or {}).items()}},
+        params={**(params or {}), **{key: plain(value) for key, value in (info.get("params") or {}).items()}},
         group=info.get("sweep"),
         earlier=dict(info.get("tracking") or {}),
     )
-
-
-def _number(value: Any) -> Any:
-    """A sweep's value as the number it was (``run.json`` keeps them as text, ``"0.001"``): trackers plot numbers.
-
-    >>> [_number(v) for v in ("3", "0.001", "adam", 2)]
-    [3, 0.001, 'adam', 2]
-    """
-    if not isinstance(value, str):
-        return value
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except ValueError:
-            continue
-    return value
 
 
 def export(run: Any, /, *, within: float = 120.0) -> list[str]:
@@ -310,6 +295,18 @@ def export(run: Any, /, *, within: float = 120.0) -> list[str]:
     described = _described(loaded.path, loaded.info, str(loaded.info.get("kind", "run")), {}, None)
     fresh = RunToExport(described.run_id, described.name, described.kind, described.params, described.group, again=True)
     return Export(loaded.path, chosen, fresh).start().finish(loaded.status, within)  # a new tracker run
+
+
+def command(run_dir: Path, detach: bool = False) -> list[str]:
+    """How to start the process that follows the job at ``run_dir`` (``main``; ``detach``: out of the starter's
+    process tree)."""
+    return [
+        sys.executable,
+        "-m",
+        __spec__.name if __spec__ else __name__,
+        *(["--detach"] if detach else []),
+        str(run_dir),
+    ]
 
 
 def main(argv: list[str]) -> int:
@@ -350,7 +347,7 @@ def main(argv: list[str]) -> int:
         if stopped.is_set():
             status = "killed"
             break
-        if not is_running(watched) or process_start_time(watched) != born:  # the end is recorded by another
+        if not is_same_process(watched, born):  # the end is recorded by another
             gone = gone or time.monotonic()  # process (the job's last rank), or by nobody: a lost job
             if time.monotonic() - gone > ORPHANED_WAIT_S:
                 status = "lost"

@@ -18,9 +18,10 @@ import math
 import threading
 from typing import Any
 
-from gpumagic.jobs.comparison import RunComparison, format_number, plain, seed_groups
+from gpumagic.jobs.comparison import RunComparison, format_number, seed_groups
 from gpumagic.launch.kernel_side.output import in_kernel
 from gpumagic.telemetry.metric_kinds import higher_is_better, lower_is_better, smoothing_default
+from gpumagic.units import plain
 from gpumagic.widgets.job_table import status_html
 from gpumagic.widgets.live import LiveFrame, close_tree, quiet
 from gpumagic.widgets.picture import picture_of

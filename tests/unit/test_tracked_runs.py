@@ -14,7 +14,14 @@ import pytest
 import gpumagic
 from gpumagic.telemetry import tracking
 from gpumagic.widgets.job_table import JobTable
-from tests.tracker_readers import as_float32, mlflow_runs, mlflow_series, tensorboard_series, wandb_run
+from tests.tracker_readers import (
+    as_float32,
+    mlflow_runs,
+    mlflow_series,
+    offline_trackers,
+    tensorboard_series,
+    wandb_run,
+)
 
 pytest.importorskip("tensorboard", reason="the tracking tests need the test extras: pip install -e '.[test]'")
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_job_left_running")]
@@ -23,13 +30,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_job_left_running")]
 @pytest.fixture(autouse=True)
 def every_tracker(monkeypatch, tmp_path):
     """TensorBoard, an MLflow file store and offline W&B, all under ``tmp_path``; nothing tracked afterwards."""
-    for name in list(os.environ):
-        if name.startswith("WANDB_") or name.startswith("MLFLOW_TRACKING"):
-            monkeypatch.delenv(name)  # blank WANDB_ variables break wandb.Settings: removed, never emptied
-    for name in ("CACHE", "CONFIG", "DATA"):
-        monkeypatch.setenv(f"WANDB_{name}_DIR", str(tmp_path / f"wandb-{name.lower()}"))
+    offline_trackers(monkeypatch, tmp_path)
     monkeypatch.setenv("GPUMAGIC_TRACK_TIMEOUT", "60")  # a busy machine's first import of mlflow and wandb
-    monkeypatch.setattr(tracking, "_chosen", None)
     gpumagic.track("tensorboard", logdir=str(tmp_path / "tb"))
     gpumagic.track("mlflow", tracking_uri=str(tmp_path / "mlruns"), experiment="exp")
     gpumagic.track("wandb", project="proj", mode="offline", dir=str(tmp_path / "wb"))
@@ -134,7 +136,6 @@ def test_a_sweeps_jobs_are_one_run_each_with_their_values_and_jobs_and_compare_s
 
 def fails_once(steps, marker):
     """Logs ``steps`` steps from where it got; the first attempt fails after its first two."""
-    import os
 
     import gpumagic
 

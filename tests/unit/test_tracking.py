@@ -27,6 +27,7 @@ from tests.tracker_readers import (
     as_float32,
     mlflow_runs,
     mlflow_series,
+    offline_trackers,
     tensorboard_series,
     wandb_history,
     wandb_run,
@@ -39,15 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(autouse=True)
 def nothing_tracked(monkeypatch, tmp_path):
     """No tracker chosen before the test or left after it; W&B and MLflow keep their files in ``tmp_path``."""
-    for name in list(os.environ):
-        if name.startswith("WANDB_") or name.startswith("MLFLOW_TRACKING"):
-            monkeypatch.delenv(name)  # blank WANDB_ variables break wandb.Settings: removed, never emptied
-    monkeypatch.delenv(tracking.TRACK_VARIABLE, raising=False)
-    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
-    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
-    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
-    monkeypatch.setattr(tracking, "_chosen", None)
+    offline_trackers(monkeypatch, tmp_path)
     yield
     tracking._chosen = None
 

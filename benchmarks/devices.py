@@ -118,8 +118,31 @@ def junk_lease_directory(status_rendered, repeat: int, files: int = 40_000) -> l
         (f"read the leases, {label}", *median_ms(time_calls(lambda: leases.read_view(leases.book()), repeat))),
         (f"%gpu status (gather + text + HTML), {label}", *median_ms(time_calls(status_rendered, repeat))),
     ]
+    rows += idle_leases(status_rendered, repeat, directory, label)
     for n in range(files):
         (directory / f"junk-{n}.txt").unlink()
+    return rows
+
+
+def idle_leases(status_rendered, repeat: int, directory: Path, label: str) -> list[tuple[str, float, float]]:
+    """The same with every GPU leased by a kernel whose records carry its activity (idle since when), and, where
+    this runs as root, an administrator's policy.toml (issue #44: %gpu shows each holder's idle time)."""
+    import gpumagic
+    from gpumagic.devices import activity, leases
+
+    activity.cell_activity().track(running=False)
+    policy = directory / "policy.toml"
+    if os.geteuid() == 0:
+        policy.write_text('idle_release = "2h"\nmax_gpus_per_user = 8\n')
+        policy.chmod(0o644)
+    gpumagic.use("GPU:*")
+    label = f"{label}, every GPU leased by an idle kernel" + (", policy.toml" if policy.exists() else "")
+    rows = [
+        (f"read the leases, {label}", *median_ms(time_calls(lambda: leases.read_view(leases.book()), repeat))),
+        (f"%gpu status (gather + text + HTML), {label}", *median_ms(time_calls(status_rendered, repeat))),
+    ]
+    gpumagic.release()
+    policy.unlink(missing_ok=True)
     return rows
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpumagic import debug_log as _debug_log  # noqa: F401 - GPUMAGIC_DEBUG=1: every process's lines on stderr
 from gpumagic.errors import (
+    GpuCapError,
     GpuLeasedError,
     GpumagicError,
     InvalidArgument,
@@ -105,6 +106,7 @@ __all__ = [  # the errors above, load_ipython_extension and every name of _EXPOR
     "CellFailed",
     "CellInterrupted",
     "CheckpointError",
+    "GpuCapError",
     "GpuLeasedError",
     "GpumagicError",
     "InvalidArgument",
@@ -168,6 +170,7 @@ def load_ipython_extension(ipython: Any) -> None:
     """Called by ``%load_ext gpumagic``: registers ``%gpu``, ``%%launch_ddp``, ``%ddp``/``%%ddp``,
     ``%%launch_bg`` and ``%jobs``; in a Jupyter kernel, has the ranks end before the kernel does."""
     # lazy: import gpumagic stays a few milliseconds
+    from gpumagic.devices.idle_release import watch_cells
     from gpumagic.launch.kernel_side.kernel_end import watch_kernel_end
     from gpumagic.magics.ddp import DdpMagics
     from gpumagic.magics.gpu import GpuMagics
@@ -179,3 +182,4 @@ def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(DdpMagics)
     ipython.register_magics(JobMagics)
     watch_kernel_end(ipython)
+    watch_cells(ipython)  # its leases' records say whether it is idle (docs/devices.md, "For administrators")

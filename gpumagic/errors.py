@@ -56,6 +56,10 @@ class NotEnoughGpusError(GpumagicError):
         super().__init__(message)
 
 
+class GpuCapError(GpumagicError):
+    """A pick would take its user past the administrator's ``max_gpus_per_user`` (``policy.toml``)."""
+
+
 class GpuLeasedError(GpumagicError):
     """A GPU named explicitly is leased by another notebook or process."""
 

@@ -10,6 +10,7 @@ the open descriptor, size capped); what does not pass is ignored and named in ``
     pick.<uid>.<pid>.<token>.lock           a process's share of the pick lock (``devices.pick_lock``)
     GPU-<uuid>.<uid>.<pid>.<token>.json     a lease: who holds the GPU (``devices.leases``)
     queue.<uid>.<key>.<token>.json          a ticket: a job or a waiting kernel in the queue (``devices.tickets``)
+    policy.toml                             the administrator's policy, root's alone (``devices.policy``)
 
 No file is shared between users, so nobody can remove, replace or lock up a file another user's lease depends on.
 """
@@ -31,6 +32,7 @@ LEASE_DIR_VARIABLE = "GPUMAGIC_LEASE_DIR"
 RECORD_NAME = re.compile(r"^((?:GPU|MIG)-[0-9A-Za-z-]+)\.(\d+)\.(\d+)\.([0-9a-f]+)\.json$")
 PICK_NAME = re.compile(r"^pick\.(\d+)\.(\d+)\.([0-9a-f]+)\.lock$")
 TICKET_NAME = re.compile(r"^queue\.(\d+)\.([A-Za-z0-9_-]+)\.([0-9a-f]+)\.json$")
+POLICY_NAME = "policy.toml"  # the administrator's policy (``devices.policy``)
 _OURS = ("GPU-", "MIG-", "queu", "pick")  # how the names gpumagic writes begin
 
 
@@ -126,5 +128,6 @@ def listing(directory: Path) -> Listing:
             continue
         known.add(name)
     present = set(names)
+    known.add(POLICY_NAME)  # the administrator's (``devices.policy``), which says itself what it ignores
     shared_files.note_unknown({n for n in present - known if not n.startswith(".")}, present)
     return Listing(records, tickets)

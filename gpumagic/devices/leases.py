@@ -20,6 +20,7 @@ import atexit
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 import socket
@@ -30,10 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpumagic.devices import shared_files
+from gpumagic.devices.activity import Activity, cell_activity
 from gpumagic.devices.lease_directory import RECORD_NAME, lease_dir, listing
 from gpumagic.devices.processes import current_user, is_same_process, process_start_time
 from gpumagic.devices.tickets import PROVISIONAL_S, TicketFile, ignored_ticket_owners, live_tickets
-from gpumagic.units import format_bytes
+from gpumagic.units import format_bytes, format_duration
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,12 @@ class Lease:
     shared: bool = False
     reserve: int | None = None  # bytes a sharing job declared, held for it until it ends
     uid: int = -1  # whose file the record is
+    activity: Activity | None = None  # a kernel's: busy, or idle since when (``devices.activity``)
+
+    def idle_s(self, now: float | None = None) -> float | None:
+        """How long its holder (a kernel) has been idle; None while busy, or where it does not say (a job, a
+        script: never idle)."""
+        return self.activity.idle_s(now) if self.activity is not None else None
 
     def holder(self) -> str:
         """Who holds it, in words: ``this kernel``, ``bob (pid 1234, job A1)``."""
@@ -62,7 +72,8 @@ class Lease:
         if self.shared:
             reserved = f", {format_bytes(self.reserve)} reserved" if self.reserve else ""
             return f"shared by {self.holder()}{reserved} since {when}"
-        return f"leased by {self.holder()} since {when}"
+        idle = self.idle_s()
+        return f"leased by {self.holder()} since {when}" + (f", idle {idle_for(idle)}" if idle is not None else "")
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,7 @@ class HeldLease:
     path: Path
     since: float
     shared: bool
+    activity_at: int | None = None  # the offset of its activity's bytes in the record, rewritten in place
 
 
 class LeaseBook:
@@ -99,7 +111,16 @@ class LeaseBook:
         since = self.since(uuid) or time.time()
         host = socket.gethostname()
         return Lease(
-            uuid, current_user(), os.getpid(), since, host, self.holder_name(), True, self.shares(uuid), uid=os.getuid()
+            uuid,
+            current_user(),
+            os.getpid(),
+            since,
+            host,
+            self.holder_name(),
+            True,
+            self.shares(uuid),
+            uid=os.getuid(),
+            activity=cell_activity().now(),
         )
 
     def holder_name(self) -> str | None:
@@ -125,6 +146,7 @@ class LeaseBook:
         """Take ``uuid``'s lease (``shared`` or whole) unless another holds it whole (or at all, for a whole one);
         True if this process holds it now."""
         _check_uuid(uuid)
+        activity = cell_activity().now()  # outside this book's lock: the activity's is never taken inside it
         with self._lock:
             if uuid in self._held:
                 return True
@@ -132,15 +154,19 @@ class LeaseBook:
             held = _live_records(directory, uuid)
             if any(not lease.shared for lease in held) if shared else bool(held):  # a share: no whole lease on it
                 return False
-            self._take(directory, uuid, shared, reserve)
+            self._take(directory, uuid, shared, reserve, activity)
             return True
 
-    def _take(self, directory: Path, uuid: str, shared: bool, reserve: int | None = None) -> None:
+    def _take(self, directory: Path, uuid: str, shared: bool, reserve: int | None, activity: Activity | None) -> None:
         since = time.time()
-        record = json.dumps(self._record(uuid, since, shared, reserve)).encode()
+        fields = self._record(uuid, since, shared, reserve)
+        if activity is not None:  # the last field, so that its bytes can be rewritten in place
+            fields["activity"] = activity.text()
+        record = json.dumps(fields).encode()
+        at = record.rindex(activity.text().encode()) if activity is not None else None
         stem = f"{uuid}.{os.getuid()}.{os.getpid()}."
         fd, path = shared_files.create_own_file(directory, stem, ".json", record, lock=True)
-        self._held[uuid] = HeldLease(fd, path, since, shared)
+        self._held[uuid] = HeldLease(fd, path, since, shared, at)
         if not self._atexit:
             atexit.register(self.release_all)
             self._atexit = True
@@ -159,6 +185,19 @@ class LeaseBook:
             "shared": shared,
             "reserve": reserve,
         }
+
+    def write_activity(self, activity: Activity) -> None:
+        """Tell everyone this kernel's ``activity``: its bytes rewritten in place in each record it holds (one
+        ``pwrite`` each; the rest of a record never changes, so no reader sees half a lease)."""
+        text = activity.text().encode()
+        with self._lock:
+            for entry in self._held.values():
+                if entry.activity_at is None:
+                    continue
+                try:
+                    os.pwrite(entry.fd, text, entry.activity_at)
+                except OSError:
+                    _log.debug("cannot write the activity of %s; others see the last", entry.path, exc_info=True)
 
     def release(self, uuids: Iterable[str]) -> list[str]:
         released = []
@@ -249,6 +288,7 @@ def _live_records(directory: Path, uuid: str, names: Iterable[str] | None = None
                 shared=data.get("shared") is True,
                 reserve=_bytes(data.get("reserve")),
                 uid=uid,
+                activity=Activity.parse(data.get("activity")),
             )
         except (TypeError, ValueError, OverflowError):
             shared_files.note_ignored(name, "a record with malformed fields")
@@ -258,6 +298,14 @@ def _live_records(directory: Path, uuid: str, names: Iterable[str] | None = None
             lease = dataclasses.replace(lease, user=shared_files.owner_name(uid))
         live.append(lease)
     return live
+
+
+def idle_for(seconds: float) -> str:
+    """``<1m``, ``42m``, ``3h12m``: to the minute, so that a waiting job's reason (which names it) changes at most
+    once a minute, and its record with it."""
+    if seconds < 60:
+        return "<1m"
+    return format_duration(seconds) if seconds >= 3600 else f"{int(seconds) // 60}m"
 
 
 def _bytes(value: object) -> int | None:

@@ -18,6 +18,8 @@ class GpuProcess:
 
     ``user`` and ``command`` are ``None`` when the process cannot be inspected (another container's PID
     namespace, or it has exited: then ``alive`` is False). ``gpu_memory`` is bytes, ``None`` if unknown.
+    ``utilization``: the most of the GPU's time it kept busy over the last seconds, percent; ``None`` where NVML
+    does not tell (simulated: its CPU use).
     """
 
     pid: int
@@ -26,6 +28,7 @@ class GpuProcess:
     command: str | None = None
     alive: bool = True
     simulated: bool = False
+    utilization: float | None = None
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ newest that works is kept. Fields a GPU does not support come back as ``None``; 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ _lock = threading.Lock()
 _nvml: Any = None  # the pynvml module once initialized
 _init_problem: tuple[float, str] | None = None  # (when, why) of the last failed initialization
 _RETRY_INIT_AFTER_S = 10.0
+_PROCESS_SAMPLES_S = 5.0  # per-process utilization: the samples of this many seconds back
 _memory_v2_works: bool | None = None
 _process_call: str | None = None
 
@@ -155,8 +157,31 @@ def _read_handle(nv: Any, index: int, handle: Any, uuid: str, name: str) -> GpuI
         power=power_mw / 1000 if power_mw is not None else None,
         power_limit=limit_mw / 1000 if limit_mw is not None else None,
         mig_enabled=bool(mig[0]) if mig is not None else None,
-        processes=_processes(nv, handle),
+        processes=_with_utilization(nv, handle, _processes(nv, handle)),
     )
+
+
+def _with_utilization(nv: Any, handle: Any, processes: tuple[GpuProcess, ...]) -> tuple[GpuProcess, ...]:
+    """``processes`` with how busy each kept the GPU over the last ``_PROCESS_SAMPLES_S`` seconds, where the
+    driver tells (``nvmlDeviceGetProcessUtilization``: its samples, max of each process's SM share; none: idle)."""
+    if not processes:
+        return processes
+    since_us = int((time.time() - _PROCESS_SAMPLES_S) * 1e6)
+    try:
+        samples = nv.nvmlDeviceGetProcessUtilization(handle, since_us)
+    except nv.NVMLError as err:
+        if getattr(err, "value", None) == nv.NVML_ERROR_GPU_IS_LOST:
+            raise
+        if getattr(err, "value", None) not in (nv.NVML_SUCCESS, nv.NVML_ERROR_NOT_FOUND):
+            return processes  # not supported, no permission: unknown
+        samples = []  # no sample since then: nobody kept it busy
+    except AttributeError:  # an nvidia-ml-py without the call
+        return processes
+    busiest: dict[int, float] = {}
+    for sample in samples:
+        pid = int(sample.pid)
+        busiest[pid] = max(busiest.get(pid, 0.0), float(sample.smUtil))
+    return tuple(dataclasses.replace(p, utilization=busiest.get(p.pid, 0.0)) for p in processes)
 
 
 def _memory(nv: Any, handle: Any) -> tuple[int, int, int, int | None]:

@@ -39,6 +39,7 @@ from gpumagic.devices import shared_files
 from gpumagic.devices.hold_ups import HoldUp, hold_ups
 from gpumagic.devices.model import GpuInfo, Inventory
 from gpumagic.devices.pick_lock import pick_lock
+from gpumagic.devices.policy import Policy, over_cap, read_policy
 from gpumagic.devices.processes import parent_pid, process_start_time
 from gpumagic.devices.ticket_checks import ROUND_LIMIT
 from gpumagic.devices.tickets import TicketFile, claim_ticket, create_ticket
@@ -403,9 +404,12 @@ class Placement:
     seeming: dict[int, HoldUp] = dataclasses.field(default_factory=dict)  # of ``blocking``: perhaps waiting
     holding_up: tuple[tuple[str, HoldUp, float], ...] = ()
     ignored: tuple[str, ...] = ()
+    capped: str = ""  # why the administrator's per-user cap keeps it from any GPU (``devices.policy``)
 
     def explain(self) -> str:
         """Why it waits, GPU by GPU: ``waiting for 1 GPU with 25 GB reserved — GPU 0: ...; GPU 1: ...``."""
+        if self.capped:
+            return f"waiting for {self.request.describe()} — {self.capped}" + self.note()
         return f"waiting for {self.request.describe()} — {explain(self.reasons, self.total)}" + self.note()
 
     def note(self, countdown: bool = False) -> str:
@@ -456,16 +460,22 @@ def place(
     passed = {uid for uid in strangers if counts.passed_over(uid)}
     unheld = {uid for uid in strangers if counts.passed_over(uid, HoldUp.HOLDS)}
     state = slots(inventory, view)
-    served = _serve_earlier(earlier, state, passed, unheld)
+    policy = read_policy()
+    served = serve_queue(earlier, state, passed, unheld, policy)
     good, reasons = choose(request, state, own=keep_own)
     chosen = _chosen(request, good, state)
+    me = os.getuid()
+    taken_ahead = sum(s.ticket.request.wants for s in served if s.ticket.uid == me and s.outcome is Outcome.STARTS)
+    capped = over_cap(policy, _holdings(state), me, request.wants, os.getpid() if keep_own else None, taken_ahead)
+    if capped:
+        chosen = []
     blocking: dict[int, HoldUp] = {}
     seeming: dict[int, HoldUp] = {}
-    if (mine is not None or waiting) and not chosen:
+    if (mine is not None or waiting) and not chosen and not capped:
         blocking, seeming = _holding_up(request, inventory, view, earlier, served, (passed, unheld), keep_own)
     gpus, qualify = tuple(s.gpu for s in chosen), tuple(s.gpu for s in good)
     total, ignored = len(inventory.gpus), view.ignored_ticket_owners
-    return Placement(request, gpus, qualify, reasons, total, tuple(served), blocking, seeming, (), ignored)
+    return Placement(request, gpus, qualify, reasons, total, tuple(served), blocking, seeming, (), ignored, capped)
 
 
 def count_hold_ups(placed: Placement, waiter: str, steady: bool = True) -> Placement:
@@ -502,7 +512,7 @@ def _holding_up(
 
     def without(users: set[int]) -> tuple[list[Served], bool]:
         state = slots(inventory, view)
-        result = _serve_earlier([t for t in earlier if t.uid not in users], state, *left_out)
+        result = serve_queue([t for t in earlier if t.uid not in users], state, *left_out)
         return result, bool(_chosen(request, choose(request, state, own=keep_own)[0], state))
 
     front = _active_users(served, me)
@@ -521,7 +531,7 @@ def _holding_up(
     seeming: dict[int, HoldUp] = {}
     for kind, restored in ((HoldUp.HOLDS, (passed, set())), (HoldUp.STARTS, (set(), unheld))):
         if found and (passed if kind is HoldUp.STARTS else unheld):
-            as_others_see = _serve_earlier(earlier, slots(inventory, view), *restored)
+            as_others_see = serve_queue(earlier, slots(inventory, view), *restored)
             seeming.update(dict.fromkeys(set(found) - set(_active_users(as_others_see, me)), kind))
     return found, seeming
 
@@ -586,14 +596,25 @@ def _same_holder(file: TicketFile, mine: TicketFile) -> bool:
     return file.uid == mine.uid and file.key == mine.key
 
 
-def _serve_earlier(earlier: list[Ticket], state: list[Slot], passed: set[int], unheld: set[int]) -> list[Served]:
+def serve_queue(
+    earlier: list[Ticket], state: list[Slot], passed: set[int], unheld: set[int], policy: Policy | None = None
+) -> list[Served]:
     """Let each earlier ticket take (on ``state``) what it would take now; hold GPUs for a job past the bound,
-    unless its user is in ``unheld``. The tickets of the users in ``passed`` are passed over."""
+    unless its user is in ``unheld``. The tickets of the users in ``passed`` are passed over; those that would take
+    their user past the ``policy``'s cap wait."""
     bound_ns = backfill_bound() * 1e9
+    policy = read_policy() if policy is None else policy
     served = []
+    taken: dict[int, int] = {}  # GPUs each user's earlier tickets take in this round
     for ticket in earlier:
         if ticket.uid in passed:
             served.append(Served(ticket, Outcome.PASSED))
+            continue
+        replacing = _pick_pid(ticket)
+        ahead = taken.get(ticket.uid, 0)
+        capped = over_cap(policy, _holdings(state), ticket.uid, ticket.request.wants, replacing, ahead)
+        if capped:
+            served.append(Served(ticket, Outcome.WAITS, (), capped))
             continue
         good, reasons = choose(ticket.request, state)
         if len(good) < ticket.request.wants:
@@ -605,8 +626,21 @@ def _serve_earlier(earlier: list[Ticket], state: list[Slot], passed: set[int], u
             continue
         for slot in good[: ticket.request.wants]:
             slot.take(ticket.request, ticket.label)
+        taken[ticket.uid] = taken.get(ticket.uid, 0) + ticket.request.wants
         served.append(Served(ticket, Outcome.STARTS, tuple(s.gpu.nvml_index for s in good[: ticket.request.wants])))
     return served
+
+
+def _holdings(state: list[Slot]) -> list[tuple[int, tuple[leasing.Lease, ...]]]:
+    return [(s.gpu.nvml_index, s.leases) for s in state]
+
+
+def _pick_pid(ticket: Ticket) -> int | None:
+    """The kernel a waiting pick's ticket is for (its key is ``pick-<pid>``): its pick replaces its leases."""
+    key = ticket.file.key
+    if ticket.kind == "pick" and key.startswith("pick-") and key[5:].isdigit():
+        return int(key[5:])
+    return None
 
 
 def _hold_for(ticket: Ticket, state: list[Slot]) -> tuple[int, ...]:

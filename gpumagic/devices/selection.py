@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from gpumagic.devices import idle_release, shared_files, visibility
 from gpumagic.devices import leases as leasing
-from gpumagic.devices import shared_files, visibility
 from gpumagic.devices.cuda_state import cuda_initialized
 from gpumagic.devices.hold_ups import hold_ups
 from gpumagic.devices.inventory import read_inventory, require_gpus
@@ -30,8 +30,9 @@ from gpumagic.devices.placement import (
     place,
     place_and_take,
 )
+from gpumagic.devices.policy import Policy, over_cap, read_policy
 from gpumagic.devices.spec import SpecError, parse_spec, resolve
-from gpumagic.errors import GpuLeasedError, InvalidArgument, NotEnoughGpusError
+from gpumagic.errors import GpuCapError, GpuLeasedError, InvalidArgument, NotEnoughGpusError
 from gpumagic.units import GIB, format_duration, parse_duration, parse_percent, parse_size_or_percent
 
 
@@ -91,6 +92,8 @@ def pick(
 
     Raises:
         NotEnoughGpusError: too few GPUs qualify (after ``wait``); lists what each one lacked.
+        GpuCapError: the administrator's policy allows this user fewer GPUs (``policy.toml``), still after
+            ``wait``.
         NoGpuError: no GPUs at all. InvalidArgument: malformed argument.
 
     Example: ``pick(2, min_free="20GB", wait="10m")``.
@@ -102,6 +105,7 @@ def pick(
     request = _pick_request(n, min_free, max_util, exclude, inventory)
     if n > len(inventory.gpus):
         raise NotEnoughGpusError(n, (), {}, f" (this machine has only {len(inventory.gpus)} GPUs)")
+    idle_release.watch_cells()  # before any lease is taken: its record then tells others whether it is used
     ticket = None  # a waiting kernel holds a place in the queue, served in order with jobs and other kernels
     try:
         while True:
@@ -109,6 +113,9 @@ def pick(
                 placed = place_and_take(request, inventory, _lease, ticket)
                 if placed.gpus:
                     return _select(inventory, list(placed.gpus), _why_picked(placed, request))
+                never = placed.capped and n > (read_policy().max_gpus_per_user or 0)
+                if placed.capped and (never or time.monotonic() >= deadline):  # --wait: until under the cap
+                    raise GpuCapError(f"Refused: {placed.capped}")
             except LeaseBusy as busy:
                 if time.monotonic() >= deadline:
                     raise
@@ -127,7 +134,7 @@ def pick(
             if on_wait is not None:
                 on_wait(
                     f"Waiting for {n} GPU(s), {len(placed.qualify)} qualify ({format_duration(remaining)} left) — "
-                    + explain(placed.reasons, len(inventory.gpus))
+                    + (placed.capped or explain(placed.reasons, len(inventory.gpus)))
                     + placed.note(countdown=True)
                 )
             time.sleep(min(poll_interval, max(remaining, 0.01)))
@@ -164,6 +171,7 @@ class PickOutlook:
     ignored: dict[str, str]
     ignored_more: int
     simulated: bool
+    policy: Policy = field(default_factory=Policy)  # the administrator's (``devices.policy``)
 
     def __repr__(self) -> str:
         placed = self.placement
@@ -172,6 +180,8 @@ class PickOutlook:
             head = f"A pick of {wants} now gets GPU {_list(g.nvml_index for g in placed.gpus)}"
         elif placed.request.wants > placed.total:
             head = f"A pick of {wants} gets none: this machine has only {placed.total}"
+        elif placed.capped:
+            head = f"A pick of {wants} is refused: {placed.capped}"
         else:
             qualify = f"{len(placed.qualify)} of {placed.total} qualify"
             head = f"A pick of {wants} now gets none ({qualify}) — {explain(placed.reasons, placed.total)}"
@@ -191,7 +201,7 @@ class PickOutlook:
         if self.ignored:
             ignored = shared_files.describe_ignored(self.ignored, self.ignored_more)
             lines.append(f"⚠ ignored in the lease directory: {ignored}")
-        return "\n".join(lines)
+        return "\n".join(lines + self.policy.notes())
 
     _repr_pretty_ = lambda self, printer, cycle: printer.text(repr(self))  # noqa: E731 - IPython hook
 
@@ -213,7 +223,8 @@ def why(
     with pick_lock(exclusive=False):
         placed = place(request, inventory, leasing.read_view(leasing.book()))
         ignored, more = shared_files.ignored(limit=10)
-    return PickOutlook(placed, placed.served, hold_ups().passed_over_names(), ignored, more, inventory.simulated)
+    passed = hold_ups().passed_over_names()
+    return PickOutlook(placed, placed.served, passed, ignored, more, inventory.simulated, read_policy())
 
 
 def _lease(gpus: Iterable[GpuInfo]) -> bool:
@@ -254,6 +265,7 @@ def use(spec: object, *, force: bool = False) -> Selection:
     broken = [g for g in gpus if not g.healthy]
     if broken:
         raise SpecError("; ".join(f"GPU {g.nvml_index} cannot be used: {g.problem}" for g in broken))
+    idle_release.watch_cells()
     with pick_lock():
         view = leasing.read_view(leasing.book())
         taken = [g for g in gpus if any(not lease.mine for lease in view.on(g.uuid))]
@@ -262,6 +274,10 @@ def use(spec: object, *, force: bool = False) -> Selection:
                 "; ".join(f"GPU {g.nvml_index} is {describe_holders(view.on(g.uuid))}" for g in taken)
                 + ". Pick others (%gpu pick), or add --force to share it without a lease."
             )
+        # GPUs shared with --force count too: the cap is on the GPUs a user works on
+        capped = over_cap(read_policy(), _holdings(inventory, view), os.getuid(), len(gpus), os.getpid())
+        if capped:
+            raise GpuCapError(f"Refused: {capped}")
         shared = []
         for gpu in gpus:
             if not leasing.book().try_acquire(gpu.uuid):
@@ -284,6 +300,10 @@ def release() -> tuple[int, ...]:
         return ()
     inventory = read_inventory()
     return tuple(g.nvml_index for g in inventory.gpus if g.uuid in uuids)
+
+
+def _holdings(inventory: Inventory, view: leasing.LeaseView) -> list[tuple[int, tuple[leasing.Lease, ...]]]:
+    return [(gpu.nvml_index, view.on(gpu.uuid)) for gpu in inventory.gpus]
 
 
 def _excluded(exclude: str | Iterable[int] | None, inventory: Inventory) -> frozenset[int]:

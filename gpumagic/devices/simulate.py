@@ -11,6 +11,7 @@ its CPU use, so picking, queueing and dashboards behave as on a real server.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -85,9 +86,9 @@ def read_inventory(spec: str) -> Inventory:
         if sim.lost:
             result.append(GpuInfo(index, uuid, sim.name, problem="GPU is lost (simulated)", simulated=True))
             continue
-        own = usage.get(index, ())
+        own = [dataclasses.replace(p, utilization=_scan.cpu_percent(p.pid)) for p in usage.get(index, ())]
         used = min(sim.memory_total, sim.memory_used + sum(p.gpu_memory or 0 for p in own))
-        extra = sum(_scan.cpu_percent(p.pid) for p in own)  # what gpumagic's own processes add
+        extra = sum(p.utilization or 0.0 for p in own)  # what gpumagic's own processes add
         busy = min(100.0, sim.utilization + extra)
         result.append(
             GpuInfo(

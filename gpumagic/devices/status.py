@@ -11,6 +11,7 @@ from gpumagic.devices.hold_ups import hold_ups
 from gpumagic.devices.inventory import read_inventory
 from gpumagic.devices.model import Inventory
 from gpumagic.devices.pick_lock import pick_lock
+from gpumagic.devices.policy import Policy, read_policy
 from gpumagic.devices.visibility import Visibility, current_visibility
 from gpumagic.errors import LeaseDirectoryError
 
@@ -25,6 +26,7 @@ class GpuStatus:
     ignored: dict[str, str] = field(default_factory=dict)  # lease directory file -> why gpumagic ignored it
     ignored_more: int = 0  # ignored files not in ``ignored`` (junk names beyond the first few)
     passed_over: tuple[str, ...] = ()  # users whose queue tickets this process passes over (``hold_ups``)
+    policy: Policy = field(default_factory=Policy)  # the administrator's (``devices.policy``)
 
 
 def gather_status() -> GpuStatus:
@@ -42,4 +44,5 @@ def gather_status() -> GpuStatus:
         except LeaseDirectoryError as err:
             problem = str(err)
     visible, passed = current_visibility(inventory), hold_ups().passed_over_names()
-    return GpuStatus(inventory, held, visible, cuda_initialized(), problem, ignored, more, passed)
+    policy = read_policy() if inventory.gpus and problem is None else Policy()
+    return GpuStatus(inventory, held, visible, cuda_initialized(), problem, ignored, more, passed, policy)

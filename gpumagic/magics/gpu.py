@@ -37,12 +37,14 @@ def _parsers() -> dict[str, Parser]:
     status = Parser(
         "%gpu status",
         "Table of all GPUs: memory, utilization, temperature, power, processes and "
-        "their users, leases, and which GPUs this kernel sees (cuda:N).",
+        "their users, leases (how long each holder's kernel has been idle), which GPUs this kernel sees (cuda:N),\n"
+        "and the administrator's policy (policy.toml in the lease directory) if there is one.",
     )
     pick = Parser(
         "%gpu pick",
         "Lease the N best free GPUs (most free memory, then lowest utilization; GPUs leased by other notebooks\n"
         "never qualify) and set CUDA_DEVICE_ORDER=PCI_BUS_ID and CUDA_VISIBLE_DEVICES so cuda:0.. are them.\n"
+        "An administrator's policy may cap each user's GPUs, and give an idle kernel's lease to a waiter.\n"
         "Example: %gpu pick 2 --min-free 20GB --max-util 30 --wait 10m",
     )
     _add_pick_options(pick)

@@ -53,7 +53,7 @@ def notes(status: GpuStatus) -> list[str]:
         result.append(f"⚠ ignored in the lease directory: {listed}")
     if status.passed_over:
         result.append(f"⚠ {passing_over(status.passed_over)}")
-    return result
+    return result + status.policy.notes()
 
 
 def render_text(status: GpuStatus) -> str:

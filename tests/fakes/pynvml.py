@@ -297,6 +297,22 @@ def _processes(handle, api):
     ]
 
 
+def nvmlDeviceGetProcessUtilization(handle, timeStamp):
+    """One sample per process with ``sm_util`` in the scenario; none: NVML's NOT_FOUND, as on real drivers."""
+    _record("nvmlDeviceGetProcessUtilization")
+    if _scenario.get("process_utilization") == "unsupported":
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    gpu = _gpu(handle, "processes")
+    samples = [
+        SimpleNamespace(pid=p["pid"], timeStamp=timeStamp + 1, smUtil=p["sm_util"], memUtil=0, encUtil=0, decUtil=0)
+        for p in gpu.get("processes", [])
+        if "sm_util" in p
+    ]
+    if not samples:
+        raise NVMLError(NVML_ERROR_NOT_FOUND)
+    return samples
+
+
 def nvmlDeviceGetComputeRunningProcesses_v3(handle):
     return _processes(handle, "_v3")
 

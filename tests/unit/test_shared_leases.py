@@ -435,3 +435,50 @@ def test_a_ticket_that_fails_the_checks_is_named_in_the_waiting_line_and_in_gpu_
     name = f"queue.{bob.uid}.pick-1.abc.json"
     assert answer["ignored"][name] == "held by another process than the kernel it names", answer["ignored"]
     assert f"{name} (held by another process than the kernel it names)" in answer["why"], answer["why"]
+
+
+def test_nobody_else_makes_a_kernel_look_idle_or_busy_nor_sets_the_policy(server):
+    """Issue #44: Alice's idleness is in her own lease record, which Bob cannot write; a policy.toml Bob plants
+    (a cap of 0, leases given away after 1 s) is ignored, and Alice's %gpu says why in one line."""
+    alice, bob, leases, uuids = server
+    kernel = alice.session()
+    try:
+        kernel.value(
+            """
+            import gpumagic
+            from gpumagic.devices import leases
+            from gpumagic.devices.activity import cell_activity
+            cell_activity().track(running=False)  # as a kernel whose cells are watched: its last cell has ended
+            gpumagic.pick(1)
+            """
+        )
+        (record,) = [p for p in leases.iterdir() if p.name.startswith(f"{uuids[0]}.{alice.uid}.")]
+        seen = bob.json(
+            f"""
+            import errno, gpumagic, json, os
+            try:
+                os.open({str(record)!r}, os.O_WRONLY)
+                opened = "opened"
+            except OSError as err:
+                opened = errno.errorcode[err.errno]
+            with open({str(leases / "policy.toml")!r}, "w") as handle:
+                handle.write('max_gpus_per_user = 0\\nidle_release = "1s"\\n')
+            (lease,) = gpumagic.status().status.leases[{uuids[0]!r}]
+            print(json.dumps([opened, lease.idle_s() is not None]))
+            """
+        )
+        assert seen == ["EACCES", True]  # Bob cannot write her record; he sees her idle
+        kernel.value("leases.book().write_activity(cell_activity().cell_started())")  # her next cell starts
+        busy = bob.json(
+            f"""
+            import gpumagic, json
+            (lease,) = gpumagic.status().status.leases[{uuids[0]!r}]
+            print(json.dumps([lease.pid, lease.idle_s()]))
+            """
+        )
+        assert busy == [kernel.pid, None]
+        shown = kernel.value("status = gpumagic.status(); result = [repr(status), list(gpumagic.pick(2).indices)]")
+        assert f"⚠ {leases / 'policy.toml'} is ignored: it belongs to {bob.name}, not root" in shown[0]
+        assert shown[1] == [0, 1]  # Bob's cap of 0 binds nobody
+    finally:
+        kernel.close()

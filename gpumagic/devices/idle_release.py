@@ -2,8 +2,9 @@
 
 ``watch_cells()`` (called before a kernel takes a lease, and by ``%load_ext gpumagic``) hooks IPython's cell
 events: a cell's start and end rewrite the activity in this kernel's lease records (``devices.activity``), so
-``%gpu``, ``%gpu why`` and every waiting pick or job can say how long each holder has been idle. A thread looks
-every ``LOOK_S`` while this kernel holds leases and no cell runs:
+``%gpu``, ``%gpu why`` and every waiting pick or job can say how long each holder has been idle. A thread
+(``follow_leases``, after leases are taken; it ends when the last is given back) looks every ``LOOK_S`` while no
+cell runs:
 
 - a GPU its processes (the kernel, its ranks) keep busy, where NVML tells, moves its idle start to now;
 - with the policy's ``idle_release`` (``devices.policy``) and the kernel idle that long, it gives back each idle
@@ -81,10 +82,18 @@ def watch_cells(shell: Any = None) -> bool:
             shell.events.register("post_run_cell", _cell_ended)
             _watch.shell = shell
             cell_activity().track(running=True)  # called from a cell (%load_ext, a pick): its end makes it idle
+    return True
+
+
+def follow_leases() -> None:
+    """Look at this kernel's leases while it holds any (call after taking some): a thread that ends when the
+    last is given back, so an idle kernel without leases runs nothing of gpumagic's."""
+    if cell_activity().now() is None:  # cells not watched: never idle, nothing to look at
+        return
+    with _watch.lock:
         if _watch.thread is None or not _watch.thread.is_alive():
             _watch.thread = threading.Thread(target=_look_for_ever, name="gpumagic-idle-leases", daemon=True)
             _watch.thread.start()
-    return True
 
 
 def _cell_started(info: object = None) -> None:
@@ -116,6 +125,10 @@ def _look_for_ever() -> None:
     while True:
         time.sleep(LOOK_S)
         if not leasing.book().held():
+            with _watch.lock:  # a pick that takes leases now starts the next thread (``follow_leases``)
+                if not leasing.book().held():
+                    _watch.thread = None
+                    return
             continue
         try:
             look()

@@ -112,6 +112,7 @@ def pick(
             try:
                 placed = place_and_take(request, inventory, _lease, ticket)
                 if placed.gpus:
+                    idle_release.follow_leases()
                     return _select(inventory, list(placed.gpus), _why_picked(placed, request))
                 never = placed.capped and n > (read_policy().max_gpus_per_user or 0)
                 if placed.capped and (never or time.monotonic() >= deadline):  # --wait: until under the cap
@@ -283,6 +284,7 @@ def use(spec: object, *, force: bool = False) -> Selection:
             if not leasing.book().try_acquire(gpu.uuid):
                 shared.append(gpu.nvml_index)
         _keep_only(gpus)
+    idle_release.follow_leases()
     summary = f"Using GPU {_list(g.nvml_index for g in gpus)} ({_names(gpus)}) as named"
     if shared:
         summary += f"; sharing GPU {_list(shared)} without a lease (--force)"

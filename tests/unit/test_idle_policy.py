@@ -31,6 +31,7 @@ def tracked(monkeypatch):
     watched = activity_module.CellActivity()
     watched.track(running=False)
     monkeypatch.setattr(activity_module, "_activity", watched)
+    monkeypatch.setattr(idle_release, "follow_leases", lambda: None)  # looks only when a test calls look()
     return watched
 
 
@@ -344,3 +345,21 @@ def test_a_hard_link_to_another_root_file_is_no_policy(simulated, tmp_path):
     assert policy.read_policy().problem.endswith("is ignored: it has 2 names (a hard link)")
     (tmp_path / "another-name").unlink()
     assert policy.read_policy().max_gpus_per_user == 0
+
+
+def test_the_looking_thread_runs_only_while_the_kernel_holds_leases(simulated, monkeypatch):
+    watched = activity_module.CellActivity()
+    watched.track(running=False)
+    monkeypatch.setattr(activity_module, "_activity", watched)
+    monkeypatch.setattr(idle_release, "LOOK_S", 0.05)
+
+    def looking() -> bool:
+        return any(t.name == "gpumagic-idle-leases" for t in threading.enumerate())
+
+    gpumagic.pick(1)
+    assert looking()
+    gpumagic.release()
+    deadline = time.monotonic() + 10
+    while looking() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not looking()  # an idle kernel without leases runs nothing of gpumagic's

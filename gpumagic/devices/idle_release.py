@@ -58,6 +58,7 @@ class _Watch:
         self.notice_lock = threading.Lock()  # the line owed (taken inside the activity's lock: never the other way)
         self.shell: Any = None
         self.thread: threading.Thread | None = None
+        self.wake = threading.Event()  # set when the last lease is given back: the thread ends at once
         self.owed: list[_Given] = []
 
 
@@ -90,8 +91,10 @@ def follow_leases() -> None:
     last is given back, so an idle kernel without leases runs nothing of gpumagic's."""
     if cell_activity().now() is None:  # cells not watched: never idle, nothing to look at
         return
+    leasing.book().when_empty(_watch.wake.set)
     with _watch.lock:
         if _watch.thread is None or not _watch.thread.is_alive():
+            _watch.wake.clear()
             _watch.thread = threading.Thread(target=_look_for_ever, name="gpumagic-idle-leases", daemon=True)
             _watch.thread.start()
 
@@ -123,7 +126,8 @@ def _cell_ended(result: object = None) -> None:
 
 def _look_for_ever() -> None:
     while True:
-        time.sleep(LOOK_S)
+        _watch.wake.wait(LOOK_S)
+        _watch.wake.clear()
         if not leasing.book().held():
             with _watch.lock:  # a pick that takes leases now starts the next thread (``follow_leases``)
                 if not leasing.book().held():

@@ -26,7 +26,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +96,7 @@ class LeaseBook:
         self._held: dict[str, HeldLease] = {}  # by GPU uuid
         self._atexit = False
         self.label: str | None = None  # what the records call the holder (default: the notebook's name)
+        self._on_empty: list[Callable[[], None]] = []
 
     def held(self) -> tuple[str, ...]:
         with self._lock:
@@ -211,7 +212,17 @@ class LeaseBook:
                 with contextlib.suppress(OSError):
                     os.close(entry.fd)
                 released.append(uuid)
+            emptied = bool(released) and not self._held
+        if emptied:
+            for listener in list(self._on_empty):
+                listener()
         return released
+
+    def when_empty(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` whenever a release leaves this process without leases (once per listener)."""
+        with self._lock:
+            if listener not in self._on_empty:
+                self._on_empty.append(listener)
 
     def release_all(self) -> list[str]:
         return self.release(self.held())

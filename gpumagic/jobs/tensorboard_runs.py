@@ -28,6 +28,8 @@ EVENT_PREFIX = "events.out.tfevents."
 RANK_TAG = re.compile(r"^(.+)/rank(\d+)$")
 INSTALL = "reading TensorBoard runs needs its package: pip install 'gpumagic[tensorboard]'"
 _log = logging.getLogger(__name__)
+MAX_DEPTH = 6  # folders below the one given that are looked into for runs (a sweep's tree is 2 or 3 deep)
+MAX_FOLDERS = 10_000  # folders looked into at most: a path typed by mistake (`..`, `/`) costs a moment, not minutes
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,8 @@ def holds_events(directory: str | Path) -> bool:
 
 def find_runs(directory: str | Path) -> list[TensorBoardRun]:
     """The TensorBoard runs under ``directory``: itself, if it holds event files, else every folder below it that
-    does, in the order of their names. An empty list where there are none (or no such directory).
+    does (at most ``MAX_DEPTH`` deep, hidden ones left out, ``MAX_FOLDERS`` looked into at most), in the order of
+    their names. An empty list where there are none (or no such directory).
 
     >>> find_runs("/no/such/directory")
     []
@@ -69,8 +72,14 @@ def find_runs(directory: str | Path) -> list[TensorBoardRun]:
     if holds_events(top):
         return [TensorBoardRun(top, label)]
     found = []
+    visited = 0
     for folder, subfolders, files in os.walk(top):
-        subfolders.sort()
+        visited += 1
+        if visited > MAX_FOLDERS:  # `..` or `/` typed by mistake: a moment, not a walk of the whole disk
+            _log.debug("stopped looking for TensorBoard runs under %s after %d folders", top, MAX_FOLDERS)
+            break
+        deep = len(Path(folder).relative_to(top).parts) >= MAX_DEPTH
+        subfolders[:] = [] if deep else sorted(name for name in subfolders if not name.startswith("."))
         if any(name.startswith(EVENT_PREFIX) for name in files):
             relative = Path(folder).relative_to(top).as_posix()
             found.append(TensorBoardRun(Path(folder), f"{label}/{relative}"))

@@ -81,6 +81,25 @@ def test_a_tree_of_runs_is_a_run_per_folder_of_event_files(tmp_path, shell):
     assert [row["name"] for row in shown.rows] == ["tb/lr-0.1", "tb/more/lr-0.01"]
 
 
+def test_looking_for_runs_under_a_path_typed_by_mistake_is_bounded(tmp_path, monkeypatch):
+    """``%jobs compare ..`` (or ``/``) looks into a bounded number of folders, not the whole disk (a random test
+    line ``..`` once took 216 s of a CI run walking the runner's home)."""
+    from gpumagic.jobs import tensorboard_runs
+
+    tree = tmp_path / "tb"
+    write_events(tree / "a" / "b" / "c" / "d" / "e" / "f" / "too-deep", [(0, "loss", 1.0)])
+    write_events(tree / "a" / "shallow", [(0, "loss", 1.0)])
+    write_events(tree / ".hidden" / "run", [(0, "loss", 1.0)])
+    assert [run.name for run in tensorboard_runs.find_runs(tree)] == ["tb/a/shallow"]
+    for n in range(30):
+        (tree / f"z{n:02}").mkdir()
+    monkeypatch.setattr(tensorboard_runs, "MAX_FOLDERS", 20)
+    assert [run.name for run in tensorboard_runs.find_runs(tree)] == ["tb/a/shallow"]  # found before the bound
+    started = time.monotonic()
+    tensorboard_runs.find_runs("/")
+    assert time.monotonic() - started < 5  # 20 folders of the whole disk
+
+
 def test_rank_0s_tags_stand_for_the_run_and_foreign_tags_stay_as_they_are(tmp_path):
     points = []
     for step in range(4):

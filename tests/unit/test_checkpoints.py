@@ -295,6 +295,9 @@ def wait_until(predicate, timeout=60.0):
 def test_a_job_killed_mid_run_and_resumed_ends_with_the_weights_of_an_unbroken_run(shell):
     job = gpumagic.jobs_with(gpus=0, name="resumed-A1").submit(train_until_killed, 6, 3)
     wait_until(lambda: "waiting to be killed" in job.logs())
+    # step 3's seal is written by a thread after checkpoint() returns: killed before it, the job rightly resumes
+    # from step 2 (it did, once, in a fresh-clone run with a core kept busy)
+    wait_until(lambda: [c.step for c in checkpoint_files.sealed(job.path)][:1] == [3])
     with pytest.raises(InvalidArgument, match=r"job resumed-A1 is running; resume starts a new attempt of an ended"):
         job.resume()
     assert job.kill(grace_s=1) == "killed"

@@ -27,12 +27,11 @@ from typing import Any
 from gpumagic.devices import leases as leasing
 from gpumagic.devices import placement
 from gpumagic.devices.activity import cell_activity
-from gpumagic.devices.hold_ups import HoldUp, hold_ups
 from gpumagic.devices.inventory import read_inventory
 from gpumagic.devices.model import Inventory
 from gpumagic.devices.pick_lock import pick_lock
 from gpumagic.devices.policy import Policy, read_policy
-from gpumagic.devices.processes import parent_pid
+from gpumagic.devices.processes import Ancestry
 from gpumagic.units import format_duration
 
 _log = logging.getLogger(__name__)
@@ -186,10 +185,7 @@ def wanted_by_waiters(inventory: Inventory, view: leasing.LeaseView, mine: set[s
     )
     if not waiting:
         return {}
-    counts = hold_ups()  # the users this process no longer believes are left out here too
-    strangers = {t.uid for t in waiting if t.uid != me}
-    passed = {uid for uid in strangers if counts.passed_over(uid)}
-    unheld = {uid for uid in strangers if counts.passed_over(uid, HoldUp.HOLDS)}
+    passed, unheld = placement.left_out(waiting)  # the users this process no longer believes are left out here too
     now = placement.serve_queue(waiting, placement.slots(inventory, view), passed, unheld)
     freed = {uuid: tuple(x for x in leases if not (x.mine and uuid in mine)) for uuid, leases in view.leases.items()}
     then_view = leasing.LeaseView(freed, view.tickets, view.ignored_ticket_owners)
@@ -214,23 +210,13 @@ def wanted_by_waiters(inventory: Inventory, view: leasing.LeaseView, mine: set[s
 
 def _used(inventory: Inventory, mine: set[str]) -> bool:
     """Whether this process or one it started keeps one of ``mine`` busy, where NVML tells."""
-    me = os.getpid()
+    me, ancestry = os.getpid(), Ancestry()
     for gpu in inventory.gpus:
         if gpu.uuid not in mine:
             continue
         for process in gpu.processes:
-            if (process.utilization or 0.0) > USED_PERCENT and _descends(process.pid, me):
+            if (process.utilization or 0.0) > USED_PERCENT and ancestry.descends(process.pid, me):
                 return True
-    return False
-
-
-def _descends(pid: int, ancestor: int) -> bool:
-    for _ in range(16):
-        if pid == ancestor:
-            return True
-        if pid <= 1:
-            return False
-        pid = parent_pid(pid) or 0
     return False
 
 

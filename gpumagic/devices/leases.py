@@ -161,10 +161,11 @@ class LeaseBook:
     def _take(self, directory: Path, uuid: str, shared: bool, reserve: int | None, activity: Activity | None) -> None:
         since = time.time()
         fields = self._record(uuid, since, shared, reserve)
-        if activity is not None:  # the last field, so that its bytes can be rewritten in place
-            fields["activity"] = activity.text()
+        text = activity.text() if activity is not None else None
+        if text is not None:  # the last field, so that its bytes can be rewritten in place
+            fields["activity"] = text
         record = json.dumps(fields).encode()
-        at = record.rindex(activity.text().encode()) if activity is not None else None
+        at = record.rindex(text.encode()) if text is not None else None
         stem = f"{uuid}.{os.getuid()}.{os.getpid()}."
         fd, path = shared_files.create_own_file(directory, stem, ".json", record, lock=True)
         self._held[uuid] = HeldLease(fd, path, since, shared, at)

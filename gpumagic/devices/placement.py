@@ -29,7 +29,7 @@ import dataclasses
 import enum
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from gpumagic.devices.hold_ups import HoldUp, hold_ups
 from gpumagic.devices.model import GpuInfo, Inventory
 from gpumagic.devices.pick_lock import pick_lock
 from gpumagic.devices.policy import Policy, over_cap, read_policy
-from gpumagic.devices.processes import parent_pid, process_start_time
+from gpumagic.devices.processes import Ancestry, process_start_time
 from gpumagic.devices.ticket_checks import ROUND_LIMIT
 from gpumagic.devices.tickets import TicketFile, claim_ticket, create_ticket
 from gpumagic.errors import InvalidArgument
@@ -315,7 +315,7 @@ def describe_holders(leases: Sequence[leasing.Lease]) -> str:
 
 def slots(inventory: Inventory, view: leasing.LeaseView) -> list[Slot]:
     """Every GPU of ``inventory`` as a slot, with its leases and its sharers' unallocated reservations."""
-    parents = _Parents()
+    parents = Ancestry()
     now = time.time()
     result = []
     for gpu in inventory.gpus:
@@ -454,11 +454,8 @@ def place(
     Other users this process passes over are left out (``devices.hold_ups``). For a look of a waiter (``mine``,
     or ``waiting``) that gets nothing, ``blocking`` names the other users without whose tickets it would get
     what it asks (``count_hold_ups`` counts it). Call under ``pick_lock()``, with ``view`` read there."""
-    counts = hold_ups()
     earlier = _earlier(view, mine)
-    strangers = {t.uid for t in earlier if t.uid != os.getuid()}
-    passed = {uid for uid in strangers if counts.passed_over(uid)}
-    unheld = {uid for uid in strangers if counts.passed_over(uid, HoldUp.HOLDS)}
+    passed, unheld = left_out(earlier)
     state = slots(inventory, view)
     policy = read_policy()
     served = serve_queue(earlier, state, passed, unheld, policy)
@@ -476,6 +473,15 @@ def place(
     gpus, qualify = tuple(s.gpu for s in chosen), tuple(s.gpu for s in good)
     total, ignored = len(inventory.gpus), view.ignored_ticket_owners
     return Placement(request, gpus, qualify, reasons, total, tuple(served), blocking, seeming, (), ignored, capped)
+
+
+def left_out(tickets: Iterable[Ticket]) -> tuple[set[int], set[int]]:
+    """The other users among the holders of ``tickets`` whose tickets this process passes over, and those for
+    whose jobs it no longer holds GPUs (``devices.hold_ups``)."""
+    counts = hold_ups()
+    strangers = {t.uid for t in tickets if t.uid != os.getuid()}
+    passed = {uid for uid in strangers if counts.passed_over(uid)}
+    return passed, {uid for uid in strangers if counts.passed_over(uid, HoldUp.HOLDS)}
 
 
 def count_hold_ups(placed: Placement, waiter: str, steady: bool = True) -> Placement:
@@ -631,8 +637,9 @@ def serve_queue(
     return served
 
 
-def _holdings(state: list[Slot]) -> list[tuple[int, tuple[leasing.Lease, ...]]]:
-    return [(s.gpu.nvml_index, s.leases) for s in state]
+def _holdings(state: list[Slot]) -> Iterator[tuple[int, tuple[leasing.Lease, ...]]]:
+    """Each GPU's index and leases, read only where a cap is set (``over_cap``)."""
+    return ((s.gpu.nvml_index, s.leases) for s in state)
 
 
 def _pick_pid(ticket: Ticket) -> int | None:
@@ -674,24 +681,3 @@ def _once_freed(slot: Slot, uid: int) -> Slot:
     freed = sum(p.gpu_memory or 0 for p in gpu.processes if p.user != owner)
     free = min((gpu.memory_free or 0) + freed, total)
     return Slot(dataclasses.replace(gpu, memory_free=free, memory_used=total - free), kept, 0)
-
-
-class _Parents:
-    """Which process descends from which, read from ``/proc`` once per placement."""
-
-    def __init__(self) -> None:
-        self._parent: dict[int, int] = {}
-
-    def parent(self, pid: int) -> int:
-        if pid not in self._parent:
-            self._parent[pid] = parent_pid(pid) or 0
-        return self._parent[pid]
-
-    def descends(self, pid: int, ancestor: int) -> bool:
-        for _ in range(16):
-            if pid == ancestor:
-                return True
-            if pid <= 1:
-                return False
-            pid = self.parent(pid)
-        return False

@@ -145,6 +145,28 @@ def parent_pid(pid: int) -> int | None:
     return int(stat[1][1]) if stat and len(stat[1]) > 1 else None
 
 
+class Ancestry:
+    """Which process descends from which, each parent read from ``/proc`` once (one per placement, or look)."""
+
+    def __init__(self) -> None:
+        self._parent: dict[int, int] = {}
+
+    def parent(self, pid: int) -> int:
+        if pid not in self._parent:
+            self._parent[pid] = parent_pid(pid) or 0
+        return self._parent[pid]
+
+    def descends(self, pid: int, ancestor: int) -> bool:
+        """True if ``pid`` is ``ancestor`` or below it (up to 16 generations)."""
+        for _ in range(16):
+            if pid == ancestor:
+                return True
+            if pid <= 1:
+                return False
+            pid = self.parent(pid)
+        return False
+
+
 def proc_hides_others() -> bool:
     """True if ``/proc`` hides other users' processes (mounted with ``hidepid``): then a pid that cannot be
     seen may still run."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 import time
 
+from gpumagic.devices.leases import Lease, idle_for
 from gpumagic.devices.model import GpuInfo, GpuProcess
 from gpumagic.devices.placement import describe_holders, passing_over
 from gpumagic.devices.shared_files import describe_ignored
@@ -99,6 +100,16 @@ CUT = "overflow:hidden;text-overflow:ellipsis;white-space:nowrap"
 HEADINGS = ("GPU", "cuda", "name", "memory", "util", "temp", "power", "lease", "processes")
 
 
+def _idle_first(leases: tuple[Lease, ...], holders: str) -> str:
+    """The lease cell's text: an idle holder's idle time first, where the cell's cut cannot hide it."""
+    for lease in leases:
+        idle = lease.idle_s()
+        if idle is not None:
+            shown = f", idle {idle_for(idle)}"
+            return f"idle {idle_for(idle)} · " + (holders[: -len(shown)] if holders.endswith(shown) else holders)
+    return holders
+
+
 def render_html(status: GpuStatus) -> str:
     esc = html.escape
     head = f"<div style='font-weight:600;margin:4px 0'>{esc(headline(status))}</div>"
@@ -107,7 +118,8 @@ def render_html(status: GpuStatus) -> str:
     rows = []
     for gpu in status.inventory.gpus:
         cuda = status.visibility.cuda_index(gpu.nvml_index)
-        holders = describe_holders(status.leases.get(gpu.uuid, ()))
+        leases = status.leases.get(gpu.uuid, ())
+        holders = describe_holders(leases)
         # this kernel's GPUs: a tint and a green edge, both visible on light and dark themes
         style = "background:rgba(46,160,67,0.18);box-shadow:inset 4px 0 #2ea043" if cuda is not None else ""
         first = (
@@ -130,7 +142,7 @@ def render_html(status: GpuStatus) -> str:
             f"<td style='{CELL}'>{_html_utilization(gpu.utilization)}</td>"
             f"<td style='{CELL}'>{'n/a' if gpu.temperature is None else f'{gpu.temperature:.0f}°C'}</td>"
             f"<td style='{CELL}'>{esc(_power(gpu))}</td>"
-            f"<td style='{CELL};max-width:12em;{CUT}' title='{esc(holders)}'>{esc(holders)}</td>"
+            f"<td style='{CELL};max-width:12em;{CUT}' title='{esc(holders)}'>{esc(_idle_first(leases, holders))}</td>"
             f"<td style='{CELL};max-width:0;width:100%;{CUT}'>{processes or 'none'}</td></tr>"
         )
     header = "".join(f"<th style='{CELL}'>{h}</th>" for h in HEADINGS)

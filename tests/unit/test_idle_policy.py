@@ -363,3 +363,13 @@ def test_the_looking_thread_runs_only_while_the_kernel_holds_leases(simulated, m
     while looking() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not looking()  # an idle kernel without leases runs nothing of gpumagic's
+
+
+def test_the_notebooks_gpu_table_shows_the_idle_time_where_the_lease_cell_is_not_cut(simulated, tracked):
+    """The HTML lease cell is cut at 12em (in full under the mouse): the idle time comes first in it."""
+    from gpumagic.widgets.status_table import render_html
+
+    gpumagic.pick(1)
+    page = render_html(gather_status())
+    assert ">idle &lt;1m · leased by this kernel since " in page  # escaped, as every cell
+    assert "title='leased by this kernel since " in page and ", idle &lt;1m'" in page  # the tooltip as %gpu says it

@@ -15,6 +15,7 @@ import gpumagic
 from gpumagic.devices.processes import is_running
 from gpumagic.errors import InvalidArgument
 from gpumagic.launch.failures import LaunchError
+from gpumagic.launch.kernel_side.local import ended_outcome
 from gpumagic.launch.kernel_side.output import RankOutput
 from gpumagic.launch.plan import (
     MAX_TIMEOUT_S,
@@ -27,11 +28,12 @@ from gpumagic.launch.plan import (
     place_on,
     threads_per_rank,
 )
-from gpumagic.launch.process_set import ProcessSet
+from gpumagic.launch.process_set import Exit, ProcessSet
 from gpumagic.launch.rank_side.starter import RankStarter
 from gpumagic.run_dirs.launch_files import make_launch_directories
 from gpumagic.run_dirs.layout import RunFiles
 from gpumagic.run_dirs.outcomes import ProcessEnd, RankOutcome, read_outcome, root_cause
+from gpumagic.run_dirs.signing import write_sealed
 
 
 def plan(**changes):
@@ -280,6 +282,21 @@ def test_a_group_rank_that_crashes_leaves_its_python_stack_as_a_launchs_rank_doe
     assert outcome.signal_name == "SIGSEGV" and outcome.phase == "process"
     assert "in crash_in_the_users_code" in outcome.traceback, outcome.traceback
     assert "gpumagic" not in outcome.traceback.split("crash_in_the_users_code")[-1]  # nothing under the user's code
+
+
+def test_a_local_rank_that_left_no_word_and_no_exit_code_failed_unless_its_launch_stopped_it(tmp_path):
+    """A local rank with no result, error report or fatal-signal stack, whose exit code could not be read, failed:
+    the launch (or the job) must not read as finished with a None value. One the launch stopped was stopped."""
+    files = RunFiles(tmp_path)
+    make_launch_directories(files)
+    unread = ended_outcome(files, Exit(0, 4242, None, time.time(), stopped=False))
+    assert not unread.ok and not unread.stopped_by_launcher and unread.pid == 4242
+    assert root_cause([unread]) == unread
+    assert "its exit code could not be read (pid 4242)" in unread.describe(), unread.describe()
+    stopped = ended_outcome(files, Exit(0, 4242, None, time.time(), stopped=True))
+    assert stopped.stopped_by_launcher and root_cause([stopped]) is None
+    write_sealed(files.rank_result(0), b"\x80\x04N.")  # its value (None, pickled) came back: it finished
+    assert ended_outcome(files, Exit(0, 4242, None, time.time(), stopped=False)).ok
 
 
 def test_a_ranks_failure_report_starts_at_the_users_own_code(tmp_path):

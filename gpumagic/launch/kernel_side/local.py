@@ -10,6 +10,7 @@ all or nothing, as in torch elastic: every rank succeeds, or at the first failur
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import select
 import signal
@@ -83,6 +84,24 @@ def run_local(
         mismatches = mismatch_after_failure(files, list(range(plan.nprocs)))
         raise LaunchError(outcomes, failure, "\n".join(filter(None, [_full_disk_note(plan.run_dir), *mismatches])))
     return {o.rank: read_result(files, o.rank) for o in outcomes}
+
+
+def ended_outcome(files: RunFiles, exit: Exit) -> RankOutcome:
+    """How a local rank ended: what it wrote (a result, an error report, a fatal signal's stack), else how its
+    process ended. A rank that left none of these and whose exit code could not be read failed, unless this
+    launch stopped it: ``read_outcome`` takes it as stopped by its launcher (right for an agent's or Slurm's
+    ranks), which would let the launch, or a job, read as finished."""
+    end = ProcessEnd(exit.pid, exit.exitcode, exit.time, exit.stopped and exit.exitcode != 0)
+    outcome = read_outcome(files, exit.index, 0, end)
+    if outcome.stopped_by_launcher and not exit.stopped:
+        return dataclasses.replace(
+            outcome,
+            pid=exit.pid,
+            timestamp=exit.time,
+            stopped_by_launcher=False,
+            lost="it ended without a result or an error report, and its exit code could not be read",
+        )
+    return outcome
 
 
 def loopback_port(port: int | None) -> int:
@@ -205,8 +224,7 @@ class _Watcher:
             self.readers.pop(fd)[1].close()
 
     def _ended(self, exit: Exit) -> None:
-        end = ProcessEnd(exit.pid, exit.exitcode, exit.time, exit.stopped and exit.exitcode != 0)
-        outcome = read_outcome(self.files, exit.index, 0, end)
+        outcome = ended_outcome(self.files, exit)
         self.outcomes[exit.index] = outcome
         if not outcome.ok:
             self.ranks.begin_stop(signal.SIGTERM)  # the others: SIGTERM, SIGKILL after the grace period

@@ -366,6 +366,27 @@ def test_re_forming_the_group_releases_the_old_one(kernel):
     assert out.split()[:2] == ["5", "True"], out  # every rank's threads and descriptors as before 5 re-forms
 
 
+def test_a_rank_slow_to_leave_a_broken_group_keeps_its_namespace_whatever_the_grace(kernel):
+    # Leaving collects garbage: a namespace whose collection takes longer than a short grace period (big object
+    # graphs do) was killed and replaced, losing every name, though nothing in it was stuck.
+    out = kernel.ok(
+        "g = gpumagic.ranks(2, output='none', grace=0.5)\n"
+        "g.exec('import gc, time, torch\\nclass Slow:\\n    def __del__(self):\\n        time.sleep(1.5)\\n'\n"
+        "       'if rank == 1:\\n    gc.disable()\\n    junk = Slow()\\n    junk.cycle = junk\\n    del junk\\n'\n"
+        "       'kept = rank + 100', namespace={})\n"
+        "before = g.pids\n"
+        "try:\n"
+        "    g.exec('if rank == 0:\\n    dist.all_reduce(torch.ones(1))', namespace={}, timeout=0.2)\n"
+        "except gpumagic.CellInterrupted as interrupted:\n"
+        "    message = str(interrupted)\n"
+        "kept = g.exec('kept', namespace={})\n"
+        "print(g.pids == before, kept, repr(message))\n"
+        "g.close()"
+    ).stdout
+    assert out.startswith("True {0: 100, 1: 101} "), out
+    assert "could not leave" not in out and "re-formed on a fresh rendezvous" in out, out
+
+
 def test_ranks_out_of_step_after_a_cell_get_a_fresh_group(group):
     # an asynchronous all_reduce returns at once (as NCCL's collectives do): rank 1 never called it
     out = group.ok(

@@ -35,6 +35,11 @@ from gpumagic.launch.messages import (
 from gpumagic.launch.replay import ReplayLog
 from gpumagic.launch.shared_values import sharing
 
+# How long a living rank has to leave a broken group at the least, whatever the grace period: leaving is gpumagic's
+# own teardown (destroying the group, a garbage collection over the rank's namespace), not the user's code, and a
+# rank that misses it is killed and loses its namespace, though nothing in it was stuck.
+LEAVE_WITHIN_S = 5.0
+
 
 class GroupRecovery:
     """How a group recovers, and what it keeps for that: the cells' imports and definitions (``replay``), how
@@ -139,7 +144,7 @@ class GroupRecovery:
         for member in living:
             member.send(Leave(ident))
         left: dict[int, ToKernel] = {}
-        stuck = members.gather(ident, living, left, self.grace_s)
+        stuck = members.gather(ident, living, left, max(self.grace_s, LEAVE_WITHIN_S))
         for member in stuck:  # cannot even leave: killed, replaced below
             members.kill(member)
             notes.append(f"rank {member.rank} could not leave the broken group and was killed")

@@ -367,7 +367,9 @@ def test_every_skips_the_steps_between_and_the_time_limit_saves_at_once(run_dir,
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     checkpoints.time_limit_near(0, None)
     assert gpumagic.checkpoint(7, every=3, model=model) is not None, "the signal saves the next step at once"
-    assert "saved step 7, but this is not a Slurm job; it runs on to the limit" in capfd.readouterr().err
+    said = capfd.readouterr().err
+    asking = said.index("rank 0: time limit near; saved step 7; asking Slurm to requeue the job")
+    assert asking < said.index("saved step 7, but this is not a Slurm job; it runs on to the limit"), said
     assert gpumagic.checkpoint(8, every=3, model=model) is None, "once: the steps between are skipped again"
     assert [e.step for e in checkpoint_files.sealed(run_dir)] == [7, 6]
 

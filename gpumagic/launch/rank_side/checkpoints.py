@@ -144,6 +144,9 @@ def _requeue(run_dir: Path, group: Any, step: int) -> None:
     refused = [""]
     if rank == 0:
         checkpoint_files.settle()  # sealed before Slurm's SIGTERM can end the rank: else the next attempt skips it
+        # said before asking: once Slurm grants the requeue, its SIGTERM can end the rank before another line
+        sys.stderr.write(f"[gpumagic] rank 0: time limit near; saved step {step}; asking Slurm to requeue the job\n")
+        flush()
         refused[0] = _ask_slurm_to_requeue(run_dir, step)
     if group is not None:
         group.broadcast_object_list(refused, src=0)

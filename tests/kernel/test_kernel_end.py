@@ -121,15 +121,20 @@ def wait_until_answering(client, timeout: float) -> None:
     """Wait until the kernel answers ``kernel_info`` on its shell channel and publishes on iopub (so no output is
     missed). jupyter_client's ``wait_for_ready`` does the same but, for a client of no ``KernelManager`` (this
     server's kernel), calls the kernel dead after one heartbeat missed for 1 s: a kernel still starting on a
-    busy machine was "Kernel died before replying to kernel_info" (a fresh-clone CI run, one core kept busy)."""
+    busy machine was "Kernel died before replying to kernel_info" (a fresh-clone CI run, one core kept busy).
+
+    A reply to any of the requests counts: a kernel slow to start answers the backlog of requests asked once a
+    second, and waiting for the latest one's reply, while asking again each time an older one came, never caught
+    up (a fresh-clone CI run, 60 s without an answer)."""
     from queue import Empty
 
     deadline = time.monotonic() + timeout
+    asked: set[str] = set()
     while time.monotonic() < deadline:
-        asked = client.kernel_info()
+        asked.add(client.kernel_info())
         try:
             reply = client.get_shell_msg(timeout=1)
-            if reply["parent_header"].get("msg_id") != asked:
+            if reply["parent_header"].get("msg_id") not in asked:
                 continue
             client.get_iopub_msg(timeout=0.5)
         except Empty:

@@ -203,7 +203,7 @@ def train_linear(steps, stop_at=None, every=1, fail=False):
         optimizer.zero_grad()
         model(torch.ones(3, 4) * step).pow(2).mean().backward()
         optimizer.step()
-        gpumagic.log(step, weight=float(model.weight.sum()))  # for a job that is tracked
+        gpumagic.log(step, weight=float(model.weight.detach().sum()))  # for a job that is tracked
         if stop_at:
             gpumagic.checkpoint(step + 1, every=every, model=model, optimizer=optimizer)
         if step + 1 == stop_at and start == 0:

@@ -105,7 +105,9 @@ class ProcessEnd:
 def read_outcome(files: RunFiles, rank: int, attempt: int = 0, end: ProcessEnd | None = None) -> RankOutcome:
     """How ``rank`` ended in ``attempt``: its own report; else the Python stack a fatal signal left (timed by when
     the signal came, not when a launcher noticed); else how its process ended (``end``); else, with a result,
-    finished; else stopped by its launcher (an agent or Slurm ended it because another rank failed)."""
+    finished; else, if its launcher saw it end (``end``) without stopping it, lost (no word, no exit code: a
+    failure, lest a launch or a job read as finished); else stopped by its launcher (an agent or Slurm ended it
+    because another rank failed)."""
     report = read_json(files.rank_error(rank, attempt))
     if report is not None:
         return RankOutcome(
@@ -137,6 +139,9 @@ def read_outcome(files: RunFiles, rank: int, attempt: int = 0, end: ProcessEnd |
         )
     if files.rank_result(rank).exists():
         return RankOutcome(rank, None, 0)
+    if end is not None and not end.stopped_by_launcher:  # exit code field as it was before this rule: -SIGTERM
+        why = "it ended without a result or an error report, and its exit code could not be read"
+        return RankOutcome(rank, end.pid, -int(signal.SIGTERM), timestamp=end.time, lost=why)
     return RankOutcome(rank, None, -int(signal.SIGTERM), timestamp=time.time(), stopped_by_launcher=True)
 
 

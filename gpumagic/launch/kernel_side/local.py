@@ -10,7 +10,6 @@ all or nothing, as in torch elastic: every rank succeeds, or at the first failur
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import select
 import signal
@@ -87,21 +86,11 @@ def run_local(
 
 
 def ended_outcome(files: RunFiles, exit: Exit) -> RankOutcome:
-    """How a local rank ended: what it wrote (a result, an error report, a fatal signal's stack), else how its
-    process ended. A rank that left none of these and whose exit code could not be read failed, unless this
-    launch stopped it: ``read_outcome`` takes it as stopped by its launcher (right for an agent's or Slurm's
-    ranks), which would let the launch, or a job, read as finished."""
-    end = ProcessEnd(exit.pid, exit.exitcode, exit.time, exit.stopped and exit.exitcode != 0)
-    outcome = read_outcome(files, exit.index, 0, end)
-    if outcome.stopped_by_launcher and not exit.stopped:
-        return dataclasses.replace(
-            outcome,
-            pid=exit.pid,
-            timestamp=exit.time,
-            stopped_by_launcher=False,
-            lost="it ended without a result or an error report, and its exit code could not be read",
-        )
-    return outcome
+    """How a local rank ended (``read_outcome``), with how the watcher saw its process end: stopped by this launch
+    only where it sent the signal, so a rank that left no word and no readable exit code is lost."""
+    return read_outcome(
+        files, exit.index, 0, ProcessEnd(exit.pid, exit.exitcode, exit.time, exit.stopped and exit.exitcode != 0)
+    )
 
 
 def loopback_port(port: int | None) -> int:

@@ -49,7 +49,9 @@ def test_an_idle_kernel_gives_its_lease_to_a_waiter_within_the_threshold_and_its
 
     time.sleep(4.5)  # two more looks of each holder: neither gives a GPU to a waiter that has one
     told = [holder.ok("x = 1").stderr for holder in holders]
-    (line,) = [text for text in told if text]
+    said = [text for text in told if text]
+    assert len(said) == 1, told  # exactly one holder gave its GPU (what each wrote, if not)
+    (line,) = said
     assert re.fullmatch(
         r"gpumagic: this kernel's lease on GPU [01] was given to kernel .*, who waited, after this kernel was idle "
         r"3s \(.*policy.toml: idle_release\); CUDA_VISIBLE_DEVICES still names it: %gpu pick to pick again\n",

@@ -178,6 +178,9 @@ class Ticket:
     def of(cls, file: TicketFile) -> Ticket:
         return cls(file, Request.from_json(file.data["request"]))
 
+    def withdraw(self) -> None:
+        self.file.withdraw()
+
     def remove(self) -> None:
         self.file.remove()
 
@@ -579,7 +582,8 @@ def place_and_take(
     wait_s: float | None = None,
 ) -> Placement:
     """``place`` under the shared pick lock (most looks of a waiter find nothing to take), and only when
-    something can be placed, again under the exclusive one, where ``take`` leases it. The placement returned
+    something can be placed, again under the exclusive one, where ``take`` leases it and ``mine`` leaves the
+    queue (its owner still calls ``remove``). The placement returned
     has ``gpus`` only if they were taken. What kept it from GPUs is counted (``count_hold_ups``), for a pick
     without a ticket as this process's.
 
@@ -593,6 +597,8 @@ def place_and_take(
         with pick_lock(wait_s=wait_s):
             placed = place(request, inventory, leasing.read_view(leasing.book()), mine, keep_own, waiting=True)
             if placed.gpus and take(placed.gpus):
+                if mine is not None:  # out of the queue before the lock goes: an idle holder that looked between
+                    mine.withdraw()  # this take and the caller's ``remove`` gave one more GPU to a waiter served
                 return count_hold_ups(placed, waiter, mine is not None)
         placed = dataclasses.replace(placed, gpus=())
     return count_hold_ups(placed, waiter, mine is not None)  # what kept it from GPUs at either look counts

@@ -56,9 +56,13 @@ class TicketFile:
         """Whose ticket it is: the job's run id, or ``pick-<pid>``."""
         return self.path.name.split(".")[2]
 
-    def remove(self) -> None:
+    def withdraw(self) -> None:
+        """Out of the queue: its file goes, its descriptor stays open until ``remove`` (called once, by its owner)."""
         with contextlib.suppress(OSError):
             self.path.unlink()
+
+    def remove(self) -> None:
+        self.withdraw()
         if self.fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self.fd)

@@ -15,13 +15,13 @@ import pytest
 
 import gpumagic
 from gpumagic.devices import activity as activity_module
-from gpumagic.devices import idle_release, leases, nvml, policy
+from gpumagic.devices import idle_release, leases, nvml, placement, policy
 from gpumagic.devices.activity import Activity
 from gpumagic.devices.inventory import read_inventory
 from gpumagic.devices.lease_directory import lease_dir, listing
 from gpumagic.devices.model import GpuInfo, GpuProcess, Inventory
 from gpumagic.devices.status import gather_status
-from gpumagic.jobs.queue import Request, Ticket, place
+from gpumagic.jobs.queue import Request, Ticket, place, take
 from gpumagic.widgets.status_table import render_text
 
 
@@ -222,6 +222,28 @@ def test_a_waiter_is_given_only_the_idle_gpus_it_would_start_on(monkeypatch):
     assert set(wanted()) == {inventory[1].uuid}  # no GPU here has 90 GiB: giving one back starts nothing more
     gpumagic.use("0")
     assert idle_release.wanted_by_waiters(read_inventory(), leases.read_view(leases.book()), {inventory[0].uuid}) == {}
+
+
+def test_a_waiter_leaves_the_queue_in_the_same_hold_of_the_lock_as_its_take(monkeypatch):
+    """A second idle holder that looked after a waiter took one GPU, and before the waiter's ``pick`` or job runner
+    removed its ticket, saw it still waiting and gave it a GPU it never took (a fresh-clone run: both holders of
+    ``test_idle_leases`` said their lease was given away). This process is the waiter and the other holder."""
+    monkeypatch.setenv("GPUMAGIC_SIMULATE", "2xA100-80GB")
+    gpumagic.use("1")  # the other holder's GPU
+    inventory = read_inventory()
+    other_holders = {inventory[1].uuid}
+    request = Request(1)
+    waiting = Ticket.create("waiter", request, time.time() - 5, key="run-waiter")
+    assert idle_release.wanted_by_waiters(inventory, leases.read_view(leases.book()), other_holders) == {}  # GPU 0
+
+    placed = placement.place_and_take(
+        request, inventory, lambda gpus: take(list(gpus), request, leases.book()), waiting
+    )
+    assert [gpu.nvml_index for gpu in placed.gpus] == [0]
+    view = leases.read_view(leases.book())  # before the waiter's own ``remove``: the window a look fell into
+    assert view.tickets == ()
+    assert idle_release.wanted_by_waiters(inventory, view, other_holders) == {}
+    waiting.remove()  # as its owner does (``finally``): the descriptor closed, nothing else to remove
 
 
 def test_gpu_use_by_the_kernels_own_processes_moves_its_idle_start():

@@ -71,8 +71,8 @@ class RankOutcome:
         if self.ok:
             return f"{who}: finished"
         if self.stopped_by_launcher:
-            how = self.signal_name or f"exit code {self.exitcode}"
-            return f"{who}: stopped by gpumagic after the failure ({how})"
+            how = self.signal_name or (f"exit code {self.exitcode}" if self.exitcode is not None else None)
+            return f"{who}: stopped by gpumagic after the failure" + (f" ({how})" if how else "")
         if self.exc_type == "SystemExit":
             return f"{who}: called sys.exit({self.message}) (exit code {self.exitcode})"
         if self.exc_type:
@@ -106,8 +106,8 @@ def read_outcome(files: RunFiles, rank: int, attempt: int = 0, end: ProcessEnd |
     """How ``rank`` ended in ``attempt``: its own report; else the Python stack a fatal signal left (timed by when
     the signal came, not when a launcher noticed); else how its process ended (``end``); else, with a result,
     finished; else, if its launcher saw it end (``end``) without stopping it, lost (no word, no exit code: a
-    failure, lest a launch or a job read as finished); else stopped by its launcher (an agent or Slurm ended it
-    because another rank failed)."""
+    failure, lest a launch or a job read as finished), or stopped if it did; else stopped by its launcher (an
+    agent or Slurm ended it because another rank failed)."""
     report = read_json(files.rank_error(rank, attempt))
     if report is not None:
         return RankOutcome(
@@ -139,9 +139,11 @@ def read_outcome(files: RunFiles, rank: int, attempt: int = 0, end: ProcessEnd |
         )
     if files.rank_result(rank).exists():
         return RankOutcome(rank, None, 0)
-    if end is not None and not end.stopped_by_launcher:  # exit code field as it was before this rule: -SIGTERM
+    if end is not None:  # its exit code could not be read: none is guessed (a job's record would name a signal)
+        if end.stopped_by_launcher:
+            return RankOutcome(rank, end.pid, None, "process", timestamp=end.time, stopped_by_launcher=True)
         why = "it ended without a result or an error report, and its exit code could not be read"
-        return RankOutcome(rank, end.pid, -int(signal.SIGTERM), timestamp=end.time, lost=why)
+        return RankOutcome(rank, end.pid, None, "process", timestamp=end.time, lost=why)
     return RankOutcome(rank, None, -int(signal.SIGTERM), timestamp=time.time(), stopped_by_launcher=True)
 
 

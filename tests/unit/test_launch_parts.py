@@ -15,6 +15,8 @@ import gpumagic
 from gpumagic.devices.processes import is_running
 from gpumagic.errors import InvalidArgument
 from gpumagic.launch.failures import LaunchError
+from gpumagic.launch.kernel_side.group import _outcome as group_outcome
+from gpumagic.launch.kernel_side.group_members import Member
 from gpumagic.launch.kernel_side.local import ended_outcome
 from gpumagic.launch.kernel_side.output import RankOutput
 from gpumagic.launch.plan import (
@@ -293,10 +295,29 @@ def test_a_local_rank_that_left_no_word_and_no_exit_code_failed_unless_its_launc
     assert not unread.ok and not unread.stopped_by_launcher and unread.pid == 4242
     assert root_cause([unread]) == unread
     assert "its exit code could not be read (pid 4242)" in unread.describe(), unread.describe()
+    assert unread.exitcode is None and unread.signal_name is None  # none guessed: a job records no signal
     stopped = ended_outcome(files, Exit(0, 4242, None, time.time(), stopped=True))
-    assert stopped.stopped_by_launcher and root_cause([stopped]) is None
+    assert stopped.stopped_by_launcher and root_cause([stopped]) is None and stopped.signal_name is None
+    assert stopped.describe() == "rank 0: stopped by gpumagic after the failure"
     write_sealed(files.rank_result(0), b"\x80\x04N.")  # its value (None, pickled) came back: it finished
     assert ended_outcome(files, Exit(0, 4242, None, time.time(), stopped=False)).ok
+
+
+def test_a_ddp_rank_dead_before_its_exit_code_was_collected_is_read_as_a_launchs_rank(tmp_path):
+    """A ``%ddp`` rank that died without a reply, its exit code not collected yet: its own report if it left one,
+    else lost, as ``read_outcome`` reads a launch's rank (it read "exited with code None without an error report",
+    its report unread)."""
+    files = RunFiles(tmp_path)
+    make_launch_directories(files)
+    dead = Member(1, None, 4243, None, None, end=Exit(1, 4243, None, time.time(), stopped=False))
+    lost = group_outcome(dead, None, files)
+    assert lost.describe() == (
+        "rank 1: lost: it ended without a result or an error report, and its exit code could not be read (pid 4243)"
+    )
+    assert lost.phase == "process" and lost.exitcode is None and root_cause([lost]) == lost
+    report = {"pid": 4243, "exitcode": 1, "phase": "user code", "type": "MemoryError", "message": "", "traceback": ""}
+    files.rank_error(1, 0).write_text(json.dumps(report))
+    assert group_outcome(dead, None, files).describe() == "rank 1: raised MemoryError:  (in user code)"
 
 
 def test_a_ranks_failure_report_starts_at_the_users_own_code(tmp_path):

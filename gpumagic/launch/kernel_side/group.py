@@ -649,15 +649,12 @@ def _failure(
 def _outcome(member: Member, reply: messages.Reply | None, files: RunFiles) -> RankOutcome:
     """How a cell ended on one rank: done, failed (its report), died (with the Python stack a fatal signal left,
     read as a launch's rank's is), lost with its node, or freed by gpumagic (a peer failed)."""
-    return dataclasses.replace(_how_it_ended(member, reply, files), host=member.node, lost=member.lost_with_node)
+    outcome = _how_it_ended(member, reply, files)
+    return dataclasses.replace(outcome, host=member.node, lost=member.lost_with_node or outcome.lost)
 
 
 def _how_it_ended(member: Member, reply: messages.Reply | None, files: RunFiles) -> RankOutcome:
-    if reply is None and not member.alive:
-        if member.exitcode is None:  # its exit code was not collected in time: a death all the same
-            return RankOutcome(
-                member.rank, member.pid, None, "process", timestamp=member.died_at, stopped_by_launcher=member.killed
-            )
+    if reply is None and not member.alive:  # its report, its fatal-signal stack, its exit code, or lost
         end = ProcessEnd(member.pid, member.exitcode, member.died_at, member.killed)
         return read_outcome(files, member.rank, 0, end)
     if reply is None or (isinstance(reply, messages.Interrupted) and member.alive):  # gpumagic freed it: a peer failed

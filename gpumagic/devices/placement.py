@@ -583,9 +583,8 @@ def place_and_take(
 ) -> Placement:
     """``place`` under the shared pick lock (most looks of a waiter find nothing to take), and only when
     something can be placed, again under the exclusive one, where ``take`` leases it and ``mine`` leaves the
-    queue (its owner still calls ``remove``). The placement returned
-    has ``gpus`` only if they were taken. What kept it from GPUs is counted (``count_hold_ups``), for a pick
-    without a ticket as this process's.
+    queue (its owner still calls ``remove``). The placement returned has ``gpus`` only if they were taken. What
+    kept it from GPUs is counted (``count_hold_ups``), for a pick without a ticket as this process's.
 
     Raises:
         LeaseBusy: the pick lock stayed taken for ``wait_s``.

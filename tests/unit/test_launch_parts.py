@@ -315,6 +315,7 @@ def test_a_ddp_rank_dead_before_its_exit_code_was_collected_is_read_as_a_launchs
         "rank 1: lost: it ended without a result or an error report, and its exit code could not be read (pid 4243)"
     )
     assert lost.phase == "process" and lost.exitcode is None and root_cause([lost]) == lost
+    assert dead.death() == "ended; its exit code could not be read (pid 4243)"  # a note's words (it read "code None")
     report = {"pid": 4243, "exitcode": 1, "phase": "user code", "type": "MemoryError", "message": "", "traceback": ""}
     files.rank_error(1, 0).write_text(json.dumps(report))
     assert group_outcome(dead, None, files).describe() == "rank 1: raised MemoryError:  (in user code)"

@@ -116,6 +116,8 @@ class Member:
             except ValueError:
                 how = f"signal {-code}"
             return f"was killed by {how} ({where})"
+        if code is None:  # it ended before its exit code was collected
+            return f"ended; its exit code could not be read ({where})"
         return f"exited with code {code} ({where})"
 
     def release(self) -> None:

@@ -84,14 +84,19 @@ def test_a_rank_that_fails_stops_the_others_of_a_slurm_job_and_its_files_are_pri
     was stopped, and no rank is left running. submitit's files of the job are the user's alone (0600)."""
 
     def rank_zero_fails():
+        import glob
         import os
         import time
 
         import torch.distributed as dist
 
-        if dist.get_rank() == 0:
+        run_dir = os.environ["GPUMAGIC_RUN_DIR"]
+        if dist.get_rank() == 0:  # once rank 1 is in its work: on a loaded machine it may be stopped before it
+            deadline = time.monotonic() + 60  # started it, and would leave no pid to look for (a fresh-clone run)
+            while not glob.glob(os.path.join(run_dir, "rank1-pid-*")) and time.monotonic() < deadline:
+                time.sleep(0.05)
             raise ValueError("rank 0 broke")
-        open(os.path.join(os.environ["GPUMAGIC_RUN_DIR"], f"rank1-pid-{os.getpid()}"), "w").close()
+        open(os.path.join(run_dir, f"rank1-pid-{os.getpid()}"), "w").close()
         time.sleep(300)
 
     started = time.monotonic()

@@ -59,12 +59,7 @@ class RankOutcome:
 
     @property
     def signal_name(self) -> str | None:
-        if self.exitcode is not None and self.exitcode < 0:
-            try:
-                return signal.Signals(-self.exitcode).name
-            except ValueError:
-                return f"signal {-self.exitcode}"
-        return None
+        return signal_of(self.exitcode)
 
     def describe(self) -> str:
         who = self.who
@@ -82,6 +77,16 @@ class RankOutcome:
         if self.signal_name:
             return f"{who}: killed by {self.signal_name} (pid {self.pid})"
         return f"{who}: exited with code {self.exitcode} without an error report (pid {self.pid})"
+
+
+def signal_of(exitcode: int | None) -> str | None:
+    """The signal a negative exit code names (``SIGSEGV``, or ``signal 70`` for one Python does not know)."""
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
 
 
 def root_cause(outcomes: list[RankOutcome]) -> RankOutcome | None:
@@ -140,10 +145,9 @@ def read_outcome(files: RunFiles, rank: int, attempt: int = 0, end: ProcessEnd |
     if files.rank_result(rank).exists():
         return RankOutcome(rank, None, 0)
     if end is not None:  # its exit code could not be read: none is guessed (a job's record would name a signal)
-        if end.stopped_by_launcher:
-            return RankOutcome(rank, end.pid, None, "process", timestamp=end.time, stopped_by_launcher=True)
-        why = "it ended without a result or an error report, and its exit code could not be read"
-        return RankOutcome(rank, end.pid, None, "process", timestamp=end.time, lost=why)
+        stopped = end.stopped_by_launcher
+        why = None if stopped else "it ended without a result or an error report, and its exit code could not be read"
+        return RankOutcome(rank, end.pid, None, "process", timestamp=end.time, stopped_by_launcher=stopped, lost=why)
     return RankOutcome(rank, None, -int(signal.SIGTERM), timestamp=time.time(), stopped_by_launcher=True)
 
 

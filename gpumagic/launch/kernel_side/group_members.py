@@ -27,6 +27,7 @@ from gpumagic.launch.process_set import Exit, ProcessSet
 from gpumagic.launch.rank_side.group_rank import serve_group_rank
 from gpumagic.launch.rank_side.starter import RankStarter, start_with_pipes
 from gpumagic.launch.records import RankState
+from gpumagic.run_dirs.outcomes import signal_of
 
 _log = logging.getLogger(__name__)
 
@@ -110,11 +111,7 @@ class Member:
         where = f"pid {self.pid}" + (f" on {self.node}" if self.node else "")
         if self.lost_with_node:
             return f"was lost: {self.lost_with_node} ({where})"
-        if code is not None and code < 0:
-            try:
-                how = signal.Signals(-code).name
-            except ValueError:
-                how = f"signal {-code}"
+        if how := signal_of(code):
             return f"was killed by {how} ({where})"
         if code is None:  # it ended before its exit code was collected
             return f"ended; its exit code could not be read ({where})"

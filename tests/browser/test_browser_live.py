@@ -66,14 +66,15 @@ def curve_pixels(page, cell: int, path) -> int:
     """Pixels of the two ranks' colours in the widest plot of cell ``cell``'s output (the loss plot), in a
     screenshot saved at ``path``: 0 where the plot is drawn empty. A canvas replaced between finding it and
     its screenshot (the page built the view again: the one catch-up re-send, a static copy taking the live
-    view's place) is found again, up to 9 times over 2 s."""
+    view's place), or hidden meanwhile (Notebook 7, a fresh-clone run under load), is found again, up to 9 times
+    over 2 s."""
     from playwright.sync_api import Error
 
     for _ in range(8):
         try:
             return _curve_pixels(page, cell, path)
         except Error as error:
-            if "not attached" not in str(error):
+            if "not attached" not in str(error) and "not visible" not in str(error):
                 raise
         page.wait_for_timeout(250)  # the page builds the view again: give it a moment
     return _curve_pixels(page, cell, path)
